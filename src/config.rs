@@ -1,0 +1,291 @@
+//! Command-line and environment configuration: one clap struct, every flag
+//! also an `AGENTD_*` variable. Bad configuration fails at start-up.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::turn::{SlowConsumer, TurnConfig};
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (use e.g. 500ms, 30s, 5m)"))
+}
+
+#[derive(Debug, Parser)]
+#[command(name = "agentd", version, about = "Serves AI agents to other services over gRPC (agents.v1.AgentService).")]
+pub struct Cli {
+    /// Log format: human-readable text, or one JSON object per line.
+    #[arg(long, env = "AGENTD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the server (the demo agent `order_helper` by default).
+    Serve(Box<ServeArgs>),
+    /// Manage sessions on a running server.
+    #[command(subcommand)]
+    Session(SessionCommand),
+    /// Send one turn to a session and print its events as they arrive.
+    Run(RunArgs),
+    /// Ask a server's grpc.health.v1 service; exits 0 only when SERVING.
+    Health(HealthArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to serve gRPC on.
+    #[arg(long, env = "AGENTD_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+
+    /// Agent that serves a Run whose `agent` field is empty.
+    #[arg(long, env = "AGENTD_DEFAULT_AGENT", default_value = crate::agent::demo::NAME)]
+    pub default_agent: String,
+
+    /// Simulated latency of the demo agent's `lookup_order` tool.
+    #[arg(long, env = "AGENTD_TOOL_DELAY", value_parser = duration, default_value = "0s")]
+    pub tool_delay: Duration,
+
+    /// Events buffered per Run between the agent and the client. With the
+    /// HTTP/2 window, this bounds the memory one call can hold.
+    #[arg(long, env = "AGENTD_CHANNEL_CAPACITY", default_value_t = 256)]
+    pub channel_capacity: usize,
+
+    /// When a client does not read and the buffer is full: `wait` back-pressures
+    /// the agent; `fail` ends the call with RESOURCE_EXHAUSTED after
+    /// --stall-timeout and cancels the agent.
+    #[arg(long, env = "AGENTD_SLOW_CONSUMER", value_enum, default_value_t = SlowConsumer::Fail)]
+    pub slow_consumer: SlowConsumer,
+
+    /// How long the buffer may stay full before `fail` ends the call.
+    #[arg(long, env = "AGENTD_STALL_TIMEOUT", value_parser = duration, default_value = "30s")]
+    pub stall_timeout: Duration,
+
+    /// Upper bound of every run, whatever the client's deadline. Must be
+    /// shorter than --shutdown-grace so a draining server lets runs finish.
+    #[arg(long, env = "AGENTD_MAX_RUN_DURATION", value_parser = duration, default_value = "120s")]
+    pub max_run_duration: Duration,
+
+    /// Agent runs in flight at once; past it Run answers RESOURCE_EXHAUSTED.
+    #[arg(long, env = "AGENTD_MAX_CONCURRENT_RUNS", default_value_t = 1024)]
+    pub max_concurrent_runs: usize,
+
+    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
+    #[arg(long, env = "AGENTD_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
+    pub max_concurrent_streams: u32,
+
+    /// Largest request message accepted, in bytes (larger: INVALID_ARGUMENT... as
+    /// gRPC's RESOURCE_EXHAUSTED from the codec).
+    #[arg(long, env = "AGENTD_MAX_MESSAGE_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_message_bytes: usize,
+
+    /// Longest accepted RunRequest.text, in bytes.
+    #[arg(long, env = "AGENTD_MAX_INPUT_BYTES", default_value_t = 64 * 1024)]
+    pub max_input_bytes: usize,
+
+    /// Earlier turns given to an agent as conversation memory.
+    #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
+    pub history_turns: usize,
+
+    /// HTTP/2 PING interval on idle connections (0s disables).
+    #[arg(long, env = "AGENTD_KEEPALIVE_INTERVAL", value_parser = duration, default_value = "30s")]
+    pub keepalive_interval: Duration,
+
+    /// How long to wait for a PING ack before closing the connection.
+    #[arg(long, env = "AGENTD_KEEPALIVE_TIMEOUT", value_parser = duration, default_value = "10s")]
+    pub keepalive_timeout: Duration,
+
+    /// Age after which a connection gets GOAWAY, so clients reconnect and
+    /// rebalance across replicas; in-flight calls finish (0s disables).
+    #[arg(long, env = "AGENTD_MAX_CONNECTION_AGE", value_parser = duration, default_value = "30m")]
+    pub max_connection_age: Duration,
+
+    /// On SIGTERM, how long health reports NOT_SERVING while new calls are
+    /// still accepted, so load balancers and endpoints stop sending traffic.
+    #[arg(long, env = "AGENTD_DRAIN_DELAY", value_parser = duration, default_value = "5s")]
+    pub drain_delay: Duration,
+
+    /// After the drain delay, how long in-flight runs may take to finish
+    /// before they are cut (ending with UNAVAILABLE).
+    #[arg(long, env = "AGENTD_SHUTDOWN_GRACE", value_parser = duration, default_value = "130s")]
+    pub shutdown_grace: Duration,
+
+    /// This replica's name in the turn side table (default: the host name).
+    #[arg(long, env = "AGENTD_REPLICA_ID")]
+    pub replica_id: Option<String>,
+}
+
+impl ServeArgs {
+    /// Checks the combination of flags; the error is one line for a person.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_run_duration >= self.shutdown_grace {
+            return Err(format!(
+                "--max-run-duration ({}) must be shorter than --shutdown-grace ({}), or a draining server would cut runs it promised to finish",
+                humantime::format_duration(self.max_run_duration),
+                humantime::format_duration(self.shutdown_grace)
+            ));
+        }
+        let positive: [(&str, usize); 4] = [
+            ("--channel-capacity", self.channel_capacity),
+            ("--max-concurrent-runs", self.max_concurrent_runs),
+            ("--max-message-bytes", self.max_message_bytes),
+            ("--max-input-bytes", self.max_input_bytes),
+        ];
+        for (flag, v) in positive {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        if self.max_concurrent_streams == 0 {
+            return Err("--max-concurrent-streams must be at least 1".into());
+        }
+        if self.max_run_duration.is_zero() {
+            return Err("--max-run-duration must be more than 0s".into());
+        }
+        if self.slow_consumer == SlowConsumer::Fail && self.stall_timeout.is_zero() {
+            return Err("--stall-timeout must be more than 0s with --slow-consumer fail".into());
+        }
+        if self.max_input_bytes > self.max_message_bytes {
+            return Err("--max-input-bytes cannot exceed --max-message-bytes".into());
+        }
+        Ok(())
+    }
+
+    pub fn turn_config(&self) -> TurnConfig {
+        TurnConfig {
+            channel_capacity: self.channel_capacity,
+            slow_consumer: self.slow_consumer,
+            stall_timeout: self.stall_timeout,
+            max_run_duration: self.max_run_duration,
+            max_concurrent_runs: self.max_concurrent_runs,
+            replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
+            history_turns: self.history_turns,
+            ..TurnConfig::default()
+        }
+    }
+
+    pub fn server_options(&self) -> crate::server::ServerOptions {
+        let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
+        crate::server::ServerOptions {
+            keepalive_interval: nonzero(self.keepalive_interval),
+            keepalive_timeout: self.keepalive_timeout,
+            max_connection_age: nonzero(self.max_connection_age),
+            max_concurrent_streams: self.max_concurrent_streams,
+            max_message_bytes: self.max_message_bytes,
+            max_input_bytes: self.max_input_bytes,
+            drain_delay: self.drain_delay,
+            shutdown_grace: self.shutdown_grace,
+        }
+    }
+}
+
+fn default_replica_id() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| format!("agentd-{}", std::process::id()))
+}
+
+/// Where the client commands connect.
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// Server address, e.g. http://127.0.0.1:50051.
+    #[arg(long, env = "AGENTD_SERVER", default_value = "http://127.0.0.1:50051")]
+    pub server: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionCommand {
+    /// Create a session and print its id.
+    Create {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The user the session belongs to.
+        #[arg(long)]
+        user: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The session's owner.
+    #[arg(long)]
+    pub user: String,
+    /// The session id (from `agentd session create`).
+    #[arg(long)]
+    pub session: String,
+    /// Idempotency key; repeat it to replay or re-attach to the same turn.
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// The agent to ask (default: the server's default agent).
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// Give up (and cancel the run) after this long.
+    #[arg(long, value_parser = duration, default_value = "120s")]
+    pub deadline: Duration,
+    /// Print each event as a JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// The message.
+    pub text: String,
+}
+
+#[derive(Debug, Args)]
+pub struct HealthArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// Service to ask about; empty asks about the server as a whole.
+    #[arg(long, default_value = "")]
+    pub service: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> Box<ServeArgs> {
+        let mut argv = vec!["agentd", "serve"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Serve(s) => s,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        serve(&[]).validate().unwrap();
+        clap::CommandFactory::command().debug_assert();
+    }
+
+    #[test]
+    fn a_run_longer_than_the_shutdown_grace_is_refused() {
+        let err = serve(&["--max-run-duration", "10m", "--shutdown-grace", "60s"]).validate().unwrap_err();
+        assert!(err.contains("--max-run-duration"), "{err}");
+    }
+
+    #[test]
+    fn zero_capacity_is_refused() {
+        assert!(serve(&["--channel-capacity", "0"]).validate().is_err());
+    }
+
+    #[test]
+    fn durations_take_human_units() {
+        let s = serve(&["--stall-timeout", "1500ms", "--drain-delay", "0s"]);
+        assert_eq!(s.stall_timeout, Duration::from_millis(1500));
+        assert_eq!(s.drain_delay, Duration::ZERO);
+    }
+}

@@ -1,0 +1,140 @@
+//! The one table from errors to `tonic::Status`.
+//!
+//! A status message is for the caller: it names what went wrong and what to
+//! do, never echoes input, model output or internals. The full cause goes to
+//! the log, with the turn's ids, where it is emitted.
+
+use tonic::{Code, Status};
+
+use crate::agent::AgentError;
+use crate::domain::InvalidInput;
+use crate::store::{StoreError, TurnOutcome, TurnState};
+use crate::turn::{Failure, RunError};
+
+/// A request refused for bad input.
+pub fn invalid(e: InvalidInput) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+pub fn store(e: StoreError) -> Status {
+    match e {
+        StoreError::Unavailable(cause) => {
+            tracing::warn!(error = %format!("{cause:#}"), "session store unavailable");
+            Status::unavailable("the session store is unavailable; retry later")
+        }
+        StoreError::Unexpected(cause) => {
+            tracing::error!(error = %format!("{cause:#}"), "session store error");
+            Status::internal("internal error in the session store")
+        }
+    }
+}
+
+/// A Run refused before its stream started.
+pub fn run_error(e: RunError, agents: &crate::agent::AgentRegistry) -> Status {
+    match e {
+        RunError::SessionNotFound => Status::not_found("session not found"),
+        RunError::UnknownAgent => Status::not_found(format!(
+            "unknown agent; this server serves: {}",
+            agents.names().collect::<Vec<_>>().join(", ")
+        )),
+        RunError::RequestIdReused => {
+            Status::already_exists("request_id was already used for a different message in this session")
+        }
+        RunError::Busy { limit } => {
+            Status::resource_exhausted(format!("too many runs in progress (limit {limit}); retry later"))
+        }
+        RunError::ShuttingDown => Status::unavailable("the server is shutting down; retry on another replica"),
+        RunError::Store(e) => store(e),
+    }
+}
+
+/// How a turn that ended with `result` is recorded (and so replayed).
+pub fn outcome(result: &Result<(), Failure>) -> TurnOutcome {
+    let (state, code, message): (TurnState, Code, String) = match result {
+        Ok(()) => (TurnState::Completed, Code::Ok, String::new()),
+        Err(f) => match f {
+            Failure::Deadline { by_server: false } => (
+                TurnState::DeadlineExceeded,
+                Code::DeadlineExceeded,
+                "the call's deadline passed before the run finished".into(),
+            ),
+            Failure::Deadline { by_server: true } => (
+                TurnState::DeadlineExceeded,
+                Code::DeadlineExceeded,
+                "the run exceeded the server's maximum run duration".into(),
+            ),
+            Failure::SlowConsumer => (
+                TurnState::Failed,
+                Code::ResourceExhausted,
+                "the client stopped reading events; the run was cancelled".into(),
+            ),
+            Failure::Shutdown => {
+                (TurnState::Failed, Code::Unavailable, "the server shut down before the run finished".into())
+            }
+            Failure::ClientGone => (TurnState::Cancelled, Code::Cancelled, "the client cancelled the call".into()),
+            Failure::Agent(AgentError::Unavailable { message, .. }) => (TurnState::Failed, Code::Unavailable, message.clone()),
+            Failure::Agent(AgentError::FailedPrecondition(m)) => (TurnState::Failed, Code::FailedPrecondition, m.clone()),
+            Failure::Agent(AgentError::InvalidInput(m)) => (TurnState::Failed, Code::InvalidArgument, m.clone()),
+            Failure::Agent(AgentError::Unexpected(_)) => {
+                (TurnState::Failed, Code::Internal, "the agent failed; the server log has the cause".into())
+            }
+            Failure::NoFinalAnswer => (TurnState::Failed, Code::Internal, "the agent ended without a final answer".into()),
+            Failure::Store(StoreError::Unavailable(_)) => {
+                (TurnState::Failed, Code::Unavailable, "the session store is unavailable; retry later".into())
+            }
+            Failure::Store(StoreError::Unexpected(_)) => {
+                (TurnState::Failed, Code::Internal, "internal error in the session store".into())
+            }
+            Failure::Stored(o) => return o.clone(),
+        },
+    };
+    TurnOutcome { state, code: code as i32, message }
+}
+
+/// The status that ends a stream that failed with `f`.
+pub fn failure(f: Failure) -> Status {
+    let retry_after = match &f {
+        Failure::Agent(AgentError::Unavailable { retry_after, .. }) => *retry_after,
+        _ => None,
+    };
+    let o = outcome(&Err(f));
+    let mut status = Status::new(Code::from(o.code), o.message);
+    if let Some(after) = retry_after {
+        // The standard gRPC retry pushback, honoured by retrying clients.
+        if let Ok(v) = after.as_millis().to_string().parse() {
+            status.metadata_mut().insert("grpc-retry-pushback-ms", v);
+        }
+    }
+    status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unexpected_agent_errors_do_not_leak_their_cause() {
+        let f = Failure::Agent(AgentError::Unexpected(anyhow::anyhow!("prompt said: my password is hunter2")));
+        let s = failure(f);
+        assert_eq!(s.code(), Code::Internal);
+        assert!(!s.message().contains("hunter2"), "{}", s.message());
+    }
+
+    #[test]
+    fn a_stored_outcome_is_reproduced_exactly() {
+        let o = TurnOutcome { state: TurnState::Failed, code: Code::Unavailable as i32, message: "x".into() };
+        assert_eq!(outcome(&Err(Failure::Stored(o.clone()))), o);
+        let s = failure(Failure::Stored(o));
+        assert_eq!((s.code(), s.message()), (Code::Unavailable, "x"));
+    }
+
+    #[test]
+    fn retry_after_becomes_the_pushback_trailer() {
+        let s = failure(Failure::Agent(AgentError::Unavailable {
+            message: "the model is overloaded".into(),
+            retry_after: Some(std::time::Duration::from_secs(2)),
+        }));
+        assert_eq!(s.code(), Code::Unavailable);
+        assert_eq!(s.metadata().get("grpc-retry-pushback-ms").unwrap(), "2000");
+    }
+}

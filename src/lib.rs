@@ -1,0 +1,25 @@
+//! agentd serves AI agents to other services over gRPC.
+//!
+//! The path of one turn: [`grpc::agents`] validates a `Run` into
+//! [`domain`] types, [`turn`] claims its request id in the [`store`], runs the
+//! [`agent`] and pumps its events through a bounded channel into the response
+//! stream. [`server`] assembles the services, health, reflection and shutdown.
+
+pub mod agent;
+pub mod client;
+pub mod config;
+pub mod domain;
+pub mod grpc;
+pub mod server;
+pub mod store;
+pub mod telemetry;
+pub mod turn;
+
+/// Generated code for the `agents.v1` contract.
+pub mod pb {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("agents.v1");
+
+    /// The encoded descriptor set of `agents.v1`, served by reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("agents_descriptor");
+}

@@ -1,0 +1,175 @@
+//! Assembly: the gRPC services, health, reflection, HTTP/2 settings, and the
+//! shutdown sequence (NOT_SERVING, drain delay, stop accepting, grace, cut).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_stream::Stream;
+use tonic::codegen::http;
+use tonic::transport::server::{Connected, TcpIncoming};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::grpc::agents::{AgentServiceServer, AgentsService, Limits};
+use crate::turn::Turns;
+
+/// Transport and lifecycle settings of one server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// HTTP/2 PING interval; `None` sends none.
+    pub keepalive_interval: Option<Duration>,
+    /// How long a PING may go unanswered before the connection is closed.
+    pub keepalive_timeout: Duration,
+    /// Connections older than this get GOAWAY so clients rebalance.
+    pub max_connection_age: Option<Duration>,
+    /// HTTP/2 streams per connection (tonic's default is unlimited).
+    pub max_concurrent_streams: u32,
+    /// Largest request message tonic decodes.
+    pub max_message_bytes: usize,
+    /// Longest RunRequest.text.
+    pub max_input_bytes: usize,
+    /// NOT_SERVING while still serving, before we stop accepting.
+    pub drain_delay: Duration,
+    /// How long in-flight runs may take once we stop accepting.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            keepalive_interval: Some(Duration::from_secs(30)),
+            keepalive_timeout: Duration::from_secs(10),
+            max_connection_age: Some(Duration::from_secs(30 * 60)),
+            max_concurrent_streams: 1024,
+            max_message_bytes: 4 * 1024 * 1024,
+            max_input_bytes: 64 * 1024,
+            drain_delay: Duration::from_secs(5),
+            shutdown_grace: Duration::from_secs(130),
+        }
+    }
+}
+
+/// After the grace, how long cut runs get to record their outcome.
+const CUT_FLUSH: Duration = Duration::from_secs(5);
+/// After the runs, how long connections get to deliver what they buffered.
+const CONNECTIONS_CLOSE: Duration = Duration::from_secs(5);
+
+/// The name health reports for the agents service.
+pub const AGENT_SERVICE_NAME: &str = "agents.v1.AgentService";
+
+/// Serves on a bound TCP listener until `shutdown` resolves, then drains.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    turns: Arc<Turns>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    serve(incoming, turns, opts, shutdown).await
+}
+
+/// Serves connections from `incoming` (TCP, or in-memory in tests).
+pub async fn serve<I, IO, IE>(
+    incoming: I,
+    turns: Arc<Turns>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()>
+where
+    I: Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_health(&health, ServingStatus::Serving).await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let agents = AgentServiceServer::new(AgentsService::new(
+        turns.clone(),
+        Limits { max_input_bytes: opts.max_input_bytes },
+    ))
+    .max_decoding_message_size(opts.max_message_bytes);
+
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(opts.keepalive_interval)
+        .http2_keepalive_timeout(Some(opts.keepalive_timeout))
+        .max_concurrent_streams(Some(opts.max_concurrent_streams))
+        .tcp_nodelay(true);
+    if let Some(age) = opts.max_connection_age {
+        // Without max_connection_age_grace: with it, tonic closes the
+        // connection at age + grace without a GOAWAY. Alone, it sends GOAWAY
+        // at `age` and lets in-flight calls finish.
+        builder = builder.max_connection_age(age);
+    }
+    let router = builder
+        // Outermost: rewrites tonic's status for an oversized request, the
+        // one refusal produced before our handlers see the request.
+        .layer(tower::util::MapResponseLayer::new(oversize_is_invalid_argument))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(agents);
+
+    let (stop_accepting, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut serving = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
+        let _ = stop_rx.await;
+    }));
+    tracing::info!(agents = ?turns.agents().names().collect::<Vec<_>>(), default = turns.agents().default_name(), "serving");
+
+    tokio::select! {
+        _ = shutdown => {}
+        r = &mut serving => {
+            r??;
+            anyhow::bail!("the gRPC server stopped by itself");
+        }
+    }
+    tracing::info!(drain_delay = ?opts.drain_delay, "shutdown: health NOT_SERVING; still accepting during the drain delay");
+    set_health(&health, ServingStatus::NotServing).await;
+    tokio::time::sleep(opts.drain_delay).await;
+
+    turns.begin_drain();
+    let _ = stop_accepting.send(());
+    tracing::info!(in_flight = turns.in_flight(), grace = ?opts.shutdown_grace, "shutdown: stopped accepting; waiting for in-flight runs");
+    if tokio::time::timeout(opts.shutdown_grace, turns.wait_idle()).await.is_err() {
+        tracing::warn!(cut = turns.in_flight(), "shutdown: grace passed; cutting the runs still in flight (they end with UNAVAILABLE)");
+        turns.cut_all();
+        if tokio::time::timeout(CUT_FLUSH, turns.wait_idle()).await.is_err() {
+            tracing::error!(left = turns.in_flight(), "shutdown: runs did not stop after being cut");
+        }
+    }
+    match tokio::time::timeout(CONNECTIONS_CLOSE, &mut serving).await {
+        Ok(r) => r??,
+        Err(_) => {
+            tracing::warn!("shutdown: connections still open; closing them");
+            serving.abort();
+        }
+    }
+    tracing::info!("shutdown complete");
+    Ok(())
+}
+
+async fn set_health(health: &HealthReporter, status: ServingStatus) {
+    health.set_service_status("", status).await;
+    health.set_service_status(AGENT_SERVICE_NAME, status).await;
+}
+
+/// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE
+/// before any handler runs; our contract says INVALID_ARGUMENT. Such a refusal
+/// is a trailers-only response, so only the headers change.
+fn oversize_is_invalid_argument<B>(mut resp: http::Response<B>) -> http::Response<B> {
+    let h = resp.headers();
+    let oversize = h.get("grpc-status").is_some_and(|v| v == "11")
+        && h.get("grpc-message").and_then(|m| m.to_str().ok()).is_some_and(|m| m.contains("message%20length%20too%20large") || m.contains("message length too large"));
+    if oversize {
+        let h = resp.headers_mut();
+        h.insert("grpc-status", http::HeaderValue::from_static("3"));
+        h.insert(
+            "grpc-message",
+            http::HeaderValue::from_static("the%20request%20message%20is%20larger%20than%20the%20server%20accepts"),
+        );
+    }
+    resp
+}

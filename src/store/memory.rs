@@ -1,0 +1,148 @@
+//! An in-process store: nothing survives a restart. Used by tests and as the
+//! reference behaviour the durable stores must match.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+
+use super::*;
+use crate::agent::EventKind;
+
+#[derive(Default)]
+struct Turn {
+    record: Option<TurnRecord>,
+    events: Vec<SeqEvent>,
+    /// Insertion order within the session, for history.
+    order: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    sessions: HashMap<SessionId, Session>,
+    turns: HashMap<TurnKey, Turn>,
+    next_order: u64,
+}
+
+/// Everything in one mutex: every operation is short and never awaits.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-written row:
+        // every mutation below is a single insert or push.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
+        let now = SystemTime::now();
+        let s = Session { id: SessionId::generate(), user_id: user_id.clone(), created_at: now, updated_at: now };
+        self.lock().sessions.insert(s.id, s.clone());
+        Ok(s)
+    }
+
+    async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
+        Ok(self.lock().sessions.get(&id).cloned())
+    }
+
+    async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
+        let mut inner = self.lock();
+        if let Some(existing) = inner.turns.get(&t.key).and_then(|x| x.record.clone()) {
+            return Ok(Claim::Existing(existing));
+        }
+        let now = SystemTime::now();
+        let order = inner.next_order;
+        inner.next_order += 1;
+        inner.turns.insert(
+            t.key.clone(),
+            Turn {
+                record: Some(TurnRecord {
+                    key: t.key.clone(),
+                    user_text: t.user_text.clone(),
+                    agent: t.agent.clone(),
+                    state: TurnState::Running,
+                    outcome: None,
+                    owner: t.owner.clone(),
+                    lease_expires_at: now + t.lease,
+                    created_at: now,
+                    updated_at: now,
+                }),
+                events: Vec::new(),
+                order,
+            },
+        );
+        if let Some(s) = inner.sessions.get_mut(&t.key.session_id) {
+            s.updated_at = now;
+        }
+        Ok(Claim::New)
+    }
+
+    async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>> {
+        Ok(self.lock().turns.get(key).and_then(|t| t.record.clone()))
+    }
+
+    async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+        let mut inner = self.lock();
+        let turn = inner.turns.get_mut(key).ok_or_else(|| anyhow::anyhow!("append to an unclaimed turn {key}"))?;
+        turn.events.extend(events);
+        Ok(())
+    }
+
+    async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()> {
+        let mut inner = self.lock();
+        let rec = inner
+            .turns
+            .get_mut(key)
+            .and_then(|t| t.record.as_mut())
+            .ok_or_else(|| anyhow::anyhow!("finish of an unclaimed turn {key}"))?;
+        rec.state = outcome.state;
+        rec.outcome = Some(outcome.clone());
+        rec.updated_at = SystemTime::now();
+        Ok(())
+    }
+
+    async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>> {
+        let inner = self.lock();
+        let Some(turn) = inner.turns.get(key) else { return Ok(Vec::new()) };
+        let start = after.map_or(0, |a| a as usize + 1);
+        Ok(turn.events.iter().skip(start).take(limit).cloned().collect())
+    }
+
+    async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
+        let inner = self.lock();
+        let mut turns: Vec<&Turn> = inner
+            .turns
+            .iter()
+            .filter(|(k, t)| k.session_id == session && t.record.as_ref().is_some_and(|r| r.state.is_terminal()))
+            .map(|(_, t)| t)
+            .collect();
+        turns.sort_by_key(|t| t.order);
+        let skip = turns.len().saturating_sub(limit);
+        Ok(turns
+            .into_iter()
+            .skip(skip)
+            .filter_map(|t| {
+                let r = t.record.as_ref()?;
+                let answer = t
+                    .events
+                    .iter()
+                    .rev()
+                    .find(|e| e.event.kind == EventKind::FinalAnswer)
+                    .map(|e| e.event.text.clone())
+                    .unwrap_or_default();
+                Some(PriorTurn { request_id: r.key.request_id.to_string(), user_text: r.user_text.clone(), answer })
+            })
+            .collect())
+    }
+}

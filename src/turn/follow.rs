@@ -1,0 +1,134 @@
+//! A follower streams a turn that someone else runs (or ran): the stored
+//! events after a cursor, then live ones as the writer stores them, then the
+//! stored final status. It never runs the agent.
+
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::stream::End;
+use super::{Deadline, Failure, Mode, Progress, RunStream, Turns};
+use crate::domain::TurnKey;
+use crate::grpc::{convert, status};
+use crate::pb;
+use crate::store::{Store, TurnRecord};
+
+/// Events read from the store per query.
+const PAGE: usize = 512;
+
+pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadline: Deadline, mode: Mode) -> RunStream {
+    let (tx, rx) = mpsc::channel(turns.cfg.channel_capacity);
+    let end = Arc::new(End::default());
+    let follower = Follower {
+        store: turns.store.clone(),
+        live: turns.live_progress(&key),
+        poll: turns.cfg.follow_poll,
+        key,
+        cursor: after,
+        tx,
+        deadline,
+        cut: turns.cut.clone(),
+    };
+    let end2 = end.clone();
+    turns.tracker.spawn(async move {
+        let started = Instant::now();
+        let key = follower.key.clone();
+        let mut sent = 0u64;
+        let result = follower.run(&mut sent).await;
+        let code = tonic::Code::from(status::outcome(&result).code);
+        tracing::info!(method = "Run", mode = mode.as_str(), session = %key.session_id, request_id = %key.request_id,
+            code = ?code, duration_ms = started.elapsed().as_secs_f64() * 1e3, events_sent = sent, "run finished");
+        end2.set(result);
+    });
+    RunStream::new(rx, end)
+}
+
+struct Follower {
+    store: Arc<dyn Store>,
+    /// Progress of the pump in this process, if the turn runs here.
+    live: Option<watch::Receiver<Progress>>,
+    /// Re-read interval when no pump here publishes progress.
+    poll: std::time::Duration,
+    key: TurnKey,
+    /// The last seq delivered.
+    cursor: Option<u64>,
+    tx: mpsc::Sender<pb::AgentEvent>,
+    deadline: Deadline,
+    cut: tokio_util::sync::CancellationToken,
+}
+
+impl Follower {
+    async fn run(mut self, sent: &mut u64) -> Result<(), Failure> {
+        loop {
+            if let Some(rx) = self.live.as_mut() {
+                // Mark the current progress seen before reading, so a write
+                // that lands after the read wakes the wait below.
+                rx.borrow_and_update();
+            }
+            *sent += self.drain().await?;
+            let record = self.record().await?;
+            if let Some(outcome) = record.outcome.filter(|_| record.state.is_terminal()) {
+                // The outcome is written after the last event: one more read
+                // delivers whatever landed between the drain and the check.
+                *sent += self.drain().await?;
+                return if outcome.code == tonic::Code::Ok as i32 { Ok(()) } else { Err(Failure::Stored(outcome)) };
+            }
+            self.wait().await?;
+        }
+    }
+
+    async fn record(&self) -> Result<TurnRecord, Failure> {
+        self.store
+            .get_turn(&self.key)
+            .await?
+            .ok_or_else(|| Failure::Store(anyhow::anyhow!("turn {} vanished while followed", self.key).into()))
+    }
+
+    /// Sends every stored event after the cursor.
+    async fn drain(&mut self) -> Result<u64, Failure> {
+        let mut n = 0;
+        loop {
+            let page = self.store.events_after(&self.key, self.cursor, PAGE).await?;
+            let full = page.len() == PAGE;
+            for e in page {
+                self.cursor = Some(e.seq);
+                let wire = convert::to_wire(e.seq, &e.event);
+                tokio::select! {
+                    biased;
+                    _ = self.cut.cancelled() => return Err(Failure::Shutdown),
+                    _ = tokio::time::sleep_until(self.deadline.at) => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
+                    r = self.tx.send(wire) => r.map_err(|_| Failure::ClientGone)?,
+                }
+                n += 1;
+            }
+            if !full {
+                return Ok(n);
+            }
+        }
+    }
+
+    /// Waits until the turn may have progressed.
+    async fn wait(&mut self) -> Result<(), Failure> {
+        let live = &mut self.live;
+        let poll = self.poll;
+        let changed = async move {
+            match live.as_mut() {
+                Some(rx) => {
+                    if rx.changed().await.is_err() {
+                        // The writer is gone: the outcome is stored.
+                        *live = None;
+                    }
+                }
+                None => tokio::time::sleep(poll).await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = self.cut.cancelled() => Err(Failure::Shutdown),
+            _ = tokio::time::sleep_until(self.deadline.at) => Err(Failure::Deadline { by_server: self.deadline.by_server }),
+            _ = self.tx.closed() => Err(Failure::ClientGone),
+            _ = changed => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! One turn, from claim to final status: dedup on the request id, the pump
+//! that bridges an agent's event stream to a bounded channel, cancellation,
+//! deadlines, the slow-consumer policy, and attaching to a turn in progress.
+//!
+//! ```text
+//! Turns::start ─▶ store.claim_turn ─▶ New: spawn pump ─▶ bounded mpsc ─▶ RunStream
+//!                                      │       └─▶ writer (group commit) ─▶ store
+//!                                      └▶ Existing: spawn follower (store + live progress)
+//! ```
+
+mod follow;
+mod pump;
+mod stream;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::sync::{Semaphore, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use stream::RunStream;
+
+use crate::agent::{AgentError, AgentRegistry};
+use crate::domain::{RequestId, RunInput, TurnKey};
+use crate::store::{Claim, NewTurn, Store, StoreError, TurnOutcome, TurnRecord};
+
+/// What to do when a client does not read and the channel is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SlowConsumer {
+    /// Back-pressure the agent until the client reads (or the deadline).
+    Wait,
+    /// End the call with RESOURCE_EXHAUSTED after `stall_timeout`.
+    Fail,
+}
+
+/// The knobs of the bridge. See `config::ServeArgs` for what each means.
+#[derive(Debug, Clone)]
+pub struct TurnConfig {
+    /// Events buffered per call between the agent and the client.
+    pub channel_capacity: usize,
+    pub slow_consumer: SlowConsumer,
+    /// How long a full channel may stay full under `Fail`.
+    pub stall_timeout: Duration,
+    /// Upper bound of every run, whatever the client's deadline.
+    pub max_run_duration: Duration,
+    /// Agent runs in flight at once, process-wide.
+    pub max_concurrent_runs: usize,
+    /// Names this process in the turn side table.
+    pub replica_id: String,
+    /// How many earlier turns an agent gets as conversation memory.
+    pub history_turns: usize,
+    /// How often a follower re-reads a turn that no live pump here feeds.
+    pub follow_poll: Duration,
+}
+
+impl Default for TurnConfig {
+    fn default() -> Self {
+        Self {
+            channel_capacity: 256,
+            slow_consumer: SlowConsumer::Fail,
+            stall_timeout: Duration::from_secs(30),
+            max_run_duration: Duration::from_secs(120),
+            max_concurrent_runs: 1024,
+            replica_id: "local".into(),
+            history_turns: 20,
+            follow_poll: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Why a Run was refused before its stream started. Nothing was run, and
+/// nothing was stored, for any of these.
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error("session not found")]
+    SessionNotFound,
+    #[error("unknown agent")]
+    UnknownAgent,
+    #[error("request_id was already used for a different message in this session")]
+    RequestIdReused,
+    #[error("too many runs in progress ({limit})")]
+    Busy { limit: usize },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How a stream ended other than with its final event.
+#[derive(Debug, Error)]
+pub enum Failure {
+    #[error("deadline exceeded")]
+    Deadline {
+        /// True when the server's maximum run duration, not the client's
+        /// deadline, cut the run.
+        by_server: bool,
+    },
+    #[error("the client stopped reading")]
+    SlowConsumer,
+    #[error("the server shut down before the run finished")]
+    Shutdown,
+    #[error("the client went away")]
+    ClientGone,
+    #[error("agent failed: {0}")]
+    Agent(#[from] AgentError),
+    #[error("the agent ended without a final answer")]
+    NoFinalAnswer,
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The stored outcome of a turn that ran earlier (replay).
+    #[error("stored outcome {0:?}")]
+    Stored(TurnOutcome),
+}
+
+impl Failure {
+    /// Failures after which buffered events are not worth delivering: the
+    /// caller is too slow or out of time, so the status goes out first.
+    fn discards_buffer(&self) -> bool {
+        matches!(self, Failure::SlowConsumer | Failure::Deadline { .. })
+    }
+}
+
+/// Whether a Run started a new turn or joined an existing one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The agent runs now.
+    New,
+    /// The turn had ended: its stored events and status are replayed.
+    Replay,
+    /// The turn is running: events so far, then live.
+    Attach,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::New => "new",
+            Mode::Replay => "replay",
+            Mode::Attach => "attach",
+        }
+    }
+}
+
+pub struct Started {
+    pub request_id: RequestId,
+    pub mode: Mode,
+    pub stream: RunStream,
+}
+
+/// Progress of a running turn's event log, published by its writer so that
+/// followers in this process wake as soon as events are stored.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    /// Every seq up to this one is in the store.
+    stored_through: Option<u64>,
+    /// The outcome is stored too.
+    done: bool,
+}
+
+/// The turn engine one server owns.
+pub struct Turns {
+    store: Arc<dyn Store>,
+    agents: AgentRegistry,
+    cfg: TurnConfig,
+    /// One permit per agent run in flight.
+    permits: Arc<Semaphore>,
+    /// Turns running in this process, so a repeated request id attaches live.
+    live: Mutex<HashMap<TurnKey, watch::Receiver<Progress>>>,
+    /// Every pump, writer and follower, so shutdown can wait for them.
+    tracker: TaskTracker,
+    /// Fired when the shutdown grace is over: what still runs is cut.
+    cut: CancellationToken,
+    /// Set once shutdown stops accepting: new Runs are refused.
+    draining: AtomicBool,
+}
+
+impl Turns {
+    pub fn new(store: Arc<dyn Store>, agents: AgentRegistry, cfg: TurnConfig) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(cfg.max_concurrent_runs)),
+            store,
+            agents,
+            cfg,
+            live: Mutex::default(),
+            tracker: TaskTracker::new(),
+            cut: CancellationToken::new(),
+            draining: AtomicBool::new(false),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn agents(&self) -> &AgentRegistry {
+        &self.agents
+    }
+
+    pub fn config(&self) -> &TurnConfig {
+        &self.cfg
+    }
+
+    /// Starts (or joins) the turn `input` names. `client_timeout` is the
+    /// call's grpc-timeout, if it sent one.
+    pub async fn start(self: &Arc<Self>, input: RunInput, client_timeout: Option<Duration>) -> Result<Started, RunError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(RunError::ShuttingDown);
+        }
+        let agent = self.agents.get(input.agent.as_deref()).ok_or(RunError::UnknownAgent)?.clone();
+        let session = self.store.get_session(input.key.session_id).await?;
+        if session.is_none_or(|s| s.user_id != input.user_id) {
+            // A foreign session is reported exactly like a missing one.
+            return Err(RunError::SessionNotFound);
+        }
+        let deadline = self.deadline(client_timeout);
+        let key = input.key.clone();
+        if let Some(existing) = self.store.get_turn(&key).await? {
+            return self.join(existing, &input, deadline);
+        }
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| RunError::Busy { limit: self.cfg.max_concurrent_runs })?;
+        let history = self.store.history(key.session_id, self.cfg.history_turns).await?;
+        let claim = NewTurn {
+            key: key.clone(),
+            user_text: input.text.as_str().to_owned(),
+            agent: agent.name().to_owned(),
+            owner: self.cfg.replica_id.clone(),
+            lease: self.cfg.max_run_duration * 2,
+        };
+        match self.store.claim_turn(&claim).await? {
+            Claim::Existing(existing) => {
+                drop(permit);
+                self.join(existing, &input, deadline)
+            }
+            Claim::New => {
+                let stream = pump::spawn(self, agent, input, history, deadline, permit);
+                Ok(Started { request_id: key.request_id, mode: Mode::New, stream })
+            }
+        }
+    }
+
+    fn deadline(&self, client_timeout: Option<Duration>) -> Deadline {
+        let server = self.cfg.max_run_duration;
+        let (after, by_server) = match client_timeout {
+            Some(c) if c < server => (c, false),
+            _ => (server, true),
+        };
+        Deadline { at: tokio::time::Instant::now() + after, by_server }
+    }
+
+    /// Replays or attaches to a turn someone else claimed.
+    fn join(self: &Arc<Self>, existing: TurnRecord, input: &RunInput, deadline: Deadline) -> Result<Started, RunError> {
+        if existing.user_text != input.text.as_str() {
+            return Err(RunError::RequestIdReused);
+        }
+        let mode = if existing.state.is_terminal() { Mode::Replay } else { Mode::Attach };
+        let stream = follow::spawn(self, existing.key.clone(), None, deadline, mode);
+        Ok(Started { request_id: existing.key.request_id, mode, stream })
+    }
+
+    /// Refuse new Runs from now on (shutdown has stopped accepting).
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        self.tracker.close();
+    }
+
+    /// Runs, writers and followers still in flight.
+    pub fn in_flight(&self) -> usize {
+        self.tracker.len()
+    }
+
+    /// Resolves when every task has ended (after [`Turns::begin_drain`]).
+    pub async fn wait_idle(&self) {
+        self.tracker.wait().await
+    }
+
+    /// Cuts every run still in flight: each ends with UNAVAILABLE, recorded.
+    pub fn cut_all(&self) {
+        self.cut.cancel();
+    }
+
+    fn live_progress(&self, key: &TurnKey) -> Option<watch::Receiver<Progress>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+    }
+}
+
+/// When a run must be over, and who set that bound.
+#[derive(Debug, Clone, Copy)]
+struct Deadline {
+    at: tokio::time::Instant,
+    by_server: bool,
+}

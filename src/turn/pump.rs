@@ -1,0 +1,258 @@
+//! The pump drives a new turn: the agent's event stream goes into the bounded
+//! client channel and, through the writer's group commit, into the store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::stream::End;
+use super::{Deadline, Failure, Progress, RunStream, SlowConsumer, Turns};
+use crate::agent::{Agent, PriorTurn, RunContext};
+use crate::domain::{RunInput, TurnKey};
+use crate::grpc::{convert, status};
+use crate::pb;
+use crate::store::{SeqEvent, Store, TurnOutcome};
+
+/// Queue between the pump and the writer: deep enough that a store batch in
+/// flight does not stall the pump, bounded so a dead store cannot eat memory.
+const WRITER_QUEUE: usize = 1024;
+/// The most events the writer commits in one batch.
+const WRITER_BATCH: usize = 512;
+
+enum ToWriter {
+    Event(SeqEvent),
+    Finish(TurnOutcome),
+}
+
+pub(super) fn spawn(
+    turns: &Arc<Turns>,
+    agent: Arc<dyn Agent>,
+    input: RunInput,
+    history: Vec<PriorTurn>,
+    deadline: Deadline,
+    permit: OwnedSemaphorePermit,
+) -> RunStream {
+    let (tx, rx) = mpsc::channel(turns.cfg.channel_capacity);
+    let end = Arc::new(End::default());
+    let (progress_tx, progress_rx) = watch::channel(Progress::default());
+    let (writer_tx, writer_rx) = mpsc::channel(WRITER_QUEUE);
+    let key = input.key.clone();
+    turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx);
+
+    let writer = Writer { turns: turns.clone(), key: key.clone(), rx: writer_rx, progress: progress_tx };
+    turns.tracker.spawn(writer.run());
+
+    let cancel = CancellationToken::new();
+    let ctx = RunContext {
+        user_id: input.user_id.clone(),
+        session_id: key.session_id,
+        request_id: key.request_id.clone(),
+        cancel: cancel.clone(),
+        deadline: deadline.at,
+        history,
+    };
+    let pump = Pump {
+        agent_name: agent.name().to_owned(),
+        events: agent.run(ctx, input.text.into_string()),
+        cancel,
+        key,
+        client: Some(tx),
+        writer: writer_tx,
+        end: end.clone(),
+        deadline,
+        policy: turns.cfg.slow_consumer,
+        stall_timeout: turns.cfg.stall_timeout,
+        cut: turns.cut.clone(),
+        _permit: permit,
+    };
+    turns.tracker.spawn(pump.run());
+    RunStream::new(rx, end)
+}
+
+struct Pump {
+    agent_name: String,
+    events: crate::agent::EventStream,
+    /// The run's token; fired when the pump stops, for whatever reason.
+    cancel: CancellationToken,
+    key: TurnKey,
+    /// The client's channel; `None` once the client is gone.
+    client: Option<mpsc::Sender<pb::AgentEvent>>,
+    writer: mpsc::Sender<ToWriter>,
+    end: Arc<End>,
+    deadline: Deadline,
+    policy: SlowConsumer,
+    stall_timeout: Duration,
+    cut: CancellationToken,
+    /// Held for the life of the run: the concurrency cap.
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Pump {
+    async fn run(mut self) {
+        let started = Instant::now();
+        let _cancel_on_exit = self.cancel.clone().drop_guard();
+        let mut sent = 0u64;
+        let result = self.forward(&mut sent).await;
+        // Drop the agent's stream first: that cancels the model call and the
+        // tools right now, before anything else is awaited.
+        self.events = Box::pin(futures::stream::empty());
+        self.cancel.cancel();
+
+        let outcome = status::outcome(&result);
+        let code = tonic::Code::from(outcome.code);
+        if self.writer.send(ToWriter::Finish(outcome)).await.is_err() {
+            tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
+        }
+        let level_warn = matches!(result, Err(Failure::Agent(_) | Failure::NoFinalAnswer | Failure::Store(_)));
+        let cause = result.as_ref().err().map(|e| format!("{e:#}"));
+        self.end.set(result);
+        drop(self.client.take());
+        let duration_ms = started.elapsed().as_secs_f64() * 1e3;
+        if level_warn {
+            tracing::warn!(method = "Run", mode = "new", session = %self.key.session_id, request_id = %self.key.request_id,
+                agent = %self.agent_name, code = ?code, duration_ms, events_sent = sent, cause = cause.as_deref(), "run finished");
+        } else {
+            tracing::info!(method = "Run", mode = "new", session = %self.key.session_id, request_id = %self.key.request_id,
+                agent = %self.agent_name, code = ?code, duration_ms, events_sent = sent, cause = cause.as_deref(), "run finished");
+        }
+    }
+
+    /// Moves events until the final one, or until something ends the run.
+    async fn forward(&mut self, sent: &mut u64) -> Result<(), Failure> {
+        let deadline = tokio::time::sleep_until(self.deadline.at);
+        tokio::pin!(deadline);
+        let cut = self.cut.clone();
+        let cut = cut.cancelled();
+        tokio::pin!(cut);
+        let mut seq = 0u64;
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = &mut cut => return Err(Failure::Shutdown),
+                _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
+                _ = closed(self.client.as_ref()) => return Err(Failure::ClientGone),
+                item = self.events.next() => item,
+            };
+            let event = match next {
+                None => return Err(Failure::NoFinalAnswer),
+                Some(Err(e)) => return Err(Failure::Agent(e)),
+                Some(Ok(e)) => e,
+            };
+            let is_final = event.is_final();
+            let wire = convert::to_wire(seq, &event);
+            let stored = SeqEvent { seq, event };
+            seq += 1;
+            if self.writer.send(ToWriter::Event(stored)).await.is_err() {
+                return Err(Failure::Store(anyhow::anyhow!("turn writer stopped").into()));
+            }
+            let sink = Sink {
+                client: self.client.as_ref(),
+                policy: self.policy,
+                stall_timeout: self.stall_timeout,
+                by_server: self.deadline.by_server,
+            };
+            sink.deliver(wire, &mut deadline, &mut cut).await?;
+            *sent += 1;
+            if is_final {
+                return Ok(());
+            }
+        }
+    }
+
+}
+
+/// The client side of the pump, borrowed for one delivery.
+struct Sink<'a> {
+    client: Option<&'a mpsc::Sender<pb::AgentEvent>>,
+    policy: SlowConsumer,
+    stall_timeout: Duration,
+    by_server: bool,
+}
+
+impl Sink<'_> {
+    /// Hands one event to the client under the slow-consumer policy.
+    async fn deliver(
+        &self,
+        wire: pb::AgentEvent,
+        deadline: &mut std::pin::Pin<&mut tokio::time::Sleep>,
+        cut: &mut std::pin::Pin<&mut tokio_util::sync::WaitForCancellationFuture<'_>>,
+    ) -> Result<(), Failure> {
+        let Some(tx) = self.client else { return Err(Failure::ClientGone) };
+        let wire = match tx.try_send(wire) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
+            Err(mpsc::error::TrySendError::Full(w)) => w,
+        };
+        let stall = async {
+            match self.policy {
+                SlowConsumer::Fail => tokio::time::sleep(self.stall_timeout).await,
+                SlowConsumer::Wait => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = cut => Err(Failure::Shutdown),
+            _ = deadline => Err(Failure::Deadline { by_server: self.by_server }),
+            r = tx.send(wire) => r.map_err(|_| Failure::ClientGone),
+            _ = stall => Err(Failure::SlowConsumer),
+        }
+    }
+}
+
+async fn closed(tx: Option<&mpsc::Sender<pb::AgentEvent>>) {
+    match tx {
+        Some(tx) => tx.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Commits a turn's events in batches (whatever queued while the previous
+/// batch was being written), then its outcome, and publishes progress.
+struct Writer {
+    turns: Arc<Turns>,
+    key: TurnKey,
+    rx: mpsc::Receiver<ToWriter>,
+    progress: watch::Sender<Progress>,
+}
+
+impl Writer {
+    async fn run(mut self) {
+        let store: Arc<dyn Store> = self.turns.store.clone();
+        let mut batch = Vec::with_capacity(WRITER_BATCH);
+        let mut events = Vec::new();
+        let outcome = loop {
+            if self.rx.recv_many(&mut batch, WRITER_BATCH).await == 0 {
+                // The pump ended without an outcome: it panicked.
+                break status::outcome(&Err(Failure::Agent(anyhow::anyhow!("the run task stopped unexpectedly").into())));
+            }
+            let mut finish = None;
+            for msg in batch.drain(..) {
+                match msg {
+                    ToWriter::Event(e) => events.push(e),
+                    ToWriter::Finish(o) => finish = Some(o),
+                }
+            }
+            self.flush(&*store, &mut events).await;
+            if let Some(o) = finish {
+                break o;
+            }
+        };
+        if let Err(e) = store.finish_turn(&self.key, &outcome).await {
+            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
+        }
+        self.progress.send_modify(|p| p.done = true);
+        self.turns.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+    }
+
+    async fn flush(&self, store: &dyn Store, events: &mut Vec<SeqEvent>) {
+        let Some(last) = events.last().map(|e| e.seq) else { return };
+        match store.append_events(&self.key, std::mem::take(events)).await {
+            Ok(()) => self.progress.send_modify(|p| p.stored_through = Some(last)),
+            Err(e) => tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not store turn events"),
+        }
+    }
+}
