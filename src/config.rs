@@ -268,7 +268,7 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         serve(&[]).validate().unwrap();
-        clap::CommandFactory::command().debug_assert();
+        <Cli as clap::CommandFactory>::command().debug_assert();
     }
 
     #[test]
