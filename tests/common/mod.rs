@@ -1,0 +1,222 @@
+//! A real agentd server for black-box tests, reached through the real client,
+//! either in-process over `tokio::io::duplex` or on 127.0.0.1:0.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentd::agent::demo::{OrderHelper, ToolStats};
+use agentd::agent::synthetic::{Echo, Streamer};
+use agentd::agent::{Agent, AgentRegistry};
+use agentd::client::AgentClient;
+use agentd::domain::{RequestId, SessionId, TurnKey};
+use agentd::pb;
+use agentd::server::ServerOptions;
+use agentd::store::memory::MemoryStore;
+use agentd::store::{Store, TurnRecord};
+use agentd::turn::{TurnConfig, Turns};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::{Endpoint, Uri};
+
+pub struct Options {
+    pub turn: TurnConfig,
+    pub server: ServerOptions,
+    pub tool_delay: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            turn: TurnConfig { replica_id: "test".into(), ..TurnConfig::default() },
+            server: ServerOptions {
+                drain_delay: Duration::ZERO,
+                shutdown_grace: Duration::from_secs(10),
+                ..ServerOptions::default()
+            },
+            tool_delay: Duration::ZERO,
+        }
+    }
+}
+
+impl Options {
+    pub fn tool_delay(mut self, d: Duration) -> Self {
+        self.tool_delay = d;
+        self
+    }
+}
+
+pub struct TestServer {
+    /// Set for servers on TCP.
+    pub addr: Option<SocketAddr>,
+    pub client: AgentClient,
+    /// What the demo agent's `lookup_order` tool did.
+    pub tool: Arc<ToolStats>,
+    pub store: Arc<MemoryStore>,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+fn turns(opts: &Options) -> (Arc<Turns>, Arc<ToolStats>, Arc<MemoryStore>) {
+    let helper = OrderHelper::new(opts.tool_delay);
+    let stats = helper.stats();
+    let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
+    let registry = AgentRegistry::new(agents, "order_helper").unwrap();
+    let store = Arc::new(MemoryStore::new());
+    (Turns::new(store.clone(), registry, opts.turn.clone()), stats, store)
+}
+
+impl TestServer {
+    /// A server on 127.0.0.1:0 and a client connected to it.
+    pub async fn tcp(opts: Options) -> Self {
+        let (turns, tool, store) = turns(&opts);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(agentd::server::run(listener, turns, opts.server, async {
+            let _ = rx.await;
+        }));
+        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
+        Self { addr: Some(addr), client, tool, store, shutdown: Some(tx), handle: Some(handle) }
+    }
+
+    /// A server reached over an in-memory duplex pipe (tonic's mock transport).
+    pub async fn in_process(opts: Options) -> Self {
+        let (turns, tool, store) = turns(&opts);
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        // One connection, then an incoming stream that never ends (an ended
+        // stream would start tonic's shutdown).
+        let incoming = futures::StreamExt::chain(
+            tokio_stream::once(Ok::<_, std::io::Error>(server_io)),
+            futures::stream::pending(),
+        );
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(agentd::server::serve(incoming, turns, opts.server, async {
+            let _ = rx.await;
+        }));
+        let mut client_io = Some(client_io);
+        let channel = Endpoint::try_from("http://in-process.invalid")
+            .unwrap()
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let io = client_io.take();
+                async move {
+                    io.map(hyper_util::rt::TokioIo::new)
+                        .ok_or_else(|| std::io::Error::other("the in-process connection was already used"))
+                }
+            }))
+            .await
+            .unwrap();
+        let client = AgentClient::from_channel(channel);
+        Self { addr: None, client, tool, store, shutdown: Some(tx), handle: Some(handle) }
+    }
+
+    /// Starts the shutdown sequence (as SIGTERM would).
+    pub fn begin_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Waits for the server to finish shutting down, at most `within`.
+    pub async fn join(&mut self, within: Duration) -> anyhow::Result<()> {
+        let handle = self.handle.take().expect("joined twice");
+        tokio::time::timeout(within, handle).await.map_err(|_| anyhow::anyhow!("server did not stop within {within:?}"))??
+    }
+
+    pub async fn stop(mut self) {
+        self.begin_shutdown();
+        self.join(Duration::from_secs(20)).await.unwrap();
+    }
+
+    pub async fn session(&mut self, user: &str) -> String {
+        self.client.create_session(user).await.unwrap().session_id
+    }
+
+    pub async fn turn(&self, session: &str, request_id: &str) -> Option<TurnRecord> {
+        let key = TurnKey {
+            session_id: SessionId::parse(session).unwrap(),
+            request_id: RequestId::parse(request_id).unwrap(),
+        };
+        self.store.get_turn(&key).await.unwrap()
+    }
+
+    /// Waits (bounded) until the turn is recorded as ended.
+    pub async fn ended_turn(&self, session: &str, request_id: &str) -> TurnRecord {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(t) = self.turn(session, request_id).await.filter(|t| t.state.is_terminal()) {
+                return t;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "turn {session}/{request_id} did not end");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+pub fn run_request(user: &str, session: &str, request_id: &str, text: &str) -> pb::RunRequest {
+    pb::RunRequest {
+        user_id: user.into(),
+        session_id: session.into(),
+        text: text.into(),
+        request_id: request_id.into(),
+        ..Default::default()
+    }
+}
+
+pub fn with_agent(mut req: pb::RunRequest, agent: &str) -> pb::RunRequest {
+    req.agent = agent.into();
+    req
+}
+
+/// Waits (bounded) until `cond` holds.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// A TCP proxy on 127.0.0.1:0 in front of `upstream`; `cut()` drops every
+/// connection through it at once, as a network failure would.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let t = tasks.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut down, _)) = listener.accept().await {
+                let h = tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    }
+                });
+                t.lock().unwrap().push(h);
+            }
+        });
+        Self { addr, tasks, accept }
+    }
+
+    pub fn cut(&self) {
+        for h in self.tasks.lock().unwrap().drain(..) {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
