@@ -83,8 +83,8 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     pub max_concurrent_streams: u32,
 
-    /// Largest request message accepted, in bytes (larger: INVALID_ARGUMENT... as
-    /// gRPC's RESOURCE_EXHAUSTED from the codec).
+    /// Largest request message accepted, in bytes; a larger one is refused
+    /// with INVALID_ARGUMENT before it is decoded.
     #[arg(long, env = "AGENTD_MAX_MESSAGE_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_message_bytes: usize,
 
