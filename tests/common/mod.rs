@@ -184,6 +184,8 @@ pub const DEADLINE: Duration = Duration::from_secs(30);
 /// connection through it at once, as a network failure would.
 pub struct Proxy {
     pub addr: SocketAddr,
+    /// Connections accepted so far.
+    pub accepted: Arc<std::sync::atomic::AtomicUsize>,
     tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -193,9 +195,11 @@ impl Proxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let t = tasks.clone();
+        let accepted: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+        let (t, n) = (tasks.clone(), accepted.clone());
         let accept = tokio::spawn(async move {
             while let Ok((mut down, _)) = listener.accept().await {
+                n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let h = tokio::spawn(async move {
                     if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
                         let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
@@ -204,7 +208,7 @@ impl Proxy {
                 t.lock().unwrap().push(h);
             }
         });
-        Self { addr, tasks, accept }
+        Self { addr, accepted, tasks, accept }
     }
 
     pub fn cut(&self) {
