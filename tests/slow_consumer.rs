@@ -92,14 +92,9 @@ async fn a_reader_that_stalls_under_wait_back_pressures_the_agent_and_then_gets_
     assert!(server.turn(&s, "r1").await.unwrap().state == TurnState::Running, "wait never gives up on a reader");
 
     let mut received = 1u64;
-    loop {
-        match call.events.message().await.unwrap() {
-            Some(e) => {
-                assert_eq!(e.seq, received);
-                received += 1;
-            }
-            None => break,
-        }
+    while let Some(e) = call.events.message().await.unwrap() {
+        assert_eq!(e.seq, received);
+        received += 1;
     }
     assert_eq!(received, n + 1);
     server.stop().await;

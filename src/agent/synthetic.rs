@@ -52,7 +52,7 @@ impl StreamSpec {
     pub fn parse(text: &str) -> Result<Self, String> {
         let mut spec = StreamSpec::default();
         for word in text.split_whitespace() {
-            let (k, v) = word.split_once('=').ok_or_else(|| format!("expected key=value, got a bare word"))?;
+            let (k, v) = word.split_once('=').ok_or_else(|| "expected key=value, got a bare word".to_string())?;
             let bad = |what: &str| format!("{k} must be {what}");
             match k {
                 "n" => spec.count = v.parse().map_err(|_| bad("a whole number"))?,
