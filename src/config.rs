@@ -122,6 +122,24 @@ pub struct ServeArgs {
     /// This replica's name in the turn side table (default: the host name).
     #[arg(long, env = "AGENTD_REPLICA_ID")]
     pub replica_id: Option<String>,
+
+    /// Where sessions, turns and events are kept: `sqlite://PATH` (one
+    /// replica; the file is created if missing), `postgres://USER@HOST/DB`
+    /// (several replicas share it), or `memory:` (nothing survives a
+    /// restart). Migrations run at start-up.
+    #[arg(long, env = "AGENTD_STORE", default_value = "sqlite://agentd.db")]
+    pub store: String,
+
+    /// How long finished turns (and their event logs) are kept before a
+    /// background task prunes them (0s keeps them forever).
+    #[arg(long, env = "AGENTD_RETAIN_TURNS", value_parser = duration, default_value = "7days")]
+    pub retain_turns: Duration,
+
+    /// A running turn's lease in the shared store, renewed by its replica
+    /// every third of it. A replica that dies mid-turn stops renewing; once
+    /// the lease expires the turn ends with UNAVAILABLE (never re-run).
+    #[arg(long, env = "AGENTD_TURN_LEASE", value_parser = duration, default_value = "10s")]
+    pub turn_lease: Duration,
 }
 
 impl ServeArgs {
@@ -157,6 +175,13 @@ impl ServeArgs {
         if self.max_input_bytes > self.max_message_bytes {
             return Err("--max-input-bytes cannot exceed --max-message-bytes".into());
         }
+        let scheme = self.store.split_once(':').map(|(s, _)| s).unwrap_or_default();
+        if !matches!(scheme, "sqlite" | "postgres" | "postgresql" | "memory") {
+            return Err("--store must be sqlite://PATH, postgres://... or memory:".into());
+        }
+        if self.turn_lease < Duration::from_millis(300) {
+            return Err("--turn-lease must be at least 300ms".into());
+        }
         Ok(())
     }
 
@@ -169,6 +194,8 @@ impl ServeArgs {
             max_concurrent_runs: self.max_concurrent_runs,
             replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
             history_turns: self.history_turns,
+            lease: self.turn_lease,
+            retain_turns: (!self.retain_turns.is_zero()).then_some(self.retain_turns),
             ..TurnConfig::default()
         }
     }
@@ -280,6 +307,15 @@ mod tests {
     #[test]
     fn zero_capacity_is_refused() {
         assert!(serve(&["--channel-capacity", "0"]).validate().is_err());
+    }
+
+    #[test]
+    fn the_store_defaults_to_sqlite_and_unknown_schemes_are_refused() {
+        assert_eq!(serve(&[]).store, "sqlite://agentd.db");
+        let err = serve(&["--store", "mysql://x"]).validate().unwrap_err();
+        assert!(err.contains("--store"), "{err}");
+        serve(&["--store", "postgres://u@h/db"]).validate().unwrap();
+        assert_eq!(serve(&["--retain-turns", "0s"]).turn_config().retain_turns, None);
     }
 
     #[test]

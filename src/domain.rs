@@ -140,6 +140,17 @@ impl UserText {
     }
 }
 
+/// What a Run does when its client goes away before the turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnDisconnect {
+    /// Cancel the agent (drop-on-cancel); the turn is recorded cancelled.
+    #[default]
+    Cancel,
+    /// Keep running to the deadline, storing every event, so the turn can be
+    /// attached to later.
+    Continue,
+}
+
 /// A Run request after validation.
 #[derive(Debug, Clone)]
 pub struct RunInput {
@@ -150,6 +161,7 @@ pub struct RunInput {
     pub text: UserText,
     /// The agent's name; `None` selects the default agent.
     pub agent: Option<String>,
+    pub on_disconnect: OnDisconnect,
 }
 
 #[cfg(test)]

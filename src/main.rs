@@ -11,7 +11,6 @@ use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
 use agentd::client::AgentClient;
 use agentd::config::{Cli, Command, HealthArgs, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
-use agentd::store::memory::MemoryStore;
 use agentd::turn::Turns;
 
 fn main() -> ExitCode {
@@ -58,7 +57,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Arc::new(synthetic::Streamer),
     ];
     let registry = AgentRegistry::new(agents, &args.default_agent)?;
-    let turns = Turns::new(Arc::new(MemoryStore::new()), registry, args.turn_config());
+    let store = agentd::store::open(&args.store).await?;
+    let turns = Turns::new(store, registry, args.turn_config());
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
@@ -98,6 +98,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         text: args.text,
         request_id: args.request_id.unwrap_or_default(),
         agent: args.agent.unwrap_or_default(),
+        ..Default::default()
     };
     let mut call = c.run(req, args.deadline).await.map_err(status_error)?;
     if !args.json {

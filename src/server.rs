@@ -84,6 +84,9 @@ where
 {
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
+    // Store upkeep (health checks, expired leases, retention), mirrored into
+    // grpc.health until shutdown takes health over.
+    let upkeep = tokio::spawn(store_upkeep(turns.clone(), health.clone()));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -126,6 +129,8 @@ where
             anyhow::bail!("the gRPC server stopped by itself");
         }
     }
+    upkeep.abort();
+    let _ = upkeep.await;
     tracing::info!(drain_delay = ?opts.drain_delay, "shutdown: health NOT_SERVING; still accepting during the drain delay");
     set_health(&health, ServingStatus::NotServing).await;
     tokio::time::sleep(opts.drain_delay).await;
@@ -149,6 +154,19 @@ where
     }
     tracing::info!("shutdown complete");
     Ok(())
+}
+
+/// Runs the turn engine's upkeep and reports NOT_SERVING while its store
+/// is unreachable, SERVING again once it answers.
+async fn store_upkeep(turns: Arc<Turns>, health: HealthReporter) {
+    let mut store_ok = turns.store_health();
+    let mirror = async {
+        while store_ok.changed().await.is_ok() {
+            let ok = *store_ok.borrow_and_update();
+            set_health(&health, if ok { ServingStatus::Serving } else { ServingStatus::NotServing }).await;
+        }
+    };
+    tokio::join!(turns.upkeep(), mirror);
 }
 
 async fn set_health(health: &HealthReporter, status: ServingStatus) {

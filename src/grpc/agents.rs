@@ -8,7 +8,8 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use super::{deadline, status};
-use crate::domain::{InvalidInput, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
+use crate::domain::{InvalidInput, OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
+use crate::store::{PageCursor, Session, TurnRecord, TurnState, to_micros};
 use crate::pb;
 use crate::turn::{self, Failure, Turns};
 
@@ -55,7 +56,56 @@ pub fn parse_run(req: pb::RunRequest, limits: &Limits) -> Result<RunInput, Inval
         }
         Some(req.agent)
     };
-    Ok(RunInput { user_id, key: TurnKey { session_id, request_id }, generated_request_id: generated, text, agent })
+    let on_disconnect = match pb::OnDisconnect::try_from(req.on_disconnect) {
+        Ok(pb::OnDisconnect::Unspecified | pb::OnDisconnect::Cancel) => OnDisconnect::Cancel,
+        Ok(pb::OnDisconnect::Continue) => OnDisconnect::Continue,
+        Err(_) => return Err(InvalidInput::Malformed { field: "on_disconnect", rule: "CANCEL or CONTINUE" }),
+    };
+    Ok(RunInput {
+        user_id,
+        key: TurnKey { session_id, request_id },
+        generated_request_id: generated,
+        text,
+        agent,
+        on_disconnect,
+    })
+}
+
+/// Default and largest `ListSessionsRequest.page_size`.
+pub const DEFAULT_PAGE_SIZE: usize = 50;
+pub const MAX_PAGE_SIZE: usize = 1000;
+
+fn state_to_wire(s: TurnState) -> pb::TurnState {
+    match s {
+        TurnState::Running => pb::TurnState::Running,
+        TurnState::Completed => pb::TurnState::Completed,
+        TurnState::Failed => pb::TurnState::Failed,
+        TurnState::Cancelled => pb::TurnState::Cancelled,
+        TurnState::DeadlineExceeded => pb::TurnState::DeadlineExceeded,
+    }
+}
+
+fn turn_to_wire(t: &TurnRecord) -> pb::TurnInfo {
+    pb::TurnInfo {
+        request_id: t.key.request_id.to_string(),
+        state: state_to_wire(t.state) as i32,
+        status_code: t.outcome.as_ref().map(|o| o.code),
+        status_message: t.outcome.as_ref().map(|o| o.message.clone()).unwrap_or_default(),
+        agent: t.agent.clone(),
+        owner: t.owner.clone(),
+        created_unix_micros: to_micros(t.created_at),
+        updated_unix_micros: to_micros(t.updated_at),
+    }
+}
+
+fn session_to_wire(s: &Session, turns: &[TurnRecord]) -> pb::SessionInfo {
+    pb::SessionInfo {
+        user_id: s.user_id.to_string(),
+        session_id: s.id.to_string(),
+        created_unix_micros: to_micros(s.created_at),
+        updated_unix_micros: to_micros(s.updated_at),
+        turns: turns.iter().map(turn_to_wire).collect(),
+    }
 }
 
 type EventResult = Result<pb::AgentEvent, Status>;
@@ -70,6 +120,59 @@ impl pb::agent_service_server::AgentService for AgentsService {
     }
 
     type RunStream = futures::stream::Map<turn::RunStream, fn(Result<pb::AgentEvent, Failure>) -> EventResult>;
+    type AttachStream = Self::RunStream;
+
+    async fn get_session(&self, req: Request<pb::GetSessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        let run_error = |e| status::run_error(e, self.turns.agents());
+        let session = self.turns.owned_session(id, &user_id).await.map_err(run_error)?;
+        let turns = self.turns.store().list_turns(id).await.map_err(status::store)?;
+        Ok(Response::new(session_to_wire(&session, &turns)))
+    }
+
+    async fn list_sessions(&self, req: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        let limit = match req.page_size as usize {
+            0 => DEFAULT_PAGE_SIZE,
+            n => n.min(MAX_PAGE_SIZE),
+        };
+        let after = match req.page_token.as_str() {
+            "" => None,
+            t => Some(PageCursor::decode(t).ok_or_else(status::bad_page_token)?),
+        };
+        let page = self.turns.store().list_sessions(&user_id, limit, after.as_ref()).await.map_err(status::store)?;
+        Ok(Response::new(pb::ListSessionsResponse {
+            sessions: page.sessions.iter().map(|s| session_to_wire(s, &[])).collect(),
+            next_page_token: page.next.map(|c| c.encode()).unwrap_or_default(),
+        }))
+    }
+
+    async fn delete_session(&self, req: Request<pb::DeleteSessionRequest>) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        self.turns.delete_session(id, &user_id).await.map_err(|e| status::run_error(e, self.turns.agents()))?;
+        tracing::info!(method = "DeleteSession", session = %id, "session deleted");
+        Ok(Response::new(pb::DeleteSessionResponse {}))
+    }
+
+    async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<Self::AttachStream>, Status> {
+        let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
+        let key = TurnKey { session_id, request_id };
+        let started = self.turns.attach(&user_id, key, req.after_seq, timeout).await.map_err(|e| {
+            let s = status::run_error(e, self.turns.agents());
+            tracing::info!(method = "Attach", code = ?s.code(), reason = s.message(), "attach refused");
+            s
+        })?;
+        Ok(stream_response(started))
+    }
 
     async fn run(&self, req: Request<pb::RunRequest>) -> Result<Response<Self::RunStream>, Status> {
         let result = self.start(req).await;
@@ -89,12 +192,18 @@ impl AgentsService {
             .start(input, timeout)
             .await
             .map_err(|e| status::run_error(e, self.turns.agents()))?;
-        let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult = |r| r.map_err(status::failure);
-        let mut resp = Response::new(started.stream.map(to_status));
-        if let Ok(v) = MetadataValue::try_from(started.request_id.as_str()) {
-            resp.metadata_mut().insert(REQUEST_ID_HEADER, v);
-        }
-        resp.metadata_mut().insert(TURN_MODE_HEADER, MetadataValue::from_static(started.mode.as_str()));
-        Ok(resp)
+        Ok(stream_response(started))
     }
+}
+
+/// A started turn as a response: its events, with the request id and the
+/// mode in the headers.
+fn stream_response(started: turn::Started) -> Response<<AgentsService as pb::agent_service_server::AgentService>::RunStream> {
+    let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult = |r| r.map_err(status::failure);
+    let mut resp = Response::new(started.stream.map(to_status));
+    if let Ok(v) = MetadataValue::try_from(started.request_id.as_str()) {
+        resp.metadata_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    resp.metadata_mut().insert(TURN_MODE_HEADER, MetadataValue::from_static(started.mode.as_str()));
+    resp
 }

@@ -44,8 +44,27 @@ pub fn run_error(e: RunError, agents: &crate::agent::AgentRegistry) -> Status {
             Status::resource_exhausted(format!("too many runs in progress (limit {limit}); retry later"))
         }
         RunError::ShuttingDown => Status::unavailable("the server is shutting down; retry on another replica"),
+        RunError::TurnNotFound => Status::not_found("turn not found"),
+        RunError::SessionBusy => {
+            Status::failed_precondition("the session has a turn in progress; retry when it has ended")
+        }
         RunError::Store(e) => store(e),
     }
+}
+
+/// The outcome of a turn whose replica stopped (its lease expired, or the
+/// process was restarted) before it ended. Such a turn is never run again.
+pub fn replica_stopped() -> TurnOutcome {
+    TurnOutcome {
+        state: TurnState::Failed,
+        code: Code::Unavailable as i32,
+        message: "the serving replica stopped before the run finished; send a new request_id to run it again".into(),
+    }
+}
+
+/// A `page_token` that this server did not hand out.
+pub fn bad_page_token() -> Status {
+    Status::invalid_argument("page_token is malformed; pass the next_page_token of the previous page")
 }
 
 /// How a turn that ended with `result` is recorded (and so replayed).

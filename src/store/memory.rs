@@ -106,9 +106,11 @@ impl Store for MemoryStore {
             .get_mut(key)
             .and_then(|t| t.record.as_mut())
             .ok_or_else(|| anyhow::anyhow!("finish of an unclaimed turn {key}"))?;
-        rec.state = outcome.state;
-        rec.outcome = Some(outcome.clone());
-        rec.updated_at = SystemTime::now();
+        if rec.state == TurnState::Running {
+            rec.state = outcome.state;
+            rec.outcome = Some(outcome.clone());
+            rec.updated_at = SystemTime::now();
+        }
         Ok(())
     }
 
@@ -144,5 +146,69 @@ impl Store for MemoryStore {
                 Some(PriorTurn { request_id: r.key.request_id.to_string(), user_text: r.user_text.clone(), answer })
             })
             .collect())
+    }
+
+    async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {
+        let inner = self.lock();
+        let mut mine: Vec<&Session> = inner
+            .sessions
+            .values()
+            .filter(|s| &s.user_id == user_id)
+            .filter(|s| after.is_none_or(|c| (s.created_at, s.id) > (c.created_at, c.id)))
+            .collect();
+        mine.sort_by_key(|s| (s.created_at, s.id));
+        let more = mine.len() > limit;
+        let sessions: Vec<Session> = mine.into_iter().take(limit).cloned().collect();
+        let next = more.then(|| sessions.last().map(|s| PageCursor { created_at: s.created_at, id: s.id })).flatten();
+        Ok(SessionPage { sessions, next })
+    }
+
+    async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+        let mut inner = self.lock();
+        inner.turns.retain(|k, _| k.session_id != id);
+        Ok(inner.sessions.remove(&id).is_some())
+    }
+
+    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
+        let inner = self.lock();
+        let mut turns: Vec<&Turn> = inner.turns.iter().filter(|(k, _)| k.session_id == session).map(|(_, t)| t).collect();
+        turns.sort_by_key(|t| t.order);
+        Ok(turns.into_iter().filter_map(|t| t.record.clone()).collect())
+    }
+
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool> {
+        let mut inner = self.lock();
+        match inner.turns.get_mut(key).and_then(|t| t.record.as_mut()) {
+            Some(r) if r.state == TurnState::Running && r.owner == owner => {
+                r.lease_expires_at = until;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
+        let mut inner = self.lock();
+        let mut n = 0;
+        for r in inner.turns.values_mut().filter_map(|t| t.record.as_mut()) {
+            if r.state == TurnState::Running && r.lease_expires_at < now {
+                r.state = outcome.state;
+                r.outcome = Some(outcome.clone());
+                r.updated_at = now;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn prune(&self, before: SystemTime) -> StoreResult<u64> {
+        let mut inner = self.lock();
+        let n = inner.turns.len();
+        inner.turns.retain(|_, t| t.record.as_ref().is_none_or(|r| !r.state.is_terminal() || r.updated_at >= before));
+        Ok((n - inner.turns.len()) as u64)
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        Ok(())
     }
 }

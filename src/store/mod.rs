@@ -5,6 +5,9 @@
 //! callers racing on one request id cannot both be told [`Claim::New`].
 
 pub mod memory;
+pub mod postgres;
+mod sql;
+pub mod sqlite;
 
 use std::time::{Duration, SystemTime};
 
@@ -121,6 +124,82 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// Where the next page of [`Store::list_sessions`] starts: sessions are
+/// listed oldest first, ordered by (created_at, id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageCursor {
+    pub created_at: SystemTime,
+    pub id: SessionId,
+}
+
+impl PageCursor {
+    /// The opaque `page_token` a caller sends back.
+    pub fn encode(&self) -> String {
+        format!("{}.{}", to_micros(self.created_at), self.id)
+    }
+
+    pub fn decode(token: &str) -> Option<Self> {
+        let (micros, id) = token.split_once('.')?;
+        Some(Self { created_at: from_micros(micros.parse().ok()?), id: SessionId::parse(id).ok()? })
+    }
+}
+
+/// One page of a user's sessions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionPage {
+    pub sessions: Vec<Session>,
+    /// Set when more sessions follow.
+    pub next: Option<PageCursor>,
+}
+
+/// Microseconds since the Unix epoch: how every store keeps time.
+pub fn to_micros(t: SystemTime) -> i64 {
+    match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_micros()).unwrap_or(i64::MAX),
+    }
+}
+
+pub fn from_micros(us: i64) -> SystemTime {
+    if us >= 0 {
+        SystemTime::UNIX_EPOCH + Duration::from_micros(us as u64)
+    } else {
+        SystemTime::UNIX_EPOCH - Duration::from_micros(us.unsigned_abs())
+    }
+}
+
+/// Opens the store a `--store` URL names: `sqlite://PATH`, `postgres://...`
+/// (or `postgresql://...`), or `memory:`. Migrations run here; an
+/// unreachable database is an error (one line, no secrets from the URL).
+pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
+    use anyhow::Context;
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    Ok(match scheme {
+        "memory" => std::sync::Arc::new(memory::MemoryStore::new()),
+        "sqlite" => std::sync::Arc::new(
+            sqlite::SqliteStore::open(url).await.with_context(|| format!("cannot open the SQLite session store {}", redact(url)))?,
+        ),
+        "postgres" | "postgresql" => std::sync::Arc::new(
+            postgres::PostgresStore::connect(url)
+                .await
+                .with_context(|| format!("cannot open the PostgreSQL session store {}", redact(url)))?,
+        ),
+        _ => anyhow::bail!("--store must be sqlite://PATH, postgres://... or memory:"),
+    })
+}
+
+/// `url` without its password, for messages and logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &url[s + 3..at];
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{}://{}@{}", &url[..s], user, &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session>;
@@ -131,10 +210,29 @@ pub trait Store: Send + Sync + 'static {
     async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>>;
     /// Appends events in seq order (a batch; the turn calls it per group).
     async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()>;
-    /// Records the outcome of a running turn.
+    /// Records the outcome of a running turn. A turn that is no longer
+    /// running (its lease expired and someone failed it) keeps its outcome.
     async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()>;
     /// Events with seq greater than `after` (all with `None`), at most `limit`.
     async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>>;
     /// The session's terminal turns, oldest first, at most the last `limit`.
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>>;
+
+    /// A user's sessions, oldest first, at most `limit`, after `after`.
+    async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage>;
+    /// Removes a session with its turns and events; false if there was none.
+    async fn delete_session(&self, id: SessionId) -> StoreResult<bool>;
+    /// Every turn of a session, oldest first.
+    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>>;
+    /// Extends the lease of a turn `owner` runs; false when the turn is no
+    /// longer running under that owner.
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool>;
+    /// Ends every running turn whose lease expired before `now` with
+    /// `outcome`; returns how many. Such a turn is never run again.
+    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64>;
+    /// Deletes terminal turns (and their events) last updated before
+    /// `before`; returns how many.
+    async fn prune(&self, before: SystemTime) -> StoreResult<u64>;
+    /// Cheap round trip: is the backend reachable now?
+    async fn ping(&self) -> StoreResult<()>;
 }

@@ -68,6 +68,12 @@ impl Follower {
             }
             *sent += self.drain().await?;
             let record = self.record().await?;
+            if !record.state.is_terminal() && self.live.is_none() && record.lease_expires_at < std::time::SystemTime::now() {
+                // Its replica stopped renewing: end it for everyone, then
+                // re-read (another follower may have done so first).
+                self.store.fail_expired(std::time::SystemTime::now(), &status::replica_stopped()).await?;
+                continue;
+            }
             if let Some(outcome) = record.outcome.filter(|_| record.state.is_terminal()) {
                 // The outcome is written after the last event: one more read
                 // delivers whatever landed between the drain and the check.

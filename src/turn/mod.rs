@@ -11,6 +11,7 @@
 mod follow;
 mod pump;
 mod stream;
+mod upkeep;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,8 +26,8 @@ use tokio_util::task::TaskTracker;
 pub use stream::RunStream;
 
 use crate::agent::{AgentError, AgentRegistry};
-use crate::domain::{RequestId, RunInput, TurnKey};
-use crate::store::{Claim, NewTurn, Store, StoreError, TurnOutcome, TurnRecord};
+use crate::domain::{RequestId, RunInput, SessionId, TurnKey, UserId};
+use crate::store::{Claim, NewTurn, Session, Store, StoreError, TurnOutcome, TurnRecord};
 
 /// What to do when a client does not read and the channel is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -55,6 +56,14 @@ pub struct TurnConfig {
     pub history_turns: usize,
     /// How often a follower re-reads a turn that no live pump here feeds.
     pub follow_poll: Duration,
+    /// How long a claimed turn stays ours without renewal. The owner renews
+    /// it every third of this while the turn runs; once a lease has expired
+    /// (the replica died) the turn is failed with UNAVAILABLE, never re-run.
+    pub lease: Duration,
+    /// Terminal turns older than this are pruned; `None` keeps them forever.
+    pub retain_turns: Option<Duration>,
+    /// How often the store is pinged (health) and expired leases are swept.
+    pub store_check: Duration,
 }
 
 impl Default for TurnConfig {
@@ -68,6 +77,9 @@ impl Default for TurnConfig {
             replica_id: "local".into(),
             history_turns: 20,
             follow_poll: Duration::from_millis(50),
+            lease: Duration::from_secs(10),
+            retain_turns: None,
+            store_check: Duration::from_secs(1),
         }
     }
 }
@@ -86,6 +98,10 @@ pub enum RunError {
     Busy { limit: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("turn not found")]
+    TurnNotFound,
+    #[error("the session has a turn in progress")]
+    SessionBusy,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -176,6 +192,9 @@ pub struct Turns {
     cut: CancellationToken,
     /// Set once shutdown stops accepting: new Runs are refused.
     draining: AtomicBool,
+    /// Whether the store answered its last health check; while it did not,
+    /// new Runs are refused with UNAVAILABLE without waiting on it.
+    store_ok: watch::Sender<bool>,
 }
 
 impl Turns {
@@ -189,6 +208,7 @@ impl Turns {
             tracker: TaskTracker::new(),
             cut: CancellationToken::new(),
             draining: AtomicBool::new(false),
+            store_ok: watch::Sender::new(true),
         })
     }
 
@@ -211,11 +231,8 @@ impl Turns {
             return Err(RunError::ShuttingDown);
         }
         let agent = self.agents.get(input.agent.as_deref()).ok_or(RunError::UnknownAgent)?.clone();
-        let session = self.store.get_session(input.key.session_id).await?;
-        if session.is_none_or(|s| s.user_id != input.user_id) {
-            // A foreign session is reported exactly like a missing one.
-            return Err(RunError::SessionNotFound);
-        }
+        self.check_store()?;
+        self.owned_session(input.key.session_id, &input.user_id).await?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
         if let Some(existing) = self.store.get_turn(&key).await? {
@@ -232,7 +249,7 @@ impl Turns {
             user_text: input.text.as_str().to_owned(),
             agent: agent.name().to_owned(),
             owner: self.cfg.replica_id.clone(),
-            lease: self.cfg.max_run_duration * 2,
+            lease: self.cfg.lease,
         };
         match self.store.claim_turn(&claim).await? {
             Claim::Existing(existing) => {
@@ -244,6 +261,67 @@ impl Turns {
                 Ok(Started { request_id: key.request_id, mode: Mode::New, stream })
             }
         }
+    }
+
+    /// Streams the events of a turn after `after` (all with `None`), then
+    /// follows it live until it ends. Never runs the agent.
+    pub async fn attach(
+        self: &Arc<Self>,
+        user_id: &UserId,
+        key: TurnKey,
+        after: Option<u64>,
+        client_timeout: Option<Duration>,
+    ) -> Result<Started, RunError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(RunError::ShuttingDown);
+        }
+        self.check_store()?;
+        self.owned_session(key.session_id, user_id).await?;
+        let existing = self.store.get_turn(&key).await?.ok_or(RunError::TurnNotFound)?;
+        let mode = if existing.state.is_terminal() { Mode::Replay } else { Mode::Attach };
+        let stream = follow::spawn(self, key.clone(), after, self.deadline(client_timeout), mode);
+        Ok(Started { request_id: key.request_id, mode, stream })
+    }
+
+    /// The session `id` if `user_id` owns it. A foreign session is reported
+    /// exactly like a missing one.
+    pub async fn owned_session(&self, id: SessionId, user_id: &UserId) -> Result<Session, RunError> {
+        match self.store.get_session(id).await? {
+            Some(s) if &s.user_id == user_id => Ok(s),
+            _ => Err(RunError::SessionNotFound),
+        }
+    }
+
+    /// Deletes a session the caller owns, unless one of its turns runs.
+    pub async fn delete_session(&self, id: SessionId, user_id: &UserId) -> Result<(), RunError> {
+        self.check_store()?;
+        self.owned_session(id, user_id).await?;
+        if self.store.list_turns(id).await?.iter().any(|t| !t.state.is_terminal()) {
+            return Err(RunError::SessionBusy);
+        }
+        self.store.delete_session(id).await?;
+        Ok(())
+    }
+
+    /// Fails fast while the store's health check fails.
+    fn check_store(&self) -> Result<(), RunError> {
+        if *self.store_ok.borrow() {
+            Ok(())
+        } else {
+            Err(RunError::Store(StoreError::Unavailable(anyhow::anyhow!("the last store health check failed"))))
+        }
+    }
+
+    /// Follows the store's health: true while it answers.
+    pub fn store_health(&self) -> watch::Receiver<bool> {
+        self.store_ok.subscribe()
+    }
+
+    /// The background upkeep of this engine: store health checks, failing
+    /// turns whose replica's lease expired, pruning past `retain_turns`.
+    /// Runs until dropped.
+    pub fn upkeep(self: &Arc<Self>) -> impl std::future::Future<Output = ()> + Send + 'static {
+        upkeep::run(self.clone())
     }
 
     fn deadline(&self, client_timeout: Option<Duration>) -> Deadline {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::stream::End;
 use super::{Deadline, Failure, Progress, RunStream, SlowConsumer, Turns};
 use crate::agent::{Agent, PriorTurn, RunContext};
-use crate::domain::{RunInput, TurnKey};
+use crate::domain::{OnDisconnect, RunInput, TurnKey};
 use crate::grpc::{convert, status};
 use crate::pb;
 use crate::store::{SeqEvent, Store, TurnOutcome};
@@ -44,6 +44,7 @@ pub(super) fn spawn(
     turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx);
 
     let writer = Writer { turns: turns.clone(), key: key.clone(), rx: writer_rx, progress: progress_tx };
+    let on_disconnect = input.on_disconnect;
     turns.tracker.spawn(writer.run());
 
     let cancel = CancellationToken::new();
@@ -61,6 +62,7 @@ pub(super) fn spawn(
         cancel,
         key,
         client: Some(tx),
+        on_disconnect,
         writer: writer_tx,
         end: end.clone(),
         deadline,
@@ -81,6 +83,8 @@ struct Pump {
     key: TurnKey,
     /// The client's channel; `None` once the client is gone.
     client: Option<mpsc::Sender<pb::AgentEvent>>,
+    /// Whether a client going away cancels the run or leaves it running.
+    on_disconnect: OnDisconnect,
     writer: mpsc::Sender<ToWriter>,
     end: Arc<End>,
     deadline: Deadline,
@@ -134,7 +138,10 @@ impl Pump {
                 biased;
                 _ = &mut cut => return Err(Failure::Shutdown),
                 _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
-                _ = closed(self.client.as_ref()) => return Err(Failure::ClientGone),
+                _ = closed(self.client.as_ref()) => {
+                    self.client_gone()?;
+                    continue;
+                }
                 item = self.events.next() => item,
             };
             let event = match next {
@@ -155,14 +162,31 @@ impl Pump {
                 stall_timeout: self.stall_timeout,
                 by_server: self.deadline.by_server,
             };
-            sink.deliver(wire, &mut deadline, &mut cut).await?;
-            *sent += 1;
+            let delivered = sink.deliver(wire, &mut deadline, &mut cut).await;
+            match delivered {
+                Ok(true) => *sent += 1,
+                Ok(false) => {}
+                Err(Failure::ClientGone) => self.client_gone()?,
+                Err(e) => return Err(e),
+            }
             if is_final {
                 return Ok(());
             }
         }
     }
 
+    /// The client went away: cancel, or keep running without it.
+    fn client_gone(&mut self) -> Result<(), Failure> {
+        match self.on_disconnect {
+            OnDisconnect::Cancel => Err(Failure::ClientGone),
+            OnDisconnect::Continue => {
+                if self.client.take().is_some() {
+                    tracing::info!(turn = %self.key, "client went away; the run continues (on_disconnect CONTINUE)");
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// The client side of the pump, borrowed for one delivery.
@@ -174,16 +198,17 @@ struct Sink<'a> {
 }
 
 impl Sink<'_> {
-    /// Hands one event to the client under the slow-consumer policy.
+    /// Hands one event to the client under the slow-consumer policy; false
+    /// when there is no client any more (a run that continues without it).
     async fn deliver(
         &self,
         wire: pb::AgentEvent,
         deadline: &mut std::pin::Pin<&mut tokio::time::Sleep>,
         cut: &mut std::pin::Pin<&mut tokio_util::sync::WaitForCancellationFuture<'_>>,
-    ) -> Result<(), Failure> {
-        let Some(tx) = self.client else { return Err(Failure::ClientGone) };
+    ) -> Result<bool, Failure> {
+        let Some(tx) = self.client else { return Ok(false) };
         let wire = match tx.try_send(wire) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(true),
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
             Err(mpsc::error::TrySendError::Full(w)) => w,
         };
@@ -197,7 +222,7 @@ impl Sink<'_> {
             biased;
             _ = cut => Err(Failure::Shutdown),
             _ = deadline => Err(Failure::Deadline { by_server: self.by_server }),
-            r = tx.send(wire) => r.map_err(|_| Failure::ClientGone),
+            r = tx.send(wire) => r.map(|()| true).map_err(|_| Failure::ClientGone),
             _ = stall => Err(Failure::SlowConsumer),
         }
     }
@@ -224,8 +249,18 @@ impl Writer {
         let store: Arc<dyn Store> = self.turns.store.clone();
         let mut batch = Vec::with_capacity(WRITER_BATCH);
         let mut events = Vec::new();
+        let lease = self.turns.cfg.lease;
+        let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
-            if self.rx.recv_many(&mut batch, WRITER_BATCH).await == 0 {
+            let received = tokio::select! {
+                n = self.rx.recv_many(&mut batch, WRITER_BATCH) => n,
+                _ = renew.tick() => {
+                    self.renew(&*store, lease).await;
+                    continue;
+                }
+            };
+            if received == 0 {
                 // The pump ended without an outcome: it panicked.
                 break status::outcome(&Err(Failure::Agent(anyhow::anyhow!("the run task stopped unexpectedly").into())));
             }
@@ -246,6 +281,16 @@ impl Writer {
         }
         self.progress.send_modify(|p| p.done = true);
         self.turns.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+    }
+
+    /// Keeps the turn ours while it runs, so no one takes it for dead.
+    async fn renew(&self, store: &dyn Store, lease: Duration) {
+        let until = std::time::SystemTime::now() + lease;
+        match store.renew_lease(&self.key, &self.turns.cfg.replica_id, until).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(turn = %self.key, "the turn's lease was lost (it was marked failed elsewhere)"),
+            Err(e) => tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not renew the turn's lease"),
+        }
     }
 
     async fn flush(&self, store: &dyn Store, events: &mut Vec<SeqEvent>) {

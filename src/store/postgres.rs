@@ -1,0 +1,38 @@
+//! The shared store for several replicas (`--store postgres://...`): any
+//! replica continues any session, and the turn side table is shared, so a
+//! retried request_id that lands on another replica is still never run twice
+//! (the claim is `INSERT ... ON CONFLICT DO NOTHING`). Replicas follow each
+//! other's turns by short polling of the event log.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+/// How long a query waits for a connection: short, so that a lost database
+/// turns into UNAVAILABLE quickly instead of a hanging call.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+const MAX_CONNECTIONS: u32 = 16;
+
+pub struct PostgresStore {
+    read: PgPool,
+    /// The same pool as `read`: PostgreSQL serialises writers itself.
+    write: PgPool,
+}
+
+impl PostgresStore {
+    /// Connects to `url` and runs the migrations (concurrent replicas wait on
+    /// the migrator's advisory lock).
+    pub async fn connect(url: &str) -> anyhow::Result<Self> {
+        let opts = PgConnectOptions::from_str(url)?.application_name("agentd");
+        let pool = PgPoolOptions::new()
+            .max_connections(MAX_CONNECTIONS)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(opts)
+            .await?;
+        sqlx::migrate!("migrations/postgres").run(&pool).await?;
+        Ok(Self { read: pool.clone(), write: pool })
+    }
+}
+
+super::sql::sql_store!(PostgresStore, sqlx::Postgres);

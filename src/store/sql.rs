@@ -1,0 +1,354 @@
+//! What the SQL stores share: the queries (one dialect: both SQLite and
+//! PostgreSQL accept `$N` parameters, `ON CONFLICT DO NOTHING` and partial
+//! indexes), row decoding, and which driver errors mean "unavailable".
+//!
+//! [`sql_store!`] implements [`Store`](super::Store) for a type with a
+//! `read` and a `write` pool of one sqlx database; SQLite gives its writes a
+//! single connection (one writer path), PostgreSQL uses one pool for both.
+
+use super::StoreError;
+
+/// Sorts a driver error into "retry later" and "a bug or bad data".
+pub(super) fn db_err(e: sqlx::Error) -> StoreError {
+    let unavailable = match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+            // PostgreSQL: class 08 connection exception, 57P0x shutdown /
+            // cannot connect now, 53 insufficient resources. SQLite: 5 BUSY,
+            // 6 LOCKED (after the busy timeout).
+            c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") || c == "5" || c == "6"
+        }),
+        _ => false,
+    };
+    if unavailable { StoreError::Unavailable(e.into()) } else { StoreError::Unexpected(e.into()) }
+}
+
+pub(super) fn bad_row(what: &str) -> StoreError {
+    StoreError::Unexpected(anyhow::anyhow!("the store holds a malformed {what}"))
+}
+
+pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
+     status_code, status_message, created_at, updated_at";
+
+macro_rules! sql_store {
+    ($store:ty, $db:ty) => {
+        use sqlx::Row as _;
+
+        use $crate::agent::{Event, EventKind, PriorTurn};
+        use $crate::domain::{RequestId, SessionId, TurnKey, UserId};
+        use $crate::store::sql::{TURN_COLUMNS, bad_row, db_err};
+        use $crate::store::*;
+
+        type DbRow = <$db as sqlx::Database>::Row;
+
+        fn session_from_row(r: &DbRow) -> StoreResult<Session> {
+            let id: String = r.try_get("id").map_err(db_err)?;
+            let user: String = r.try_get("user_id").map_err(db_err)?;
+            Ok(Session {
+                id: SessionId::parse(&id).map_err(|_| bad_row("session id"))?,
+                user_id: UserId::parse(user).map_err(|_| bad_row("user id"))?,
+                created_at: from_micros(r.try_get("created_at").map_err(db_err)?),
+                updated_at: from_micros(r.try_get("updated_at").map_err(db_err)?),
+            })
+        }
+
+        fn turn_from_row(r: &DbRow) -> StoreResult<TurnRecord> {
+            let sid: String = r.try_get("session_id").map_err(db_err)?;
+            let rid: String = r.try_get("request_id").map_err(db_err)?;
+            let state: String = r.try_get("state").map_err(db_err)?;
+            let state = TurnState::parse(&state).ok_or_else(|| bad_row("turn state"))?;
+            let code: Option<i64> = r.try_get("status_code").map_err(db_err)?;
+            let message: Option<String> = r.try_get("status_message").map_err(db_err)?;
+            let outcome = match (state.is_terminal(), code) {
+                (true, Some(code)) => Some(TurnOutcome { state, code: code as i32, message: message.unwrap_or_default() }),
+                _ => None,
+            };
+            Ok(TurnRecord {
+                key: TurnKey {
+                    session_id: SessionId::parse(&sid).map_err(|_| bad_row("session id"))?,
+                    request_id: RequestId::parse(rid).map_err(|_| bad_row("request id"))?,
+                },
+                user_text: r.try_get("user_text").map_err(db_err)?,
+                agent: r.try_get("agent").map_err(db_err)?,
+                state,
+                outcome,
+                owner: r.try_get("owner").map_err(db_err)?,
+                lease_expires_at: from_micros(r.try_get("lease_expires_at").map_err(db_err)?),
+                created_at: from_micros(r.try_get("created_at").map_err(db_err)?),
+                updated_at: from_micros(r.try_get("updated_at").map_err(db_err)?),
+            })
+        }
+
+        fn event_from_row(r: &DbRow) -> StoreResult<SeqEvent> {
+            let seq: i64 = r.try_get("seq").map_err(db_err)?;
+            let kind: String = r.try_get("kind").map_err(db_err)?;
+            Ok(SeqEvent {
+                seq: seq as u64,
+                event: Event {
+                    kind: EventKind::parse(&kind).ok_or_else(|| bad_row("event kind"))?,
+                    author: r.try_get("author").map_err(db_err)?,
+                    text: r.try_get("text").map_err(db_err)?,
+                    tool_name: r.try_get("tool_name").map_err(db_err)?,
+                    tool_call_id: r.try_get("tool_call_id").map_err(db_err)?,
+                    payload_json: r.try_get("payload_json").map_err(db_err)?,
+                    created_unix_nanos: r.try_get("created_unix_nanos").map_err(db_err)?,
+                },
+            })
+        }
+
+        #[async_trait::async_trait]
+        impl Store for $store {
+            async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
+                let now = std::time::SystemTime::now();
+                let s = Session { id: SessionId::generate(), user_id: user_id.clone(), created_at: now, updated_at: now };
+                sqlx::query("INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, $2, $3, $3)")
+                    .bind(s.id.to_string())
+                    .bind(user_id.as_str())
+                    .bind(to_micros(now))
+                    .execute(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                // Reading back what was stored keeps the times at the
+                // store's precision (microseconds).
+                Ok(Session { created_at: from_micros(to_micros(now)), updated_at: from_micros(to_micros(now)), ..s })
+            }
+
+            async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
+                let row = sqlx::query("SELECT id, user_id, created_at, updated_at FROM sessions WHERE id = $1")
+                    .bind(id.to_string())
+                    .fetch_optional(&self.read)
+                    .await
+                    .map_err(db_err)?;
+                row.as_ref().map(session_from_row).transpose()
+            }
+
+            async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
+                let now = std::time::SystemTime::now();
+                let done = sqlx::query(
+                    "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, 'running', $5, $6, $7, $7) ON CONFLICT (session_id, request_id) DO NOTHING",
+                )
+                .bind(t.key.session_id.to_string())
+                .bind(t.key.request_id.as_str())
+                .bind(&t.user_text)
+                .bind(&t.agent)
+                .bind(&t.owner)
+                .bind(to_micros(now + t.lease))
+                .bind(to_micros(now))
+                .execute(&self.write)
+                .await
+                .map_err(db_err)?;
+                if done.rows_affected() == 1 {
+                    sqlx::query("UPDATE sessions SET updated_at = $1 WHERE id = $2")
+                        .bind(to_micros(now))
+                        .bind(t.key.session_id.to_string())
+                        .execute(&self.write)
+                        .await
+                        .map_err(db_err)?;
+                    return Ok(Claim::New);
+                }
+                // Read on the writer: the winner's row is committed there.
+                let row = sqlx::query(&format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 AND request_id = $2"))
+                    .bind(t.key.session_id.to_string())
+                    .bind(t.key.request_id.as_str())
+                    .fetch_optional(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                match row {
+                    Some(r) => Ok(Claim::Existing(turn_from_row(&r)?)),
+                    None => Err(StoreError::Unexpected(anyhow::anyhow!("turn {} conflicted but is not stored", t.key))),
+                }
+            }
+
+            async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>> {
+                let row = sqlx::query(&format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 AND request_id = $2"))
+                    .bind(key.session_id.to_string())
+                    .bind(key.request_id.as_str())
+                    .fetch_optional(&self.read)
+                    .await
+                    .map_err(db_err)?;
+                row.as_ref().map(turn_from_row).transpose()
+            }
+
+            async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+                let sid = key.session_id.to_string();
+                // One statement per batch: a group commit of whatever the
+                // writer collected. 10 binds a row stays far below either
+                // backend's limit at the writer's batch size.
+                for chunk in events.chunks(1000) {
+                    let mut q = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO events (session_id, request_id, seq, kind, author, text, tool_name, tool_call_id, payload_json, created_unix_nanos) ",
+                    );
+                    q.push_values(chunk, |mut b, e| {
+                        b.push_bind(sid.clone())
+                            .push_bind(key.request_id.as_str().to_owned())
+                            .push_bind(e.seq as i64)
+                            .push_bind(e.event.kind.as_str())
+                            .push_bind(e.event.author.clone())
+                            .push_bind(e.event.text.clone())
+                            .push_bind(e.event.tool_name.clone())
+                            .push_bind(e.event.tool_call_id.clone())
+                            .push_bind(e.event.payload_json.clone())
+                            .push_bind(e.event.created_unix_nanos);
+                    });
+                    q.build().execute(&self.write).await.map_err(db_err)?;
+                }
+                Ok(())
+            }
+
+            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()> {
+                sqlx::query(
+                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                     WHERE session_id = $5 AND request_id = $6 AND state = 'running'",
+                )
+                .bind(outcome.state.as_str())
+                .bind(outcome.code as i64)
+                .bind(&outcome.message)
+                .bind(to_micros(std::time::SystemTime::now()))
+                .bind(key.session_id.to_string())
+                .bind(key.request_id.as_str())
+                .execute(&self.write)
+                .await
+                .map_err(db_err)?;
+                Ok(())
+            }
+
+            async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>> {
+                let rows = sqlx::query(
+                    "SELECT seq, kind, author, text, tool_name, tool_call_id, payload_json, created_unix_nanos FROM events \
+                     WHERE session_id = $1 AND request_id = $2 AND seq > $3 ORDER BY seq LIMIT $4",
+                )
+                .bind(key.session_id.to_string())
+                .bind(key.request_id.as_str())
+                .bind(after.map_or(-1, |a| a as i64))
+                .bind(limit as i64)
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                rows.iter().map(event_from_row).collect()
+            }
+
+            async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
+                let rows = sqlx::query(
+                    "SELECT t.request_id, t.user_text, COALESCE((SELECT e.text FROM events e \
+                       WHERE e.session_id = t.session_id AND e.request_id = t.request_id AND e.kind = 'final_answer' \
+                       ORDER BY e.seq DESC LIMIT 1), '') AS answer \
+                     FROM turns t WHERE t.session_id = $1 AND t.state <> 'running' \
+                     ORDER BY t.created_at DESC, t.request_id DESC LIMIT $2",
+                )
+                .bind(session.to_string())
+                .bind(limit as i64)
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                let mut turns = rows
+                    .iter()
+                    .map(|r| {
+                        Ok(PriorTurn {
+                            request_id: r.try_get("request_id").map_err(db_err)?,
+                            user_text: r.try_get("user_text").map_err(db_err)?,
+                            answer: r.try_get("answer").map_err(db_err)?,
+                        })
+                    })
+                    .collect::<StoreResult<Vec<_>>>()?;
+                turns.reverse();
+                Ok(turns)
+            }
+
+            async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {
+                let (after_at, after_id) = match after {
+                    Some(c) => (to_micros(c.created_at), c.id.to_string()),
+                    None => (i64::MIN, String::new()),
+                };
+                let rows = sqlx::query(
+                    "SELECT id, user_id, created_at, updated_at FROM sessions \
+                     WHERE user_id = $1 AND (created_at > $2 OR (created_at = $2 AND id > $3)) \
+                     ORDER BY created_at, id LIMIT $4",
+                )
+                .bind(user_id.as_str())
+                .bind(after_at)
+                .bind(after_id)
+                .bind(limit as i64 + 1)
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                let mut sessions = rows.iter().map(session_from_row).collect::<StoreResult<Vec<_>>>()?;
+                let more = sessions.len() > limit;
+                sessions.truncate(limit);
+                let next = if more { sessions.last().map(|s| PageCursor { created_at: s.created_at, id: s.id }) } else { None };
+                Ok(SessionPage { sessions, next })
+            }
+
+            async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+                let done = sqlx::query("DELETE FROM sessions WHERE id = $1")
+                    .bind(id.to_string())
+                    .execute(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
+                let rows = sqlx::query(&format!(
+                    "SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 ORDER BY created_at, request_id"
+                ))
+                .bind(session.to_string())
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                rows.iter().map(turn_from_row).collect()
+            }
+
+            async fn renew_lease(&self, key: &TurnKey, owner: &str, until: std::time::SystemTime) -> StoreResult<bool> {
+                let done = sqlx::query(
+                    "UPDATE turns SET lease_expires_at = $1 \
+                     WHERE session_id = $2 AND request_id = $3 AND owner = $4 AND state = 'running'",
+                )
+                .bind(to_micros(until))
+                .bind(key.session_id.to_string())
+                .bind(key.request_id.as_str())
+                .bind(owner)
+                .execute(&self.write)
+                .await
+                .map_err(db_err)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn fail_expired(&self, now: std::time::SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
+                let done = sqlx::query(
+                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                     WHERE state = 'running' AND lease_expires_at < $4",
+                )
+                .bind(outcome.state.as_str())
+                .bind(outcome.code as i64)
+                .bind(&outcome.message)
+                .bind(to_micros(now))
+                .execute(&self.write)
+                .await
+                .map_err(db_err)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn prune(&self, before: std::time::SystemTime) -> StoreResult<u64> {
+                let done = sqlx::query("DELETE FROM turns WHERE state <> 'running' AND updated_at < $1")
+                    .bind(to_micros(before))
+                    .execute(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn ping(&self) -> StoreResult<()> {
+                sqlx::query("SELECT 1").execute(&self.read).await.map_err(db_err)?;
+                Ok(())
+            }
+        }
+    };
+}
+
+pub(super) use sql_store;
