@@ -46,7 +46,8 @@ impl MemoryStore {
 #[async_trait]
 impl Store for MemoryStore {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
-        let now = SystemTime::now();
+        // At the precision of the durable stores and of page tokens.
+        let now = from_micros(to_micros(SystemTime::now()));
         let s = Session { id: SessionId::generate(), user_id: user_id.clone(), created_at: now, updated_at: now };
         self.lock().sessions.insert(s.id, s.clone());
         Ok(s)

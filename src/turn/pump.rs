@@ -22,6 +22,8 @@ use crate::store::{SeqEvent, Store, TurnOutcome};
 const WRITER_QUEUE: usize = 1024;
 /// The most events the writer commits in one batch.
 const WRITER_BATCH: usize = 512;
+/// How long the final status waits for the outcome to be stored.
+const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
 enum ToWriter {
     Event(SeqEvent),
@@ -41,7 +43,7 @@ pub(super) fn spawn(
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (writer_tx, writer_rx) = mpsc::channel(WRITER_QUEUE);
     let key = input.key.clone();
-    turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx);
+    turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx.clone());
 
     let writer = Writer { turns: turns.clone(), key: key.clone(), rx: writer_rx, progress: progress_tx };
     let on_disconnect = input.on_disconnect;
@@ -63,6 +65,7 @@ pub(super) fn spawn(
         key,
         client: Some(tx),
         on_disconnect,
+        stored: progress_rx,
         writer: writer_tx,
         end: end.clone(),
         deadline,
@@ -85,6 +88,9 @@ struct Pump {
     client: Option<mpsc::Sender<pb::AgentEvent>>,
     /// Whether a client going away cancels the run or leaves it running.
     on_disconnect: OnDisconnect,
+    /// The writer's progress: the final status goes out once the outcome is
+    /// stored, so a caller that saw it finds the turn ended on any replica.
+    stored: watch::Receiver<Progress>,
     writer: mpsc::Sender<ToWriter>,
     end: Arc<End>,
     deadline: Deadline,
@@ -110,6 +116,8 @@ impl Pump {
         let code = tonic::Code::from(outcome.code);
         if self.writer.send(ToWriter::Finish(outcome)).await.is_err() {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
+        } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done)).await.is_err() {
+            tracing::warn!(turn = %self.key, "the turn's outcome is taking long to store; ending the stream anyway");
         }
         let level_warn = matches!(result, Err(Failure::Agent(_) | Failure::NoFinalAnswer | Failure::Store(_)));
         let cause = result.as_ref().err().map(|e| format!("{e:#}"));

@@ -1,0 +1,401 @@
+//! Shared test harness: stores per backend (a fresh SQLite file or a fresh
+//! PostgreSQL database per test), in-process servers on 127.0.0.1:0, child
+//! `agentd serve` processes, a TCP proxy that can cut a database off, and
+//! bounded waiting.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use agentd::agent::demo::{OrderHelper, ToolStats};
+use agentd::agent::{Agent, AgentRegistry, synthetic};
+use agentd::client::AgentClient;
+use agentd::pb;
+use agentd::pb::agent_service_client::AgentServiceClient;
+use agentd::server::ServerOptions;
+use agentd::store::Store;
+use agentd::turn::{TurnConfig, Turns};
+use tokio::io::AsyncBufReadExt;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+pub const ALICE: &str = "alice";
+pub const BOB: &str = "bob";
+
+/// Which store a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Sqlite,
+    Postgres,
+}
+
+/// A store for one test, with whatever must be cleaned up after it.
+pub struct TestDb {
+    pub backend: Backend,
+    /// The `--store` URL of this database (for child processes).
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    pg: Option<PgDatabase>,
+}
+
+impl TestDb {
+    /// A fresh database of `backend`; `None` (the test is skipped, loudly)
+    /// when the backend is PostgreSQL and AGENTD_TEST_POSTGRES_URL is unset.
+    pub async fn fresh(backend: Backend) -> Option<TestDb> {
+        match backend {
+            Backend::Memory => Some(TestDb { backend, url: "memory:".into(), _dir: None, pg: None }),
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let url = format!("sqlite://{}", dir.path().join("agentd.db").display());
+                Some(TestDb { backend, url, _dir: Some(dir), pg: None })
+            }
+            Backend::Postgres => {
+                let pg = PgDatabase::create().await?;
+                Some(TestDb { backend, url: pg.url.clone(), _dir: None, pg: Some(pg) })
+            }
+        }
+    }
+
+    /// Opens (another) store on this database. For `memory:` every call is a
+    /// new, empty store: open it once.
+    pub async fn open(&self) -> Arc<dyn Store> {
+        agentd::store::open(&self.url).await.expect("open the store")
+    }
+
+    /// The database's URL as seen through `port` on 127.0.0.1 (PostgreSQL).
+    pub fn url_via(&self, port: u16) -> String {
+        let pg = self.pg.as_ref().expect("a PostgreSQL database");
+        format!("postgres://{}@127.0.0.1:{port}/{}", pg.user, pg.name)
+    }
+
+    pub fn pg_addr(&self) -> SocketAddr {
+        self.pg.as_ref().expect("a PostgreSQL database").addr
+    }
+}
+
+/// A database created for one test and dropped after it.
+struct PgDatabase {
+    admin: String,
+    name: String,
+    user: String,
+    addr: SocketAddr,
+    url: String,
+}
+
+impl PgDatabase {
+    async fn create() -> Option<PgDatabase> {
+        let Ok(admin) = std::env::var("AGENTD_TEST_POSTGRES_URL") else {
+            assert!(std::env::var_os("CI").is_none(), "CI must set AGENTD_TEST_POSTGRES_URL (.ci/run does)");
+            eprintln!("SKIPPED: AGENTD_TEST_POSTGRES_URL is not set (scripts/test and .ci/run set it)");
+            return None;
+        };
+        use sqlx::Connection;
+        let opts = sqlx::postgres::PgConnectOptions::from_str(&admin).expect("AGENTD_TEST_POSTGRES_URL");
+        let name = format!("agentd_test_{}", uuid::Uuid::new_v4().simple());
+        let mut conn = sqlx::PgConnection::connect_with(&opts).await.expect("connect to AGENTD_TEST_POSTGRES_URL");
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create a test database");
+        let _ = conn.close().await;
+        let user = opts.get_username().to_owned();
+        let host = if opts.get_host().starts_with('/') { "127.0.0.1" } else { opts.get_host() };
+        let addr = tokio::net::lookup_host((host, opts.get_port())).await.ok()?.next()?;
+        let base = admin.split('?').next().unwrap_or(&admin);
+        let url = format!("{}/{name}", &base[..base.rfind('/').expect("a database path in the URL")]);
+        Some(PgDatabase { admin, name, user, addr, url })
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        // Drop runs outside async; a thread with its own runtime does it.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                use sqlx::Connection;
+                if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut c).await;
+                }
+            })
+        })
+        .join();
+    }
+}
+
+/// How one in-process server is set up.
+#[derive(Clone)]
+pub struct Opts {
+    pub tool_delay: Duration,
+    pub replica_id: String,
+    pub lease: Duration,
+    pub retain_turns: Option<Duration>,
+    pub store_check: Duration,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            tool_delay: Duration::ZERO,
+            replica_id: "replica-a".into(),
+            lease: Duration::from_secs(10),
+            retain_turns: None,
+            store_check: Duration::from_millis(100),
+        }
+    }
+}
+
+/// An agentd server in this process on 127.0.0.1:0.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub client: AgentClient,
+    /// The demo tool's counters: how often it really ran.
+    pub stats: Arc<ToolStats>,
+    pub turns: Arc<Turns>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    join: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Server {
+    pub async fn start(store: Arc<dyn Store>, opts: Opts) -> Server {
+        let helper = OrderHelper::new(opts.tool_delay);
+        let stats = helper.stats();
+        let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(synthetic::Echo), Arc::new(synthetic::Streamer)];
+        let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
+        let cfg = TurnConfig {
+            replica_id: opts.replica_id,
+            lease: opts.lease,
+            retain_turns: opts.retain_turns,
+            store_check: opts.store_check,
+            follow_poll: Duration::from_millis(20),
+            max_run_duration: Duration::from_secs(60),
+            ..TurnConfig::default()
+        };
+        let turns = Turns::new(store, registry, cfg);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server_opts = ServerOptions {
+            drain_delay: Duration::ZERO,
+            shutdown_grace: Duration::from_secs(70),
+            ..ServerOptions::default()
+        };
+        let join = tokio::spawn(agentd::server::run(listener, turns.clone(), server_opts, async {
+            let _ = stopped.await;
+        }));
+        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
+        Server { addr, client, stats, turns, stop: Some(stop), join: Some(join) }
+    }
+
+    pub fn raw(&self) -> AgentServiceClient<Channel> {
+        self.client.raw()
+    }
+
+    /// Graceful shutdown, awaited.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(j) = self.join.take() {
+            j.await.unwrap().unwrap();
+        }
+    }
+
+    pub async fn session(&self, user: &str) -> String {
+        self.client.clone().create_session(user).await.unwrap().session_id
+    }
+
+    /// A Run collected to its end.
+    pub async fn run(&self, user: &str, session: &str, request_id: &str, text: &str) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+        run_on(&self.client, user, session, request_id, text).await
+    }
+
+    pub async fn get_session(&self, user: &str, session: &str) -> Result<pb::SessionInfo, Status> {
+        let req = pb::GetSessionRequest { user_id: user.into(), session_id: session.into() };
+        self.raw().get_session(req).await.map(|r| r.into_inner())
+    }
+
+    /// Attach collected to its end.
+    pub async fn attach(
+        &self,
+        user: &str,
+        session: &str,
+        request_id: &str,
+        after_seq: Option<u64>,
+    ) -> Result<(Vec<pb::AgentEvent>, Result<(), Status>), Status> {
+        let req = pb::AttachRequest { user_id: user.into(), session_id: session.into(), request_id: request_id.into(), after_seq };
+        let mut r = Request::new(req);
+        r.set_timeout(Duration::from_secs(30));
+        let mut stream = self.raw().attach(r).await?.into_inner();
+        Ok(collect(&mut stream).await)
+    }
+
+    /// Waits (bounded) until the turn has ended; returns its row.
+    pub async fn ended_turn(&self, user: &str, session: &str, request_id: &str) -> pb::TurnInfo {
+        eventually("the turn to end", || async {
+            let s = self.get_session(user, session).await.ok()?;
+            s.turns.into_iter().find(|t| t.request_id == request_id && t.state() != pb::TurnState::Running)
+        })
+        .await
+    }
+
+    pub async fn health(&self) -> Option<tonic_health::pb::health_check_response::ServingStatus> {
+        self.client.clone().health("").await.ok()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(j) = self.join.take() {
+            j.abort();
+        }
+    }
+}
+
+pub fn run_request(user: &str, session: &str, request_id: &str, text: &str) -> pb::RunRequest {
+    pb::RunRequest { user_id: user.into(), session_id: session.into(), text: text.into(), request_id: request_id.into(), ..Default::default() }
+}
+
+pub async fn run_on(client: &AgentClient, user: &str, session: &str, request_id: &str, text: &str) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+    client.clone().run_to_end(run_request(user, session, request_id, text), Duration::from_secs(30)).await.unwrap()
+}
+
+pub async fn collect(stream: &mut tonic::Streaming<pb::AgentEvent>) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+    let mut events = Vec::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(e)) => events.push(e),
+            Ok(None) => return (events, Ok(())),
+            Err(s) => return (events, Err(s)),
+        }
+    }
+}
+
+pub fn seqs(events: &[pb::AgentEvent]) -> Vec<u64> {
+    events.iter().map(|e| e.seq).collect()
+}
+
+pub fn code<T>(r: &Result<T, Status>) -> Code {
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// Polls `probe` every 20ms until it yields `Some`, for at most 15 s.
+pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    for _ in 0..750 {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A TCP proxy in front of a database that the test can cut off and
+/// restore: down, it closes every proxied connection and refuses new ones.
+pub struct Proxy {
+    pub port: u16,
+    up: Arc<AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (up2, conns2) = (up.clone(), conns.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !up2.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                conns2.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        Proxy { port, up, conns, accept }
+    }
+
+    pub fn down(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    pub fn up(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.down();
+        self.accept.abort();
+    }
+}
+
+/// A real `agentd serve` child process; killed (SIGKILL) when dropped.
+pub struct Child {
+    pub child: tokio::process::Child,
+    pub addr: SocketAddr,
+    pub client: AgentClient,
+}
+
+impl Child {
+    /// Starts `agentd serve` on 127.0.0.1:0 with `args` and waits for its
+    /// "agentd starting" log line to learn the port.
+    pub async fn serve(args: &[&str]) -> Child {
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn agentd serve");
+        let stderr = child.stderr.take().unwrap();
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        let addr = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+                if let Some(a) = v.get("listen").and_then(|l| l.as_str()) {
+                    return a.parse::<SocketAddr>().ok();
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten()
+        .expect("agentd serve printed its address");
+        // Keep draining stderr so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
+        Child { child, addr, client }
+    }
+
+    /// SIGKILL, and wait until the process is gone.
+    pub async fn kill9(mut self) {
+        self.child.kill().await.expect("kill -9");
+    }
+}
