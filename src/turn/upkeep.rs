@@ -43,14 +43,14 @@ pub(super) async fn run(turns: Arc<Turns>) {
             Ok(n) => tracing::warn!(turns = n, "turns whose replica stopped were marked failed (UNAVAILABLE)"),
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "could not sweep expired turn leases"),
         }
-        if let (Some(retain), Some(every)) = (cfg.retain_turns, prune_every) {
-            if last_prune.is_none_or(|t| t.elapsed() >= every) {
-                last_prune = Some(tokio::time::Instant::now());
-                match turns.store.prune(SystemTime::now().checked_sub(retain).unwrap_or(SystemTime::UNIX_EPOCH)).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(turns = n, "pruned turns past the retention"),
-                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "could not prune old turns"),
-                }
+        if let (Some(retain), Some(every)) = (cfg.retain_turns, prune_every)
+            && last_prune.is_none_or(|t| t.elapsed() >= every)
+        {
+            last_prune = Some(tokio::time::Instant::now());
+            match turns.store.prune(SystemTime::now().checked_sub(retain).unwrap_or(SystemTime::UNIX_EPOCH)).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(turns = n, "pruned turns past the retention"),
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "could not prune old turns"),
             }
         }
     }
