@@ -10,12 +10,16 @@ const BIN: &str = env!("CARGO_BIN_EXE_agentd");
 struct Served {
     child: Child,
     url: String,
+    /// Holds the server's SQLite store (a fresh one per test).
+    _dir: tempfile::TempDir,
 }
 
 impl Served {
     fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
         let mut child = Command::new(BIN)
             .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .env("AGENTD_STORE", format!("sqlite://{}", dir.path().join("agentd.db").display()))
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -31,7 +35,7 @@ impl Served {
         };
         // Keep draining stderr so the server never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Self { child, url: format!("http://{addr}") }
+        Self { child, url: format!("http://{addr}"), _dir: dir }
     }
 
     fn cli(&self, args: &[&str]) -> std::process::Output {
@@ -122,7 +126,7 @@ fn help_explains_every_serve_flag_and_its_environment_variable() {
     for flag in [
         "--listen", "--channel-capacity", "--slow-consumer", "--stall-timeout", "--max-run-duration", "--max-concurrent-runs",
         "--max-concurrent-streams", "--keepalive-interval", "--keepalive-timeout", "--max-connection-age", "--drain-delay",
-        "--shutdown-grace",
+        "--shutdown-grace", "--store", "--retain-turns", "--turn-lease",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
         let env = format!("AGENTD_{}", flag.trim_start_matches("--").replace('-', "_").to_uppercase());

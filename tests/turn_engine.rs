@@ -24,6 +24,7 @@ async fn a_draining_engine_refuses_new_runs_and_stores_nothing() {
         generated_request_id: false,
         text: UserText::parse("hi".into(), 100).unwrap(),
         agent: None,
+        on_disconnect: Default::default(),
     };
     assert!(matches!(turns.start(input, None).await, Err(RunError::ShuttingDown)));
     assert!(store.get_turn(&key).await.unwrap().is_none());
