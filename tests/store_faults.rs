@@ -59,7 +59,15 @@ async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back()
     s.run(ALICE, &sid, "r1", ORDER_Q).await.1.unwrap();
     assert_eq!(s.health().await, Some(ServingStatus::Serving));
 
+    // A run streaming when the database goes away.
+    let long = pb::RunRequest { agent: "stream".into(), ..run_request(ALICE, &sid, "long", "n=3000 size=8 rate=200") };
+    let mut streaming = s.client.clone().run(long, Duration::from_secs(30)).await.unwrap();
+    streaming.events.message().await.unwrap().unwrap();
+
     proxy.down();
+    let (_, end) = collect(&mut streaming.events).await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "a run whose events cannot be stored ends: {status:?}");
     eventually("health to report NOT_SERVING", || async {
         (s.health().await == Some(ServingStatus::NotServing)).then_some(())
     })

@@ -175,6 +175,9 @@ struct Progress {
     stored_through: Option<u64>,
     /// The outcome is stored too.
     done: bool,
+    /// A batch of events could not be stored: the log has a hole, so the
+    /// run must end (UNAVAILABLE) rather than go on unrecorded.
+    store_failed: bool,
 }
 
 /// The turn engine one server owns.

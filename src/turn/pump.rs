@@ -15,7 +15,7 @@ use crate::agent::{Agent, PriorTurn, RunContext};
 use crate::domain::{OnDisconnect, RunInput, TurnKey};
 use crate::grpc::{convert, status};
 use crate::pb;
-use crate::store::{SeqEvent, Store, TurnOutcome};
+use crate::store::{SeqEvent, Store, StoreError, TurnOutcome};
 
 /// Queue between the pump and the writer: deep enough that a store batch in
 /// flight does not stall the pump, bounded so a dead store cannot eat memory.
@@ -113,12 +113,18 @@ impl Pump {
         self.cancel.cancel();
 
         let outcome = status::outcome(&result);
-        let code = tonic::Code::from(outcome.code);
         if self.writer.send(ToWriter::Finish(outcome)).await.is_err() {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
         } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done)).await.is_err() {
             tracing::warn!(turn = %self.key, "the turn's outcome is taking long to store; ending the stream anyway");
         }
+        let result = match result {
+            Ok(()) if self.stored.borrow().store_failed => {
+                Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored"))))
+            }
+            r => r,
+        };
+        let code = tonic::Code::from(status::outcome(&result).code);
         let level_warn = matches!(result, Err(Failure::Agent(_) | Failure::NoFinalAnswer | Failure::Store(_)));
         let cause = result.as_ref().err().map(|e| format!("{e:#}"));
         self.end.set(result);
@@ -161,6 +167,9 @@ impl Pump {
             let wire = convert::to_wire(seq, &event);
             let stored = SeqEvent { seq, event };
             seq += 1;
+            if self.stored.borrow().store_failed {
+                return Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored"))));
+            }
             if self.writer.send(ToWriter::Event(stored)).await.is_err() {
                 return Err(Failure::Store(anyhow::anyhow!("turn writer stopped").into()));
             }
@@ -284,6 +293,13 @@ impl Writer {
                 break o;
             }
         };
+        let outcome = if self.progress.borrow().store_failed && outcome.code == tonic::Code::Ok as i32 {
+            // The client may have seen every event, but the log did not get
+            // them all: a replay could not reproduce the turn.
+            status::outcome(&Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events lost")))))
+        } else {
+            outcome
+        };
         if let Err(e) = store.finish_turn(&self.key, &outcome).await {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
         }
@@ -303,9 +319,17 @@ impl Writer {
 
     async fn flush(&self, store: &dyn Store, events: &mut Vec<SeqEvent>) {
         let Some(last) = events.last().map(|e| e.seq) else { return };
+        if self.progress.borrow().store_failed {
+            // The log already has a hole; the pump is ending the run.
+            events.clear();
+            return;
+        }
         match store.append_events(&self.key, std::mem::take(events)).await {
             Ok(()) => self.progress.send_modify(|p| p.stored_through = Some(last)),
-            Err(e) => tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not store turn events"),
+            Err(e) => {
+                tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not store turn events; ending the run");
+                self.progress.send_modify(|p| p.store_failed = true);
+            }
         }
     }
 }
