@@ -177,15 +177,24 @@ pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
     Ok(match scheme {
         "memory" => std::sync::Arc::new(memory::MemoryStore::new()),
         "sqlite" => std::sync::Arc::new(
-            sqlite::SqliteStore::open(url).await.with_context(|| format!("cannot open the SQLite session store {}", redact(url)))?,
+            sqlite::SqliteStore::open(url)
+                .await
+                .map_err(one_line)
+                .with_context(|| format!("cannot open the SQLite session store {}", redact(url)))?,
         ),
         "postgres" | "postgresql" => std::sync::Arc::new(
             postgres::PostgresStore::connect(url)
                 .await
+                .map_err(one_line)
                 .with_context(|| format!("cannot open the PostgreSQL session store {}", redact(url)))?,
         ),
         _ => anyhow::bail!("--store must be sqlite://PATH, postgres://... or memory:"),
     })
+}
+
+/// sqlx errors already name their cause; keep just that, once.
+fn one_line(e: anyhow::Error) -> anyhow::Error {
+    anyhow::anyhow!("{e}")
 }
 
 /// `url` without its password, for messages and logs.
@@ -235,4 +244,32 @@ pub trait Store: Send + Sync + 'static {
     async fn prune(&self, before: SystemTime) -> StoreResult<u64>;
     /// Cheap round trip: is the backend reachable now?
     async fn ping(&self) -> StoreResult<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_token_round_trips_and_garbage_is_refused() {
+        let c = PageCursor { created_at: from_micros(1_733_000_000_123_456), id: SessionId::generate() };
+        assert_eq!(PageCursor::decode(&c.encode()), Some(c));
+        for bad in ["", "x", "12.not-a-uuid", "abc.00000000-0000-0000-0000-000000000000"] {
+            assert_eq!(PageCursor::decode(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn times_keep_microseconds_both_sides_of_the_epoch() {
+        for us in [0, 1, 1_733_000_000_123_456, -5_000_000] {
+            assert_eq!(to_micros(from_micros(us)), us);
+        }
+    }
+
+    #[test]
+    fn a_store_url_is_shown_without_its_password() {
+        assert_eq!(redact("postgres://agentd:s3cret@db:5432/agentd"), "postgres://agentd@db:5432/agentd");
+        assert_eq!(redact("postgres://db/agentd"), "postgres://db/agentd");
+        assert_eq!(redact("sqlite://agentd.db"), "sqlite://agentd.db");
+    }
 }

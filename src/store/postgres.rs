@@ -25,6 +25,12 @@ impl PostgresStore {
     /// the migrator's advisory lock).
     pub async fn connect(url: &str) -> anyhow::Result<Self> {
         let opts = PgConnectOptions::from_str(url)?.application_name("agentd");
+        // One direct connection first: its error says why (refused, auth,
+        // unknown database), where the pool's would only say it timed out.
+        let probe = tokio::time::timeout(ACQUIRE_TIMEOUT, <sqlx::PgConnection as sqlx::Connection>::connect_with(&opts))
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer within {ACQUIRE_TIMEOUT:?}"))??;
+        sqlx::Connection::close(probe).await?;
         let pool = PgPoolOptions::new()
             .max_connections(MAX_CONNECTIONS)
             .acquire_timeout(ACQUIRE_TIMEOUT)
