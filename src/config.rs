@@ -39,6 +39,9 @@ pub enum Command {
     Run(RunArgs),
     /// Ask a server's grpc.health.v1 service; exits 0 only when SERVING.
     Health(HealthArgs),
+    /// Print a turn's events after --after-seq, then follow it live until it
+    /// ends (resume after a dropped stream). Never runs the agent.
+    Attach(AttachArgs),
 }
 
 #[derive(Debug, Args)]
@@ -242,6 +245,55 @@ pub enum SessionCommand {
         #[arg(long)]
         user: String,
     },
+    /// Print a session and its turns as JSON.
+    Get {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        session: String,
+    },
+    /// Print a user's sessions, one JSON object per line, oldest first.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+    },
+    /// Delete a session with its turns and events.
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        session: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct AttachArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The session's owner.
+    #[arg(long)]
+    pub user: String,
+    #[arg(long)]
+    pub session: String,
+    /// The turn's request id.
+    #[arg(long)]
+    pub request_id: String,
+    /// The last seq already received; events after it are printed (default:
+    /// all of them).
+    #[arg(long)]
+    pub after_seq: Option<u64>,
+    /// Give up after this long.
+    #[arg(long, value_parser = duration, default_value = "120s")]
+    pub deadline: Duration,
+    /// Print each event as a JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -266,8 +318,19 @@ pub struct RunArgs {
     /// Print each event as a JSON object per line instead of text.
     #[arg(long)]
     pub json: bool,
+    /// `continue` keeps the run going after this command exits or is
+    /// interrupted, so `agentd attach` can pick it up.
+    #[arg(long, value_enum, default_value_t = OnDisconnectArg::Cancel)]
+    pub on_disconnect: OnDisconnectArg,
     /// The message.
     pub text: String,
+}
+
+/// `RunRequest.on_disconnect` on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnDisconnectArg {
+    Cancel,
+    Continue,
 }
 
 #[derive(Debug, Args)]
