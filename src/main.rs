@@ -8,14 +8,12 @@ use std::time::Duration;
 use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
-use agentd::client::AgentClient;
-use agentd::config::{AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
+use agentd::config::{AttachArgs, Cli, ClientArgs, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    agentd::telemetry::init(cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -23,25 +21,31 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Inside the runtime: the OTLP exporter's channel lives there. Dropped
+    // (flushing spans) before the runtime.
+    let _telemetry = {
+        let _rt = rt.enter();
+        agentd::telemetry::init(cli.log_format)
+    };
     let result = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve(*args).await,
             Command::Session(SessionCommand::Create { client, user }) => {
-                let mut c = AgentClient::connect(&client.server).await?;
+                let mut c = client.connect().await?;
                 let s = c.create_session(&user).await.map_err(status_error)?;
                 println!("{}", s.session_id);
                 Ok(())
             }
             Command::Session(SessionCommand::Get { client, user, session }) => {
-                let mut c = AgentClient::connect(&client.server).await?.raw();
+                let mut c = client.connect().await?.raw();
                 let req = pb::GetSessionRequest { user_id: user, session_id: session };
                 let s = c.get_session(with_timeout(req)).await.map_err(status_error)?.into_inner();
                 println!("{}", session_json(&s));
                 Ok(())
             }
-            Command::Session(SessionCommand::List { client, user }) => list_sessions(&client.server, user).await,
+            Command::Session(SessionCommand::List { client, user }) => list_sessions(&client, user).await,
             Command::Session(SessionCommand::Delete { client, user, session }) => {
-                let mut c = AgentClient::connect(&client.server).await?.raw();
+                let mut c = client.connect().await?.raw();
                 let req = pb::DeleteSessionRequest { user_id: user, session_id: session };
                 c.delete_session(with_timeout(req)).await.map_err(status_error)?;
                 Ok(())
@@ -74,11 +78,41 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registry = AgentRegistry::new(agents, &args.default_agent)?;
     let store = agentd::store::open(&args.store).await?;
     let turns = Turns::new(store, registry, args.turn_config());
+    let mut opts = args.server_options();
+    opts.security = args.security()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, "agentd starting");
-    agentd::server::run(listener, turns, args.server_options(), shutdown_signal()).await
+    let admin = spawn_admin(&args, opts.readiness.clone()).await?;
+    tracing::info!(listen = %listener.local_addr()?, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
+    let result = agentd::server::run(listener, turns, opts, shutdown_signal()).await;
+    if let Some((stop, task)) = admin {
+        let _ = stop.send(());
+        let _ = task.await;
+    }
+    result
+}
+
+/// Starts the admin HTTP port (/metrics, /healthz, /readyz) unless it is off.
+async fn spawn_admin(
+    args: &ServeArgs,
+    readiness: agentd::telemetry::admin::Readiness,
+) -> anyhow::Result<Option<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)>> {
+    let Some(addr) = args.admin_listen.0 else { return Ok(None) };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--admin-listen): {e}"))?;
+    tracing::info!(admin = %listener.local_addr()?, "admin HTTP port: /metrics /healthz /readyz");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        if let Err(e) = agentd::telemetry::admin::serve(listener, readiness, shutdown).await {
+            tracing::error!(error = %format!("{e:#}"), "admin HTTP port stopped");
+        }
+    });
+    Ok(Some((stop, task)))
 }
 
 /// Resolves on SIGTERM or SIGINT.
@@ -106,7 +140,7 @@ async fn shutdown_signal() {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect(&args.client.server).await?;
+    let mut c = args.client.connect().await?;
     let req = pb::RunRequest {
         user_id: args.user,
         session_id: args.session,
@@ -157,8 +191,8 @@ fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
     })
 }
 
-async fn list_sessions(server: &str, user: String) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect(server).await?.raw();
+async fn list_sessions(client: &ClientArgs, user: String) -> anyhow::Result<()> {
+    let mut c = client.connect().await?.raw();
     let mut page_token = String::new();
     loop {
         let req = pb::ListSessionsRequest { user_id: user.clone(), page_size: 0, page_token };
@@ -176,7 +210,7 @@ async fn list_sessions(server: &str, user: String) -> anyhow::Result<()> {
 }
 
 async fn attach(args: AttachArgs) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect(&args.client.server).await?.raw();
+    let mut c = args.client.connect().await?.raw();
     let msg = pb::AttachRequest {
         user_id: args.user,
         session_id: args.session,
@@ -218,7 +252,7 @@ fn print_event(e: &pb::AgentEvent, json: bool) {
 }
 
 async fn health(args: HealthArgs) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect(&args.client.server).await?;
+    let mut c = args.client.connect().await?;
     let status = tokio::time::timeout(Duration::from_secs(10), c.health(&args.service))
         .await
         .map_err(|_| anyhow::anyhow!("health check timed out"))?

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -17,6 +18,29 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
 pub struct AgentClient {
     agents: AgentServiceClient<Channel>,
     health: HealthClient<Channel>,
+    /// `Bearer <token>`, sent on every call when set.
+    authorization: Option<AsciiMetadataValue>,
+}
+
+/// How the client reaches a secured server: TLS (the server's CA, and a
+/// client certificate for mTLS) and a bearer token.
+#[derive(Clone, Debug, Default)]
+pub struct ClientSecurity {
+    /// Required for an `https://` target.
+    pub tls: Option<ClientTlsConfig>,
+    pub token: Option<String>,
+}
+
+impl ClientSecurity {
+    /// From PEM bytes: the CA that signed the server's certificate, and
+    /// optionally the client's certificate and key (mTLS).
+    pub fn tls_from_pem(ca: &[u8], identity: Option<(&[u8], &[u8])>) -> ClientTlsConfig {
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        if let Some((cert, key)) = identity {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        tls
+    }
 }
 
 /// A started Run: the server's response headers and its event stream.
@@ -31,18 +55,49 @@ pub struct RunCall {
 impl AgentClient {
     /// Connects to `target`, e.g. `http://127.0.0.1:50051`.
     pub async fn connect(target: &str) -> anyhow::Result<Self> {
-        let endpoint = Endpoint::from_shared(target.to_owned())
+        Self::connect_with(target, &ClientSecurity::default()).await
+    }
+
+    /// Connects to `target` with TLS and/or a bearer token.
+    pub async fn connect_with(target: &str, security: &ClientSecurity) -> anyhow::Result<Self> {
+        let mut endpoint = Endpoint::from_shared(target.to_owned())
             .map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_while_idle(true);
-        let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e}"))?;
-        Ok(Self::from_channel(channel))
+        if let Some(tls) = &security.tls {
+            endpoint = endpoint.tls_config(tls.clone()).map_err(|e| anyhow::anyhow!("bad TLS settings: {e}"))?;
+        }
+        let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e:#}"))?;
+        let client = Self::from_channel(channel);
+        match &security.token {
+            Some(t) => client.with_token(t),
+            None => Ok(client),
+        }
     }
 
     pub fn from_channel(channel: Channel) -> Self {
-        Self { agents: AgentServiceClient::new(channel.clone()), health: HealthClient::new(channel) }
+        Self { agents: AgentServiceClient::new(channel.clone()), health: HealthClient::new(channel), authorization: None }
+    }
+
+    /// Sends `authorization: Bearer <token>` on every call.
+    pub fn with_token(mut self, token: &str) -> anyhow::Result<Self> {
+        let v = AsciiMetadataValue::try_from(format!("Bearer {token}"))
+            .map_err(|_| anyhow::anyhow!("the token must be printable ASCII"))?;
+        self.authorization = Some(v);
+        Ok(self)
+    }
+
+    /// A request with the token and the current trace context.
+    fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+        let mut req = Request::new(msg);
+        req.set_timeout(timeout);
+        if let Some(v) = &self.authorization {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        crate::telemetry::trace::inject_metadata(req.metadata_mut());
+        req
     }
 
     /// The generated client, for calls this wrapper does not cover.
@@ -51,16 +106,14 @@ impl AgentClient {
     }
 
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
-        let mut req = Request::new(pb::CreateSessionRequest { user_id: user_id.to_owned() });
-        req.set_timeout(Duration::from_secs(10));
+        let req = self.request(pb::CreateSessionRequest { user_id: user_id.to_owned() }, Duration::from_secs(10));
         Ok(self.agents.create_session(req).await?.into_inner())
     }
 
     /// Starts a Run under `deadline` (sent as grpc-timeout; the server ends
     /// the stream with DEADLINE_EXCEEDED and cancels the agent when it passes).
     pub async fn run(&mut self, req: pb::RunRequest, deadline: Duration) -> Result<RunCall, Status> {
-        let mut req = Request::new(req);
-        req.set_timeout(deadline);
+        let req = self.request(req, deadline);
         let resp = self.agents.run(req).await?;
         let header = |name: &str| {
             resp.metadata().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned()
@@ -88,8 +141,7 @@ impl AgentClient {
     }
 
     pub async fn health(&mut self, service: &str) -> Result<ServingStatus, Status> {
-        let mut req = Request::new(tonic_health::pb::HealthCheckRequest { service: service.to_owned() });
-        req.set_timeout(Duration::from_secs(5));
+        let req = self.request(tonic_health::pb::HealthCheckRequest { service: service.to_owned() }, Duration::from_secs(5));
         let resp = self.health.check(req).await?.into_inner();
         Ok(resp.status())
     }
