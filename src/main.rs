@@ -8,7 +8,8 @@ use std::time::Duration;
 use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
-use agentd::config::{AttachArgs, Cli, ClientArgs, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
+use agentd::client::AgentClient;
+use agentd::config::{AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
 
@@ -37,17 +38,17 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Session(SessionCommand::Get { client, user, session }) => {
-                let mut c = client.connect().await?.raw();
+                let c = client.connect().await?;
                 let req = pb::GetSessionRequest { user_id: user, session_id: session };
-                let s = c.get_session(with_timeout(req)).await.map_err(status_error)?.into_inner();
+                let s = c.raw().get_session(with_timeout(&c, req)).await.map_err(status_error)?.into_inner();
                 println!("{}", session_json(&s));
                 Ok(())
             }
             Command::Session(SessionCommand::List { client, user }) => list_sessions(&client, user).await,
             Command::Session(SessionCommand::Delete { client, user, session }) => {
-                let mut c = client.connect().await?.raw();
+                let c = client.connect().await?;
                 let req = pb::DeleteSessionRequest { user_id: user, session_id: session };
-                c.delete_session(with_timeout(req)).await.map_err(status_error)?;
+                c.raw().delete_session(with_timeout(&c, req)).await.map_err(status_error)?;
                 Ok(())
             }
             Command::Attach(args) => attach(args).await,
@@ -165,10 +166,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 }
 
-fn with_timeout<T>(msg: T) -> tonic::Request<T> {
-    let mut req = tonic::Request::new(msg);
-    req.set_timeout(Duration::from_secs(10));
-    req
+fn with_timeout<T>(c: &AgentClient, msg: T) -> tonic::Request<T> {
+    c.request(msg, Duration::from_secs(10))
 }
 
 fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
@@ -191,12 +190,13 @@ fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
     })
 }
 
-async fn list_sessions(client: &ClientArgs, user: String) -> anyhow::Result<()> {
-    let mut c = client.connect().await?.raw();
+async fn list_sessions(client: &agentd::config::ClientArgs, user: String) -> anyhow::Result<()> {
+    let client = client.connect().await?;
+    let mut c = client.raw();
     let mut page_token = String::new();
     loop {
         let req = pb::ListSessionsRequest { user_id: user.clone(), page_size: 0, page_token };
-        let page = c.list_sessions(with_timeout(req)).await.map_err(status_error)?.into_inner();
+        let page = c.list_sessions(with_timeout(&client, req)).await.map_err(status_error)?.into_inner();
         for s in &page.sessions {
             let v = session_json(s);
             println!("{}", serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
@@ -210,15 +210,15 @@ async fn list_sessions(client: &ClientArgs, user: String) -> anyhow::Result<()> 
 }
 
 async fn attach(args: AttachArgs) -> anyhow::Result<()> {
-    let mut c = args.client.connect().await?.raw();
+    let client = args.client.connect().await?;
+    let mut c = client.raw();
     let msg = pb::AttachRequest {
         user_id: args.user,
         session_id: args.session,
         request_id: args.request_id,
         after_seq: args.after_seq,
     };
-    let mut req = tonic::Request::new(msg);
-    req.set_timeout(args.deadline);
+    let req = client.request(msg, args.deadline);
     let mut events = c.attach(req).await.map_err(status_error)?.into_inner();
     loop {
         match events.message().await {

@@ -137,3 +137,35 @@ async fn health_can_require_a_token_too() {
     assert_eq!(c.health("").await.unwrap(), tonic_health::pb::health_check_response::ServingStatus::Serving);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn every_method_checks_the_user_id_against_the_token() {
+    use agentd::pb;
+    let server = server().await;
+    let bobs = session(&server, "bob").await;
+    let mut trusted = server.client(None, Some(TRUSTED)).await.unwrap();
+    trusted.run_to_end(run_request("bob", &bobs, "r1", "hello"), DEADLINE).await.unwrap().1.unwrap();
+
+    let web = server.client(None, Some(WEB)).await.unwrap();
+    let mut raw = web.raw();
+    let t = Duration::from_secs(10);
+    let get = raw.get_session(web.request(pb::GetSessionRequest { user_id: "bob".into(), session_id: bobs.clone() }, t)).await;
+    assert_eq!(get.unwrap_err().code(), Code::PermissionDenied);
+    let list = raw.list_sessions(web.request(pb::ListSessionsRequest { user_id: "bob".into(), ..Default::default() }, t)).await;
+    assert_eq!(list.unwrap_err().code(), Code::PermissionDenied);
+    let attach = raw
+        .attach(web.request(pb::AttachRequest { user_id: "bob".into(), session_id: bobs.clone(), request_id: "r1".into(), ..Default::default() }, t))
+        .await;
+    match attach {
+        Err(s) => assert_eq!(s.code(), Code::PermissionDenied),
+        Ok(_) => panic!("attach for another user started"),
+    }
+    let delete = raw.delete_session(web.request(pb::DeleteSessionRequest { user_id: "bob".into(), session_id: bobs.clone() }, t)).await;
+    assert_eq!(delete.unwrap_err().code(), Code::PermissionDenied);
+    assert!(server.turn_exists(&bobs, "r1").await.is_some(), "the refused delete removed the session");
+
+    // The same calls for the token's own user pass the check.
+    let mine = raw.list_sessions(web.request(pb::ListSessionsRequest { user_id: "alice".into(), ..Default::default() }, t)).await;
+    assert!(mine.is_ok(), "{mine:?}");
+    server.stop().await;
+}

@@ -89,8 +89,9 @@ impl AgentClient {
         Ok(self)
     }
 
-    /// A request with the token and the current trace context.
-    fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+    /// A request with `timeout`, the token and the current trace context;
+    /// use it with [`AgentClient::raw`] for calls this wrapper does not cover.
+    pub fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut req = Request::new(msg);
         req.set_timeout(timeout);
         if let Some(v) = &self.authorization {

@@ -125,8 +125,10 @@ impl pb::agent_service_server::AgentService for AgentsService {
     type AttachStream = Self::RunStream;
 
     async fn get_session(&self, req: Request<pb::GetSessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         let run_error = |e| status::run_error(e, self.turns.agents());
         let session = self.turns.owned_session(id, &user_id).await.map_err(run_error)?;
@@ -135,8 +137,10 @@ impl pb::agent_service_server::AgentService for AgentsService {
     }
 
     async fn list_sessions(&self, req: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let limit = match req.page_size as usize {
             0 => DEFAULT_PAGE_SIZE,
             n => n.min(MAX_PAGE_SIZE),
@@ -153,8 +157,10 @@ impl pb::agent_service_server::AgentService for AgentsService {
     }
 
     async fn delete_session(&self, req: Request<pb::DeleteSessionRequest>) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         self.turns.delete_session(id, &user_id).await.map_err(|e| status::run_error(e, self.turns.agents()))?;
         tracing::info!(method = "DeleteSession", session = %id, "session deleted");
@@ -163,8 +169,10 @@ impl pb::agent_service_server::AgentService for AgentsService {
 
     async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<Self::AttachStream>, Status> {
         let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
         let key = TurnKey { session_id, request_id };
