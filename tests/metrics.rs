@@ -77,7 +77,11 @@ async fn a_client_that_drops_the_stream_is_counted_as_a_client_cancellation() {
     let session = c.create_session("alice").await.unwrap().session_id;
     let mut call = c.run(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
     call.events.message().await.unwrap().unwrap();
-    server.metrics_until("one run in flight", |m| m.count("agentd_runs_in_flight", &[]) == 1.0).await;
+    let m = server.metrics_until("one run in flight", |m| m.count("agentd_runs_in_flight", &[]) == 1.0).await;
+    // A call still streaming is started, not yet handled.
+    let run = [("grpc_service", "agents.v1.AgentService"), ("grpc_method", "Run")];
+    assert_eq!(delta(&m, &before, "grpc_server_started_total", &run), 1.0, "{}", m.0);
+    assert_eq!(delta(&m, &before, HANDLED, &run), 0.0, "{}", m.0);
     drop(call);
 
     let m = server

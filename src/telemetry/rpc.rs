@@ -134,6 +134,7 @@ impl Call {
         if let Some(id) = trace::trace_id(&span) {
             span.record("trace_id", tracing::field::display(&id));
         }
+        metrics::counter!(m::STARTED, "grpc_service" => labels.service, "grpc_method" => labels.method).increment(1);
         Call { labels, started: Instant::now(), span, done: false }
     }
 
