@@ -112,3 +112,20 @@ async fn the_same_request_id_in_another_session_is_another_turn() {
     assert_eq!(server.tool.started(), 2);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn every_replay_of_a_failed_turn_ends_with_its_status_never_with_ok() {
+    let mut server = TestServer::tcp(Options::default().tool_delay(Duration::from_secs(30))).await;
+    let s = server.session("alice").await;
+    let req = run_request("alice", &s, "r1", "Where is order 1187?");
+    let (_, end) = server.client.run_to_end(req.clone(), Duration::from_millis(50)).await.unwrap();
+    assert_eq!(end.unwrap_err().code(), Code::DeadlineExceeded);
+    server.ended_turn(&s, "r1").await;
+    // The end of a replay is decided by the follower before its channel
+    // closes; a race there would end some replays with OK.
+    for i in 0..100 {
+        let (_, end) = server.client.run_to_end(req.clone(), DEADLINE).await.unwrap();
+        assert_eq!(end.err().map(|s| s.code()), Some(Code::DeadlineExceeded), "replay {i}");
+    }
+    server.stop().await;
+}

@@ -34,6 +34,7 @@ pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadli
     crate::telemetry::metrics::dedup(mode);
     let span = crate::telemetry::trace::run_span(mode.as_str(), "", &follower.key.session_id, &follower.key.request_id);
     turns.tracker.spawn(tracing::Instrument::instrument(async move {
+        let mut follower = follower;
         let started = Instant::now();
         let key = follower.key.clone();
         let mut sent = 0u64;
@@ -42,7 +43,10 @@ pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadli
         let code = tonic::Code::from(status::outcome(&result).code);
         tracing::info!(method = "Run", mode = mode.as_str(), session = %key.session_id, request_id = %key.request_id,
             code = ?code, duration_ms = started.elapsed().as_secs_f64() * 1e3, events_sent = sent, "run finished");
+        // How the stream ends must be known before the channel closes: the
+        // receiver reads it as soon as it sees the close.
         end2.set(result);
+        drop(follower);
     }, span));
     RunStream::new(rx, end)
 }
@@ -62,7 +66,7 @@ struct Follower {
 }
 
 impl Follower {
-    async fn run(mut self, sent: &mut u64) -> Result<(), Failure> {
+    async fn run(&mut self, sent: &mut u64) -> Result<(), Failure> {
         loop {
             if let Some(rx) = self.live.as_mut() {
                 // Mark the current progress seen before reading, so a write
