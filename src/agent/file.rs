@@ -332,7 +332,7 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
     fn an_unknown_tool_is_refused_on_its_line() {
         let bad = GOOD.replace(r#""lookup_order", "stock""#, r#""lookup_order", "stok""#);
         let e = err(&bad);
-        assert!(e.starts_with("agents.toml:6:"), "{e}");
+        assert!(e.starts_with("agents.toml:7:"), "{e}");
         assert!(e.contains("unknown tool \"stok\""), "{e}");
     }
 
@@ -340,7 +340,7 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
     fn a_missing_api_key_variable_is_refused_without_showing_any_key() {
         let bad = GOOD.replace("MODEL_KEY", "NO_SUCH_VAR");
         let e = err(&bad);
-        assert!(e.starts_with("agents.toml:13:"), "{e}");
+        assert!(e.starts_with("agents.toml:14:"), "{e}");
         assert!(e.contains("NO_SUCH_VAR is not set"), "{e}");
     }
 
@@ -348,7 +348,7 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
     fn unknown_fields_bad_durations_urls_and_schemas_are_refused() {
         assert!(err(&GOOD.replace("max_tool_turns", "max_turns")).contains("unknown field"));
         let e = err(&GOOD.replace("\"20s\"", "\"soon\""));
-        assert!(e.starts_with("agents.toml:8:"), "{e}");
+        assert!(e.starts_with("agents.toml:9:"), "{e}");
         let e = err(&GOOD.replace("http://127.0.0.1:9/stock", "ftp://x/stock"));
         assert!(e.contains("http://"), "{e}");
         let e = err(&GOOD.replace("type = \"object\"", "type = \"objekt\""));
