@@ -337,3 +337,98 @@ async fn an_unknown_agent_is_not_found() {
     assert_eq!(st.code(), Code::NotFound);
     d.stop().await;
 }
+
+/// An HTTP tool server whose `/both` answers only once two calls are in
+/// (so it proves they ran at the same time), and whose `/big` answers with
+/// more than the tool's size cap.
+async fn tool_server() -> String {
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let app = axum::Router::new()
+        .route(
+            "/both",
+            post(move |axum::Json(args): axum::Json<Value>| {
+                let barrier = barrier.clone();
+                async move {
+                    let met = tokio::time::timeout(Duration::from_secs(10), barrier.wait()).await.is_ok();
+                    axum::Json(json!({"sku": args["sku"], "met_the_other_call": met}))
+                }
+            }),
+        )
+        .route("/big", post(|| async { "x".repeat(10_000) }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+fn http_tools(tools_url: &str) -> String {
+    format!(
+        r#"
+[tools.stock]
+description = "Stock of a product."
+url = "{tools_url}/both"
+parameters = {{ type = "object", properties = {{ sku = {{ type = "string" }} }}, required = ["sku"] }}
+[tools.catalog]
+description = "The whole catalog."
+url = "{tools_url}/big"
+parameters = {{ type = "object" }}
+max_response_bytes = 1000
+"#
+    )
+}
+
+#[tokio::test]
+async fn parallel_tool_calls_run_at_once_and_their_results_go_back_in_call_order() {
+    let calls = json!({"choices":[{"index":0,"delta":{"tool_calls":[
+        {"index":0,"id":"a","type":"function","function":{"name":"stock","arguments":"{\"sku\":\"cup\"}"}},
+        {"index":1,"id":"b","type":"function","function":{"name":"stock","arguments":"{\"sku\":\"pot\"}"}}]},
+        "finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![calls.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Both in stock."), stop(), DONE.into()]),
+    ])
+    .await;
+    let tools = tool_server().await;
+    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["stock"]"#) + &http_tools(&tools);
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "stock of cups and pots?", Duration::from_secs(20)).await;
+    status.unwrap();
+    let results: Vec<Value> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult)
+        .map(|e| serde_json::from_str(&e.payload_json).unwrap())
+        .collect();
+    assert_eq!(results.len(), 2);
+    assert!(results.iter().all(|r| r["met_the_other_call"] == true), "the calls ran concurrently: {results:?}");
+    let seen = f.seen.lock().unwrap().clone();
+    let msgs = seen[1]["messages"].as_array().unwrap();
+    let tool_msgs: Vec<(&str, Value)> = msgs
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| (m["tool_call_id"].as_str().unwrap(), serde_json::from_str(m["content"].as_str().unwrap()).unwrap()))
+        .collect();
+    assert_eq!(tool_msgs.iter().map(|t| t.0).collect::<Vec<_>>(), vec!["a", "b"]);
+    assert_eq!(tool_msgs[1].1["sku"], "pot");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_http_tool_response_over_its_cap_is_an_error_for_the_model() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function",
+        "function":{"name":"catalog","arguments":"{}"}}]},"finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Too big."), stop(), DONE.into()]),
+    ])
+    .await;
+    let tools = tool_server().await;
+    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["catalog"]"#) + &http_tools(&tools);
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "show the catalog", Duration::from_secs(20)).await;
+    status.unwrap();
+    let r: Value = serde_json::from_str(&events[1].payload_json).unwrap();
+    assert!(r["error"].as_str().unwrap().contains("exceeded 1000 bytes"), "{r}");
+    d.stop().await;
+}
