@@ -140,16 +140,19 @@ async fn a_gemini_style_tool_call_runs_the_tool_and_its_unknown_fields_go_back_t
     let s = d.session("u1").await;
     let (events, status) = d.run("u1", &s, "helper", "Where is order 1187?", Duration::from_secs(20)).await;
     status.unwrap();
-    assert_eq!(
-        kinds(&events),
-        vec![EventKind::ToolCall, EventKind::ToolResult, EventKind::PartialText, EventKind::PartialText, EventKind::FinalAnswer]
-    );
+    // Text deltas that arrive together may be merged into one event.
+    let k = kinds(&events);
+    assert_eq!(k[..3], [EventKind::ToolCall, EventKind::ToolResult, EventKind::PartialText], "{events:#?}");
+    assert!(k[3..k.len() - 1].iter().all(|k| *k == EventKind::PartialText));
+    assert_eq!(partial_text(&events), "It has shipped.");
     assert_eq!(events[0].tool_name, "lookup_order");
     assert_eq!(serde_json::from_str::<Value>(&events[0].payload_json).unwrap(), json!({"order_id": "1187"}));
     assert_eq!(events[1].tool_call_id, "function-call-1");
     assert_eq!(serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["status"], "shipped");
-    assert_eq!(events[4].text, "It has shipped.");
-    assert!(events[4].is_final);
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), EventKind::FinalAnswer);
+    assert_eq!(last.text, "It has shipped.");
+    assert!(last.is_final);
 
     let seen = f.seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);

@@ -199,6 +199,9 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             })?;
             agent_tools.push(tool);
         }
+        if a.first_call.tool_choice.is_some() && agent_tools.is_empty() {
+            return Err(at(Some(span), &format!("agent {name:?}: first_call.tool_choice needs at least one tool")));
+        }
         agents.push(Arc::new(ModelAgent::new(ModelAgentConfig {
             name: name.clone(),
             description: a.description.clone(),

@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use eventsource_stream::{EventStreamError, Eventsource};
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
@@ -94,8 +94,15 @@ pub struct ChatStream {
     events: Events,
     acc: Option<Accumulator>,
     pending: std::collections::VecDeque<Output>,
+    /// An item read ahead while merging text, handled by the next call.
+    lookahead: Option<Option<Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>>,
+    /// A failure met while merging text, returned by the next call.
+    deferred: Option<AgentError>,
     agent: String,
 }
+
+/// Text deltas already received are merged into one step up to this size.
+const MAX_MERGED_TEXT: usize = 16 * 1024;
 
 impl ChatClient {
     pub fn new(http: reqwest::Client, endpoint: Endpoint, agent: &str) -> Self {
@@ -127,6 +134,8 @@ impl ChatClient {
             events: Box::pin(resp.bytes_stream().eventsource()),
             acc: Some(Accumulator::new(id_prefix)),
             pending: Default::default(),
+            lookahead: None,
+            deferred: None,
             agent: self.agent.clone(),
         })
     }
@@ -227,7 +236,47 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 impl ChatStream {
     /// The next step; after [`Step::Done`] the stream is spent.
+    ///
+    /// Text deltas that have already arrived (a server that streams faster
+    /// than agentd's client reads sends many per TCP read) come out as one
+    /// step: fewer, larger events, never a wait for more.
     pub async fn next(&mut self) -> Result<Step, AgentError> {
+        let step = self.next_one().await?;
+        let Step::Text(mut text) = step else { return Ok(step) };
+        while text.len() < MAX_MERGED_TEXT {
+            match self.pending.front() {
+                Some(Output::Text(_)) => {
+                    if let Some(Output::Text(t)) = self.pending.pop_front() {
+                        text.push_str(&t);
+                    }
+                }
+                Some(Output::ToolCallReady(_)) => break,
+                None => {
+                    let Some(acc) = self.acc.as_mut().filter(|a| !a.is_done()) else { break };
+                    if self.lookahead.is_some() || self.deferred.is_some() {
+                        break;
+                    }
+                    match self.events.next().now_or_never() {
+                        None => break,
+                        Some(Some(Ok(ev))) => match acc.push(&ev.data) {
+                            Ok(outs) => self.pending.extend(outs),
+                            Err(e) => {
+                                self.deferred = Some(self.stream_error(e));
+                                break;
+                            }
+                        },
+                        Some(other) => {
+                            self.lookahead = Some(other);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Step::Text(text))
+    }
+
+    async fn next_one(&mut self) -> Result<Step, AgentError> {
         loop {
             let acc = self.acc.as_mut().ok_or_else(|| anyhow::anyhow!("ChatStream polled after Done"))?;
             if let Some(out) = self.pending.pop_front() {
@@ -236,13 +285,20 @@ impl ChatStream {
                     Output::ToolCallReady(n) => Step::ToolCall(acc.call(n)),
                 });
             }
+            if let Some(e) = self.deferred.take() {
+                return Err(e);
+            }
             if acc.is_done() {
                 // Nothing may follow [DONE]; do not wait for the server to
                 // close the connection.
                 let acc = self.acc.take().expect("checked above");
                 return acc.finish().map(Step::Done).map_err(|e| self.stream_error(e));
             }
-            match self.events.next().await {
+            let item = match self.lookahead.take() {
+                Some(item) => item,
+                None => self.events.next().await,
+            };
+            match item {
                 Some(Ok(ev)) => {
                     let outs = acc.push(&ev.data).map_err(|e| self.stream_error(e))?;
                     self.pending.extend(outs);
