@@ -32,6 +32,8 @@ enum Reply {
     Error(u16, Vec<(&'static str, &'static str)>, String),
     /// Text chunks forever, slowly; reports on `closed` when agentd hangs up.
     Endless,
+    /// SSE `data:` payloads all in one body write, as a fast server bursts.
+    Burst(Vec<String>),
 }
 
 #[derive(Clone)]
@@ -68,6 +70,10 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
                 r.headers_mut().insert(k, v.parse().unwrap());
             }
             r
+        }
+        Reply::Burst(items) => {
+            let body: String = items.iter().map(|d| format!("data: {d}\n\n")).collect();
+            Response::builder().header("content-type", "text/event-stream").body(Body::from(body)).unwrap()
         }
         Reply::Endless => {
             let guard = OnDrop(s.closed.clone());
@@ -433,5 +439,23 @@ async fn an_http_tool_response_over_its_cap_is_an_error_for_the_model() {
     status.unwrap();
     let r: Value = serde_json::from_str(&events[1].payload_json).unwrap();
     assert!(r["error"].as_str().unwrap().contains("exceeded 1000 bytes"), "{r}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn text_deltas_that_arrive_together_become_fewer_events_with_the_text_intact() {
+    let mut items: Vec<String> = (0..200).map(|i| text(&format!("w{i} "))).collect();
+    items.push(stop());
+    items.push(DONE.into());
+    let f = fake(vec![Reply::Burst(items)]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "burst", Duration::from_secs(20)).await;
+    status.unwrap();
+    let want: String = (0..200).map(|i| format!("w{i} ")).collect();
+    assert_eq!(partial_text(&events), want);
+    assert_eq!(events.last().unwrap().text, want);
+    let partials = events.iter().filter(|e| e.kind() == EventKind::PartialText).count();
+    assert!(partials < 200, "deltas read together are merged: {partials} events");
     d.stop().await;
 }
