@@ -128,6 +128,7 @@ async fn agentd_once(mut client: AgentClient, session: String, tokens: usize) ->
         text: "go".into(),
         request_id: String::new(),
         agent: "fake".into(),
+        ..Default::default()
     };
     let t0 = Instant::now();
     let mut call = client.run(req, Duration::from_secs(60)).await?;

@@ -70,6 +70,7 @@ impl Agentd {
             text: text.into(),
             request_id: String::new(),
             agent: agent.into(),
+            ..Default::default()
         };
         match self.client.run_to_end(req, deadline).await {
             Ok(r) => r,
