@@ -50,9 +50,15 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
 
-    /// Agent that serves a Run whose `agent` field is empty.
-    #[arg(long, env = "AGENTD_DEFAULT_AGENT", default_value = crate::agent::demo::NAME)]
-    pub default_agent: String,
+    /// Agent that serves a Run whose `agent` field is empty (default: the
+    /// agents file's `default`, else order_helper).
+    #[arg(long, env = "AGENTD_DEFAULT_AGENT")]
+    pub default_agent: Option<String>,
+
+    /// Agents file (TOML): model-backed agents and their HTTP tools, served
+    /// beside the built-in ones. A bad file fails start-up. See README.
+    #[arg(long, env = "AGENTD_AGENTS")]
+    pub agents: Option<std::path::PathBuf>,
 
     /// Simulated latency of the demo agent's `lookup_order` tool.
     #[arg(long, env = "AGENTD_TOOL_DELAY", value_parser = duration, default_value = "0s")]

@@ -71,12 +71,20 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
-    let agents: Vec<Arc<dyn Agent>> = vec![
+    let mut agents: Vec<Arc<dyn Agent>> = vec![
         Arc::new(demo::OrderHelper::new(args.tool_delay)),
         Arc::new(synthetic::Echo),
         Arc::new(synthetic::Streamer),
     ];
-    let registry = AgentRegistry::new(agents, &args.default_agent)?;
+    let mut default = None;
+    if let Some(path) = &args.agents {
+        let opts = agentd::agent::file::LoadOptions { tool_delay: args.tool_delay, ..Default::default() };
+        let file = agentd::agent::file::load(path, &opts)?;
+        agents.extend(file.agents);
+        default = file.default;
+    }
+    let default = args.default_agent.clone().or(default).unwrap_or_else(|| demo::NAME.to_owned());
+    let registry = AgentRegistry::new(agents, &default)?;
     let store = agentd::store::open(&args.store).await?;
     let turns = Turns::new(store, registry, args.turn_config());
     let mut opts = args.server_options();

@@ -4,7 +4,10 @@
 //! fires at the same moment so tools running elsewhere can observe it.
 
 pub mod demo;
+pub mod file;
+pub mod openai;
 pub mod synthetic;
+pub mod tools;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

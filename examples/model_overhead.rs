@@ -1,0 +1,247 @@
+//! Per-token overhead of the model backend.
+//!
+//! A fake OpenAI-compatible server streams N tokens as fast as it can. The
+//! same stream is read (a) directly by a client (agentd's own chat client,
+//! no gRPC) and (b) through agentd: a Run of a model-backed agent, events
+//! over gRPC to the real client. Both at C concurrent runs, in the same
+//! process and the same run, so the ratio is what agentd adds.
+//!
+//!   cargo run --release --example model_overhead -- tokens=256 concurrency=64 rounds=5
+//!
+//! Prints time-to-first-token and time-to-last-token (median, p99) of both
+//! paths and the ratios. Target: under 10% added to time-to-last-token and
+//! under 1 ms added to time-to-first-token at 64 concurrent runs.
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentd::agent::file::{self, LoadOptions};
+use agentd::agent::openai::wire::{ChatRequest, Message, Sampling, StreamOptions};
+use agentd::agent::openai::{ChatClient, Endpoint, http_client};
+use agentd::agent::openai::client::Step;
+use agentd::agent::{Agent, AgentRegistry};
+use agentd::client::AgentClient;
+use agentd::pb;
+use agentd::server::ServerOptions;
+use agentd::store::memory::MemoryStore;
+use agentd::turn::{TurnConfig, Turns};
+use axum::body::{Body, Bytes};
+use axum::response::Response;
+use axum::routing::post;
+
+struct Params {
+    tokens: usize,
+    concurrency: usize,
+    rounds: usize,
+}
+
+fn params() -> anyhow::Result<Params> {
+    let mut p = Params { tokens: 256, concurrency: 64, rounds: 5 };
+    for a in std::env::args().skip(1) {
+        let (k, v) = a.split_once('=').ok_or_else(|| anyhow::anyhow!("expected key=value, got {a:?}"))?;
+        let v: usize = v.parse()?;
+        match k {
+            "tokens" => p.tokens = v,
+            "concurrency" => p.concurrency = v,
+            "rounds" => p.rounds = v,
+            _ => anyhow::bail!("unknown parameter {k:?}; use tokens, concurrency, rounds"),
+        }
+    }
+    Ok(p)
+}
+
+/// The fake model: `tokens` deltas, one SSE event per body chunk, as fast as
+/// the reader takes them.
+async fn fake_model(tokens: usize) -> String {
+    let mut chunks: Vec<Bytes> = Vec::with_capacity(tokens + 3);
+    chunks.push(Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"));
+    for i in 0..tokens {
+        chunks.push(Bytes::from(format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}}}}]}}\n\n")));
+    }
+    chunks.push(Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"));
+    chunks.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    let chunks = Arc::new(chunks);
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move || {
+            let chunks = chunks.clone();
+            async move {
+                let body = futures::stream::iter((0..chunks.len()).map(move |i| Ok::<_, Infallible>(chunks[i].clone())));
+                Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(body)).unwrap()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// PARTIAL_TEXT events received through agentd (deltas that arrive
+/// together are merged, so there can be fewer than tokens).
+static EVENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Bytes of text the fake model streams.
+fn text_len(tokens: usize) -> usize {
+    (0..tokens).map(|i| format!("tok{i} ").len()).sum()
+}
+
+/// (time to first token, time to last token) of one run.
+type Sample = (Duration, Duration);
+
+async fn direct_once(client: &ChatClient, tokens: usize) -> anyhow::Result<Sample> {
+    let messages = [Message::User { content: "go".into() }];
+    let sampling = Sampling::default();
+    let req = ChatRequest {
+        model: "fake",
+        messages: &messages,
+        stream: true,
+        stream_options: StreamOptions { include_usage: true },
+        tools: &[],
+        tool_choice: None,
+        sampling: &sampling,
+    };
+    let t0 = Instant::now();
+    let mut s = client.start(&req, "call").await?;
+    let mut first = None;
+    let mut n = 0;
+    loop {
+        match s.next().await? {
+            Step::Text(t) => {
+                first.get_or_insert_with(|| t0.elapsed());
+                n += t.len();
+            }
+            Step::ToolCall(_) => {}
+            Step::Done(_) => break,
+        }
+    }
+    anyhow::ensure!(n == text_len(tokens), "read {n} bytes of text, expected {}", text_len(tokens));
+    Ok((first.unwrap_or_default(), t0.elapsed()))
+}
+
+async fn agentd_once(mut client: AgentClient, session: String, tokens: usize) -> anyhow::Result<Sample> {
+    let req = pb::RunRequest {
+        user_id: "bench".into(),
+        session_id: session,
+        text: "go".into(),
+        request_id: String::new(),
+        agent: "fake".into(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut call = client.run(req, Duration::from_secs(60)).await?;
+    let mut first = None;
+    let mut n = 0;
+    while let Some(e) = call.events.message().await? {
+        if e.kind() == pb::EventKind::PartialText {
+            first.get_or_insert_with(|| t0.elapsed());
+            n += e.text.len();
+            EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    anyhow::ensure!(n == text_len(tokens), "read {n} bytes of text, expected {}", text_len(tokens));
+    Ok((first.unwrap_or_default(), t0.elapsed()))
+}
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    v.sort();
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+struct Summary {
+    ttft_p50: Duration,
+    ttft_p99: Duration,
+    ttlt_p50: Duration,
+    ttlt_p99: Duration,
+}
+
+fn summarise(samples: &[Sample]) -> Summary {
+    let mut ft: Vec<_> = samples.iter().map(|s| s.0).collect();
+    let mut lt: Vec<_> = samples.iter().map(|s| s.1).collect();
+    Summary { ttft_p50: pct(&mut ft, 0.5), ttft_p99: pct(&mut ft, 0.99), ttlt_p50: pct(&mut lt, 0.5), ttlt_p99: pct(&mut lt, 0.99) }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let p = params()?;
+    let url = fake_model(p.tokens).await;
+
+    // (a) Direct: the chat client reading the model's stream.
+    let direct_client = ChatClient::new(http_client()?, Endpoint::new(&url), "bench");
+    // (b) Through agentd: an agent from an agents file, served on 127.0.0.1.
+    let toml = format!("[agents.fake]\ncall_timeout = \"60s\"\n[agents.fake.model]\nbase_url = \"{url}\"\nmodel = \"fake\"\n");
+    let f = file::parse(&toml, Path::new("bench.toml"), &LoadOptions::default())?;
+    let agents: Vec<Arc<dyn Agent>> = f.agents;
+    let registry = AgentRegistry::new(agents, "fake")?;
+    let cfg = TurnConfig { max_concurrent_runs: 4096, history_turns: 0, ..TurnConfig::default() };
+    let turns = Turns::new(Arc::new(MemoryStore::new()), registry, cfg);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(agentd::server::run(listener, turns, ServerOptions { drain_delay: Duration::ZERO, ..Default::default() }, async {
+        let _ = stop_rx.await;
+    }));
+    let client = AgentClient::connect(&format!("http://{addr}")).await?;
+    let mut sessions = Vec::new();
+    for _ in 0..p.concurrency {
+        sessions.push(client.clone().create_session("bench").await?.session_id);
+    }
+
+    let mut direct = Vec::new();
+    let mut through = Vec::new();
+    // Round 0 warms connections and allocators; it is not counted. Paths
+    // alternate so drift (other load on the machine) hits both alike.
+    for round in 0..=p.rounds {
+        if round == 1 {
+            EVENTS.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+        let runs = (0..p.concurrency).map(|_| direct_once(&direct_client, p.tokens));
+        let d: Vec<Sample> = futures::future::try_join_all(runs).await?;
+        let runs = sessions.iter().map(|s| agentd_once(client.clone(), s.clone(), p.tokens));
+        let a: Vec<Sample> = futures::future::try_join_all(runs).await?;
+        if round > 0 {
+            direct.extend(d);
+            through.extend(a);
+        }
+    }
+    let d = summarise(&direct);
+    let a = summarise(&through);
+    println!(
+        "model overhead: {} tokens per run, {} concurrent runs, {} rounds ({} runs per path)",
+        p.tokens,
+        p.concurrency,
+        p.rounds,
+        direct.len()
+    );
+    println!("| path | TTFT p50 ms | TTFT p99 ms | TTLT p50 ms | TTLT p99 ms |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for (name, s) in [("direct (chat client)", &d), ("through agentd (gRPC Run)", &a)] {
+        println!("| {name} | {:.3} | {:.3} | {:.3} | {:.3} |", ms(s.ttft_p50), ms(s.ttft_p99), ms(s.ttlt_p50), ms(s.ttlt_p99));
+    }
+    let ttlt_ratio = a.ttlt_p50.as_secs_f64() / d.ttlt_p50.as_secs_f64();
+    let ttft_added = ms(a.ttft_p50) - ms(d.ttft_p50);
+    println!(
+        "TTLT ratio agentd/direct (p50): {ttlt_ratio:.3} (target < 1.10: {}); p99 ratio {:.3}",
+        if ttlt_ratio < 1.10 { "met" } else { "NOT met" },
+        a.ttlt_p99.as_secs_f64() / d.ttlt_p99.as_secs_f64()
+    );
+    println!(
+        "TTFT added by agentd (p50): {ttft_added:.3} ms (target < 1 ms: {}); p99 added {:.3} ms",
+        if ttft_added < 1.0 { "met" } else { "NOT met" },
+        ms(a.ttft_p99) - ms(d.ttft_p99)
+    );
+    println!(
+        "PARTIAL_TEXT events per run through agentd: {:.1} for {} tokens",
+        EVENTS.load(std::sync::atomic::Ordering::Relaxed) as f64 / through.len() as f64,
+        p.tokens
+    );
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    Ok(())
+}

@@ -1,0 +1,368 @@
+//! The agents file (`--agents agents.toml`): the model-backed agents one
+//! process serves, and the HTTP tools they may call. A bad file fails at
+//! start-up with the file, line and reason.
+//!
+//! ```toml
+//! default = "support"              # optional: the agent for an empty RunRequest.agent
+//!
+//! [agents.support]
+//! description = "Answers customer questions about orders."
+//! instruction = "You are a helpful support agent. Use the tools."
+//! tools = ["lookup_order", "stock"] # built-in tools, or [tools.*] below
+//! max_tool_turns = 8                # model calls that may end in tool calls
+//! call_timeout = "60s"              # bound of each model call and tool call
+//!
+//! [agents.support.model]
+//! base_url = "http://127.0.0.1:11434/v1"
+//! model = "qwen2.5:7b-instruct"
+//! api_key_env = "OPENAI_API_KEY"    # or api_key_file = "/run/secrets/key"; neither for local servers
+//!
+//! [agents.support.sampling]
+//! temperature = 0.2
+//! max_tokens = 1024
+//!
+//! [tools.stock]
+//! description = "Checks stock for a product."
+//! url = "http://inventory.internal:8080/stock"
+//! parameters = { type = "object", properties = { sku = { type = "string" } }, required = ["sku"] }
+//! timeout = "5s"
+//! max_response_bytes = 65536
+//! ```
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::Agent;
+use super::openai::{ChatClient, Endpoint, FirstCall, ModelAgent, ModelAgentConfig, Sampling};
+use super::tools::{self, HttpTool, Tool, ToolDef};
+
+/// Default bound of one model or tool call.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default number of tool turns per run.
+pub const DEFAULT_MAX_TOOL_TURNS: u32 = 8;
+/// Default cap of an HTTP tool's response.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDoc {
+    default: Option<Spanned<String>>,
+    #[serde(default)]
+    agents: BTreeMap<String, Spanned<AgentDoc>>,
+    #[serde(default)]
+    tools: BTreeMap<String, Spanned<HttpToolDoc>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AgentDoc {
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    instruction: String,
+    model: ModelDoc,
+    #[serde(default)]
+    sampling: Sampling,
+    max_tool_turns: Option<u32>,
+    call_timeout: Option<Spanned<String>>,
+    #[serde(default)]
+    tools: Vec<Spanned<String>>,
+    #[serde(default)]
+    first_call: FirstCall,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelDoc {
+    base_url: Spanned<String>,
+    model: String,
+    api_key_env: Option<Spanned<String>>,
+    api_key_file: Option<Spanned<PathBuf>>,
+    #[serde(default)]
+    headers: BTreeMap<String, Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HttpToolDoc {
+    #[serde(default)]
+    description: String,
+    url: Spanned<String>,
+    parameters: Spanned<serde_json::Value>,
+    #[serde(default)]
+    headers: BTreeMap<String, Spanned<String>>,
+    timeout: Option<Spanned<String>>,
+    max_response_bytes: Option<usize>,
+}
+
+/// What an agents file declares, ready to serve.
+pub struct AgentsFile {
+    pub agents: Vec<Arc<dyn Agent>>,
+    /// The file's `default`, if it names one.
+    pub default: Option<String>,
+}
+
+/// What the loader needs from the process.
+pub struct LoadOptions {
+    /// Simulated latency of the built-in `lookup_order`.
+    pub tool_delay: Duration,
+    /// Looks up `api_key_env` (the process environment in production).
+    pub env: Box<dyn Fn(&str) -> Option<String>>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { tool_delay: Duration::ZERO, env: Box::new(|k| std::env::var(k).ok()) }
+    }
+}
+
+/// Reads and checks `path`. The error is one line: `file:line:column: reason`.
+pub fn load(path: &Path, opts: &LoadOptions) -> anyhow::Result<AgentsFile> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read the agents file: {e}", path.display()))?;
+    parse(&text, path, opts)
+}
+
+/// Parses an agents file held in memory; `path` names it in errors.
+pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<AgentsFile> {
+    let at = |span: Option<Range<usize>>, reason: &str| -> anyhow::Error {
+        match span {
+            Some(s) => {
+                let (line, col) = line_col(text, s.start);
+                anyhow::anyhow!("{}:{line}:{col}: {reason}", path.display())
+            }
+            None => anyhow::anyhow!("{}: {reason}", path.display()),
+        }
+    };
+    let doc: FileDoc = toml::from_str(text).map_err(|e| at(e.span(), e.message().trim()))?;
+    let http = super::openai::http_client()?;
+
+    let mut http_tools: BTreeMap<String, Arc<dyn Tool>> = BTreeMap::new();
+    for (name, t) in &doc.tools {
+        let span = t.span();
+        let t = t.get_ref();
+        check_name(name).map_err(|r| at(Some(span.clone()), &format!("tool {name:?}: {r}")))?;
+        if tools::BUILT_IN.contains(&name.as_str()) {
+            return Err(at(Some(span), &format!("tool {name:?} is built in; give an HTTP tool another name")));
+        }
+        let url = parse_url(t.url.get_ref()).map_err(|r| at(Some(t.url.span()), &format!("tool {name:?}: {r}")))?;
+        let def = ToolDef::new(name, &t.description, t.parameters.get_ref().clone())
+            .map_err(|r| at(Some(t.parameters.span()), &format!("tool {name:?}: parameters: {r}")))?;
+        let timeout = t.timeout.as_ref().map(|d| duration(d, &at)).transpose()?.unwrap_or(DEFAULT_CALL_TIMEOUT);
+        let headers = header_map(&t.headers, &at)?;
+        let cap = t.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
+        if cap == 0 {
+            return Err(at(Some(span), &format!("tool {name:?}: max_response_bytes must be at least 1")));
+        }
+        http_tools.insert(name.clone(), Arc::new(HttpTool::new(def, http.clone(), url, headers, timeout, cap)));
+    }
+
+    let mut agents: Vec<Arc<dyn Agent>> = Vec::new();
+    for (name, a) in &doc.agents {
+        let span = a.span();
+        let a = a.get_ref();
+        check_name(name).map_err(|r| at(Some(span.clone()), &format!("agent {name:?}: {r}")))?;
+        let m = &a.model;
+        parse_url(m.base_url.get_ref()).map_err(|r| at(Some(m.base_url.span()), &format!("agent {name:?}: base_url: {r}")))?;
+        if m.model.trim().is_empty() {
+            return Err(at(Some(span), &format!("agent {name:?}: model.model is empty")));
+        }
+        let mut endpoint = Endpoint::new(m.base_url.get_ref());
+        endpoint.headers = header_map(&m.headers, &at)?;
+        endpoint.api_key = match (&m.api_key_env, &m.api_key_file) {
+            (Some(_), Some(f)) => {
+                return Err(at(Some(f.span()), &format!("agent {name:?}: give api_key_env or api_key_file, not both")));
+            }
+            (Some(var), None) => Some((opts.env)(var.get_ref()).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
+                at(Some(var.span()), &format!("agent {name:?}: environment variable {} is not set", var.get_ref()))
+            })?),
+            (None, Some(file)) => Some(read_key(file.get_ref()).map_err(|r| at(Some(file.span()), &format!("agent {name:?}: {r}")))?),
+            (None, None) => None,
+        }
+        .map(|k| k.trim().to_owned());
+        let call_timeout = a.call_timeout.as_ref().map(|d| duration(d, &at)).transpose()?.unwrap_or(DEFAULT_CALL_TIMEOUT);
+        let mut agent_tools: Vec<Arc<dyn Tool>> = Vec::new();
+        for t in &a.tools {
+            let tname = t.get_ref();
+            if agent_tools.iter().any(|x| x.def().name == *tname) {
+                return Err(at(Some(t.span()), &format!("agent {name:?}: tool {tname:?} is listed twice")));
+            }
+            let tool = http_tools.get(tname).cloned().or_else(|| tools::built_in(tname, opts.tool_delay)).ok_or_else(|| {
+                let mut known: Vec<&str> = tools::BUILT_IN.to_vec();
+                known.extend(http_tools.keys().map(String::as_str));
+                at(Some(t.span()), &format!("agent {name:?}: unknown tool {tname:?} (known: {})", known.join(", ")))
+            })?;
+            agent_tools.push(tool);
+        }
+        if a.first_call.tool_choice.is_some() && agent_tools.is_empty() {
+            return Err(at(Some(span), &format!("agent {name:?}: first_call.tool_choice needs at least one tool")));
+        }
+        agents.push(Arc::new(ModelAgent::new(ModelAgentConfig {
+            name: name.clone(),
+            description: a.description.clone(),
+            instruction: a.instruction.clone(),
+            model: m.model.clone(),
+            client: ChatClient::new(http.clone(), endpoint, name),
+            sampling: a.sampling.clone(),
+            max_tool_turns: a.max_tool_turns.unwrap_or(DEFAULT_MAX_TOOL_TURNS),
+            call_timeout,
+            tools: agent_tools,
+            first_call: a.first_call.clone(),
+        })));
+    }
+
+    let default = match &doc.default {
+        Some(d) if !doc.agents.contains_key(d.get_ref()) => {
+            return Err(at(Some(d.span()), &format!("default agent {:?} is not defined in this file", d.get_ref())));
+        }
+        Some(d) => Some(d.get_ref().clone()),
+        None => None,
+    };
+    Ok(AgentsFile { agents, default })
+}
+
+/// Agent and tool names: what RunRequest.agent and the model accept.
+fn check_name(name: &str) -> Result<(), &'static str> {
+    let ok = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok { Ok(()) } else { Err("names must be 1-64 characters of [A-Za-z0-9_-]") }
+}
+
+fn parse_url(s: &str) -> Result<reqwest::Url, String> {
+    let url = reqwest::Url::parse(s).map_err(|e| format!("not a URL ({e})"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err("the URL must be http:// or https://".into());
+    }
+    Ok(url)
+}
+
+fn duration(d: &Spanned<String>, at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error) -> anyhow::Result<Duration> {
+    let v = humantime::parse_duration(d.get_ref()).map_err(|e| at(Some(d.span()), &format!("{e} (use e.g. 500ms, 30s, 5m)")))?;
+    if v.is_zero() {
+        return Err(at(Some(d.span()), "a timeout must be more than 0s"));
+    }
+    Ok(v)
+}
+
+fn header_map(
+    h: &BTreeMap<String, Spanned<String>>,
+    at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error,
+) -> anyhow::Result<reqwest::header::HeaderMap> {
+    let mut e = Endpoint::new("");
+    for (k, v) in h {
+        e = e.header(k, v.get_ref()).map_err(|r| at(Some(v.span()), &r.to_string()))?;
+    }
+    Ok(e.headers)
+}
+
+fn read_key(path: &Path) -> Result<String, String> {
+    let k = std::fs::read_to_string(path).map_err(|e| format!("cannot read api_key_file {}: {e}", path.display()))?;
+    if k.trim().is_empty() {
+        return Err(format!("api_key_file {} is empty", path.display()));
+    }
+    Ok(k)
+}
+
+/// 1-based line and column of byte `offset`.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
+    (line, col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> LoadOptions {
+        LoadOptions {
+            tool_delay: Duration::ZERO,
+            env: Box::new(|k| (k == "MODEL_KEY").then(|| "sk-test".to_owned())),
+        }
+    }
+
+    fn err(text: &str) -> String {
+        match parse(text, Path::new("agents.toml"), &opts()) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    const GOOD: &str = r#"
+default = "support"
+
+[agents.support]
+description = "Answers order questions."
+instruction = "Be brief."
+tools = ["lookup_order", "stock"]
+max_tool_turns = 3
+call_timeout = "20s"
+
+[agents.support.model]
+base_url = "http://127.0.0.1:11434/v1/"
+model = "qwen2.5"
+api_key_env = "MODEL_KEY"
+
+[agents.support.sampling]
+temperature = 0.1
+seed = 7
+
+[tools.stock]
+description = "Checks stock."
+url = "http://127.0.0.1:9/stock"
+parameters = { type = "object", properties = { sku = { type = "string" } }, required = ["sku"] }
+"#;
+
+    #[test]
+    fn a_good_file_declares_its_agents_and_default() {
+        let f = parse(GOOD, Path::new("agents.toml"), &opts()).unwrap();
+        assert_eq!(f.default.as_deref(), Some("support"));
+        assert_eq!(f.agents.iter().map(|a| a.name().to_owned()).collect::<Vec<_>>(), vec!["support"]);
+    }
+
+    #[test]
+    fn a_syntax_error_names_file_line_and_reason() {
+        let e = err("[agents.a]\ndescription = \"x\"\nmodel = { base_url = \"http://x\", model = \"m\" \n");
+        assert!(e.starts_with("agents.toml:3:"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_tool_is_refused_on_its_line() {
+        let bad = GOOD.replace(r#""lookup_order", "stock""#, r#""lookup_order", "stok""#);
+        let e = err(&bad);
+        assert!(e.starts_with("agents.toml:7:"), "{e}");
+        assert!(e.contains("unknown tool \"stok\""), "{e}");
+    }
+
+    #[test]
+    fn a_missing_api_key_variable_is_refused_without_showing_any_key() {
+        let bad = GOOD.replace("MODEL_KEY", "NO_SUCH_VAR");
+        let e = err(&bad);
+        assert!(e.starts_with("agents.toml:14:"), "{e}");
+        assert!(e.contains("NO_SUCH_VAR is not set"), "{e}");
+    }
+
+    #[test]
+    fn unknown_fields_bad_durations_urls_and_schemas_are_refused() {
+        assert!(err(&GOOD.replace("max_tool_turns", "max_turns")).contains("unknown field"));
+        let e = err(&GOOD.replace("\"20s\"", "\"soon\""));
+        assert!(e.starts_with("agents.toml:9:"), "{e}");
+        let e = err(&GOOD.replace("http://127.0.0.1:9/stock", "ftp://x/stock"));
+        assert!(e.contains("http://"), "{e}");
+        let e = err(&GOOD.replace("type = \"object\"", "type = \"objekt\""));
+        assert!(e.contains("parameters"), "{e}");
+        let e = err(&GOOD.replace("default = \"support\"", "default = \"nobody\""));
+        assert!(e.starts_with("agents.toml:2:"), "{e}");
+    }
+
+    #[test]
+    fn line_and_column_are_one_based() {
+        assert_eq!(line_col("ab\ncd", 0), (1, 1));
+        assert_eq!(line_col("ab\ncd", 4), (2, 2));
+    }
+}

@@ -1,0 +1,457 @@
+//! Turns the `data:` payloads of one streamed chat completion into text
+//! deltas, complete tool calls and an ending.
+//!
+//! Tool-call fragments are keyed by `index`, falling back to `id` when the
+//! index is missing (Gemini sends none, and the whole call in one chunk) or
+//! reused for a different call (Ollama sends index 0 for every call).
+//! Arguments are concatenated as strings and parsed only once the call is
+//! complete. Unknown per-call fields are kept and sent back. A stream is
+//! only complete after `[DONE]`: an EOF before it is an error.
+
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use super::wire::{Chunk, FunctionCall, ToolCall, ToolCallDelta, Usage};
+
+/// What one payload produced, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    Text(String),
+    /// The tool call at this position of [`Completion::tool_calls`] is
+    /// complete (a later call started); the rest complete at the end.
+    ToolCallReady(usize),
+}
+
+/// Why the model stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The model wants tool results before it answers.
+    ToolCalls,
+    /// The model's answer is complete.
+    Stop,
+    /// The model hit its token limit; the answer may be cut.
+    Length,
+    /// Anything else the server said (e.g. `content_filter`), or nothing.
+    Other,
+}
+
+/// The result of one streamed call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub text: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish: Finish,
+    pub usage: Option<Usage>,
+}
+
+/// How a stream failed. The `detail`s are for the log only: they can carry
+/// model output, which may echo the prompt.
+#[derive(Debug, Error, PartialEq)]
+pub enum StreamError {
+    #[error("the model server sent a chunk that is not valid JSON: {detail}")]
+    Malformed { detail: String },
+    #[error("the model server reported an error mid-stream (code {code:?}): {detail}")]
+    Server { code: Option<u16>, detail: String },
+    #[error("the stream ended before [DONE]")]
+    Truncated,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    index: Option<u32>,
+    id: String,
+    kind: String,
+    name: String,
+    arguments: String,
+    extra: Map<String, Value>,
+    function_extra: Map<String, Value>,
+}
+
+/// Accumulates one streamed completion.
+#[derive(Debug)]
+pub struct Accumulator {
+    /// Prefix of ids generated for calls that came without one.
+    id_prefix: String,
+    text: String,
+    slots: Vec<Slot>,
+    /// Slots already announced as ready.
+    ready: usize,
+    finish_reason: Option<String>,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl Accumulator {
+    pub fn new(id_prefix: impl Into<String>) -> Self {
+        Self {
+            id_prefix: id_prefix.into(),
+            text: String::new(),
+            slots: Vec::new(),
+            ready: 0,
+            finish_reason: None,
+            usage: None,
+            done: false,
+        }
+    }
+
+    /// True once `[DONE]` was seen; later payloads are ignored.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Feeds one SSE `data:` payload.
+    pub fn push(&mut self, data: &str) -> Result<Vec<Output>, StreamError> {
+        if self.done {
+            return Ok(Vec::new());
+        }
+        let data = data.trim();
+        if data == "[DONE]" {
+            self.done = true;
+            return Ok(Vec::new());
+        }
+        if data.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunk: Chunk = serde_json::from_str(data)
+            .map_err(|e| StreamError::Malformed { detail: format!("{e}; payload {}", clip(data)) })?;
+        if let Some(err) = chunk.error {
+            return Err(StreamError::Server { code: error_code(&err), detail: clip(&err.to_string()) });
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        let mut out = Vec::new();
+        // Only the first choice is followed (we never ask for n > 1).
+        for choice in chunk.choices.into_iter().filter(|c| c.index.unwrap_or(0) == 0) {
+            if let Some(text) = choice.delta.content.filter(|t| !t.is_empty()) {
+                self.text.push_str(&text);
+                out.push(Output::Text(text));
+            }
+            for delta in choice.delta.tool_calls.into_iter().flatten() {
+                self.tool_delta(delta, &mut out);
+            }
+            if let Some(reason) = choice.finish_reason.filter(|r| !r.is_empty()) {
+                self.finish_reason = Some(reason);
+            }
+        }
+        Ok(out)
+    }
+
+    fn tool_delta(&mut self, d: ToolCallDelta, out: &mut Vec<Output>) {
+        let id = d.id.filter(|s| !s.is_empty());
+        let slot = match self.find_slot(d.index, id.as_deref()) {
+            Some(i) => i,
+            None => {
+                // A new call starts: every earlier one is complete.
+                for i in self.ready..self.slots.len() {
+                    out.push(Output::ToolCallReady(i));
+                }
+                self.ready = self.slots.len();
+                self.slots.push(Slot { index: d.index, ..Slot::default() });
+                self.slots.len() - 1
+            }
+        };
+        let s = &mut self.slots[slot];
+        if let Some(id) = id {
+            s.id = id;
+        }
+        if let Some(kind) = d.kind.filter(|k| !k.is_empty()) {
+            s.kind = kind;
+        }
+        if let Some(f) = d.function {
+            if let Some(name) = f.name.filter(|n| !n.is_empty()) {
+                // Servers either send the name once, repeat it on every
+                // fragment, or (rarely) stream it in pieces.
+                if s.name.is_empty() {
+                    s.name = name;
+                } else if s.name != name {
+                    s.name.push_str(&name);
+                }
+            }
+            match f.arguments {
+                Some(Value::String(piece)) => s.arguments.push_str(&piece),
+                Some(Value::Null) | None => {}
+                Some(whole) => s.arguments.push_str(&whole.to_string()),
+            }
+            s.function_extra.extend(f.extra);
+        }
+        s.extra.extend(d.extra);
+    }
+
+    /// The slot this fragment continues, or `None` for a new call.
+    fn find_slot(&self, index: Option<u32>, id: Option<&str>) -> Option<usize> {
+        let last = self.slots.len().checked_sub(1);
+        match (index, id) {
+            // The same index with a different id is a new call (Ollama).
+            (Some(ix), Some(id)) => {
+                let i = self.slots.iter().rposition(|s| s.index == Some(ix))?;
+                let s = &self.slots[i];
+                (s.id.is_empty() || s.id == id).then_some(i)
+            }
+            (Some(ix), None) => self.slots.iter().rposition(|s| s.index == Some(ix)),
+            (None, Some(id)) => self.slots.iter().rposition(|s| s.id == id),
+            // No index, no id: a continuation of the call in progress.
+            (None, None) => last,
+        }
+    }
+
+    /// The tool call at position `n`, as accumulated so far (complete once
+    /// announced by [`Output::ToolCallReady`]).
+    pub fn call(&self, n: usize) -> ToolCall {
+        let s = &self.slots[n];
+        ToolCall {
+            id: if s.id.is_empty() { format!("{}_{n}", self.id_prefix) } else { s.id.clone() },
+            kind: if s.kind.is_empty() { "function".into() } else { s.kind.clone() },
+            function: FunctionCall {
+                name: s.name.clone(),
+                arguments: s.arguments.clone(),
+                extra: s.function_extra.clone(),
+            },
+            extra: s.extra.clone(),
+        }
+    }
+
+    /// Ends the stream (EOF). Fails unless `[DONE]` was seen.
+    pub fn finish(self) -> Result<Completion, StreamError> {
+        if !self.done {
+            return Err(StreamError::Truncated);
+        }
+        let tool_calls: Vec<ToolCall> = (0..self.slots.len()).map(|n| self.call(n)).collect();
+        let finish = match self.finish_reason.as_deref() {
+            // Gemini ends a tool-calling turn with "stop".
+            _ if !tool_calls.is_empty() => Finish::ToolCalls,
+            Some("stop") => Finish::Stop,
+            Some("length") => Finish::Length,
+            None => Finish::Stop,
+            Some(_) => Finish::Other,
+        };
+        Ok(Completion { text: self.text, tool_calls, finish, usage: self.usage })
+    }
+}
+
+/// Parses a tool call's arguments once it is complete. Empty means `{}`.
+pub fn parse_arguments(arguments: &str) -> Result<Value, serde_json::Error> {
+    if arguments.trim().is_empty() {
+        return Ok(Value::Object(Map::new()));
+    }
+    serde_json::from_str(arguments)
+}
+
+/// The numeric code of an error object, if it has one.
+fn error_code(err: &Value) -> Option<u16> {
+    let inner = err.get("error").unwrap_or(err);
+    let code = inner.get("code").or_else(|| inner.get("status"))?;
+    match code {
+        Value::Number(n) => n.as_u64().and_then(|n| u16::try_from(n).ok()),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+/// Keeps log lines bounded.
+fn clip(s: &str) -> String {
+    const MAX: usize = 512;
+    if s.len() <= MAX {
+        return s.to_owned();
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &s[..end], s.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Feeds an SSE transcript (`data: ...` lines) and collects everything.
+    fn run(transcript: &str) -> (Vec<Output>, Result<Completion, StreamError>) {
+        let mut acc = Accumulator::new("call");
+        let mut outs = Vec::new();
+        for line in transcript.lines() {
+            let Some(data) = line.strip_prefix("data:") else { continue };
+            match acc.push(data) {
+                Ok(o) => outs.extend(o),
+                Err(e) => return (outs, Err(e)),
+            }
+        }
+        (outs, acc.finish())
+    }
+
+    fn args(c: &ToolCall) -> Value {
+        parse_arguments(&c.function.arguments).unwrap()
+    }
+
+    // vLLM (and OpenAI): index on every fragment, id and name on the first,
+    // arguments in pieces, then a usage chunk with empty choices.
+    const VLLM: &str = r#"
+data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"chatcmpl-tool-a","type":"function","function":{"name":"lookup_order","arguments":""}}]}}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"order_"}}]}}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"id\": \"1187\"}"}}]}}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"chatcmpl-tool-b","type":"function","function":{"name":"lookup_order","arguments":"{\"order_id\": "}}]}}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"arguments":"\"1042\"}"}}]}}]}
+data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}
+data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":120,"completion_tokens":31,"total_tokens":151}}
+data: [DONE]
+"#;
+
+    #[test]
+    fn a_vllm_stream_yields_two_calls_with_fragmented_arguments_and_usage() {
+        let (outs, done) = run(VLLM);
+        let c = done.unwrap();
+        assert_eq!(c.finish, Finish::ToolCalls);
+        assert_eq!(c.tool_calls.len(), 2);
+        assert_eq!(c.tool_calls[0].id, "chatcmpl-tool-a");
+        assert_eq!(args(&c.tool_calls[0]), json!({"order_id": "1187"}));
+        assert_eq!(c.tool_calls[1].id, "chatcmpl-tool-b");
+        assert_eq!(args(&c.tool_calls[1]), json!({"order_id": "1042"}));
+        assert_eq!(c.usage, Some(Usage { prompt_tokens: 120, completion_tokens: 31, total_tokens: 151 }));
+        // The first call is announced as soon as the second starts.
+        assert_eq!(outs, vec![Output::ToolCallReady(0)]);
+    }
+
+    // Ollama: every call has index 0, each arrives whole, with its own id.
+    const OLLAMA: &str = r#"
+data: {"id":"chatcmpl-7","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"","tool_calls":[{"id":"call_x1","index":0,"type":"function","function":{"name":"lookup_order","arguments":"{\"order_id\":\"1187\"}"}}]},"finish_reason":null}]}
+data: {"id":"chatcmpl-7","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"","tool_calls":[{"id":"call_x2","index":0,"type":"function","function":{"name":"check_stock","arguments":"{\"sku\":\"cup-2\"}"}}]},"finish_reason":null}]}
+data: {"id":"chatcmpl-7","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+
+    #[test]
+    fn an_ollama_stream_that_reuses_index_zero_yields_separate_calls() {
+        let (_, done) = run(OLLAMA);
+        let c = done.unwrap();
+        assert_eq!(c.finish, Finish::ToolCalls);
+        let names: Vec<_> = c.tool_calls.iter().map(|t| (t.id.as_str(), t.function.name.as_str())).collect();
+        assert_eq!(names, vec![("call_x1", "lookup_order"), ("call_x2", "check_stock")]);
+        assert_eq!(args(&c.tool_calls[1]), json!({"sku": "cup-2"}));
+    }
+
+    #[test]
+    fn index_zero_reused_within_one_chunk_still_separates_calls() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":"{}"}},{"index":0,"id":"b","function":{"name":"g","arguments":"{\"x\":1}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        assert_eq!(c.tool_calls.len(), 2);
+        assert_eq!(args(&c.tool_calls[1]), json!({"x": 1}));
+    }
+
+    // Gemini's OpenAI-compatible endpoint: no index, the whole call in one
+    // chunk, finish_reason "stop", and a per-call field we must send back.
+    const GEMINI: &str = r#"
+data: {"choices":[{"delta":{"role":"assistant","tool_calls":[{"extra_content":{"google":{"thought_signature":"CiQBVKhc7sig=="}},"function":{"arguments":"{\"order_id\":\"1187\"}","name":"lookup_order"},"id":"function-call-1","type":"function"}]},"finish_reason":"stop","index":0}],"created":1764000000,"id":"abc","model":"gemini-2.5-flash","object":"chat.completion.chunk","usage":{"completion_tokens":12,"prompt_tokens":80,"total_tokens":92}}
+data: [DONE]
+"#;
+
+    #[test]
+    fn a_gemini_stream_without_index_that_stops_with_calls_is_a_tool_call_turn() {
+        let c = run(GEMINI).1.unwrap();
+        assert_eq!(c.finish, Finish::ToolCalls, "stop with tool calls present means: run the tools");
+        assert_eq!(c.tool_calls.len(), 1);
+        let call = &c.tool_calls[0];
+        assert_eq!(call.id, "function-call-1");
+        assert_eq!(args(call), json!({"order_id": "1187"}));
+        assert_eq!(c.usage.map(|u| u.total_tokens), Some(92));
+        // Sent back exactly as it came.
+        let back = serde_json::to_value(call).unwrap();
+        assert_eq!(back["extra_content"]["google"]["thought_signature"], "CiQBVKhc7sig==");
+        assert_eq!(back["function"]["name"], "lookup_order");
+        assert_eq!(back["type"], "function");
+    }
+
+    #[test]
+    fn gemini_calls_without_index_in_separate_chunks_are_told_apart_by_id() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"id":"fc-1","function":{"name":"a","arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"id":"fc-2","function":{"name":"b","arguments":"{}"}}]},"finish_reason":"stop"}]}
+data: [DONE]
+"#;
+        let (outs, done) = run(t);
+        let c = done.unwrap();
+        assert_eq!(c.tool_calls.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), vec!["fc-1", "fc-2"]);
+        assert_eq!(outs, vec![Output::ToolCallReady(0)]);
+    }
+
+    #[test]
+    fn text_deltas_stream_in_order_and_make_the_answer() {
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}
+data: {"choices":[{"index":0,"delta":{"content":"Order 1187 "}}]}
+data: {"choices":[{"index":0,"delta":{"content":"has shipped."}}]}
+data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}
+data: [DONE]
+"#;
+        let (outs, done) = run(t);
+        assert_eq!(outs, vec![Output::Text("Order 1187 ".into()), Output::Text("has shipped.".into())]);
+        let c = done.unwrap();
+        assert_eq!((c.text.as_str(), c.finish), ("Order 1187 has shipped.", Finish::Stop));
+        assert!(c.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn eof_before_done_is_an_error_not_a_success() {
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"content":"Order 1187 has"}}]}
+data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}
+"#;
+        assert_eq!(run(t).1, Err(StreamError::Truncated));
+    }
+
+    #[test]
+    fn a_mid_stream_error_object_is_an_error_with_its_code() {
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"content":"partial"}}]}
+data: {"error":{"code":500,"message":"The model produced output that does not match the expected format","type":"server_error"}}
+data: [DONE]
+"#;
+        match run(t).1 {
+            Err(StreamError::Server { code, .. }) => assert_eq!(code, Some(500)),
+            other => panic!("expected a server error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_chunk_that_is_not_json_is_malformed() {
+        assert!(matches!(run("data: {not json\n").1, Err(StreamError::Malformed { .. })));
+    }
+
+    #[test]
+    fn null_choices_and_arguments_sent_as_an_object_are_accepted() {
+        let t = r#"
+data: {"choices":null,"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":{"a":[1,2]}}}]},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        assert_eq!(args(&c.tool_calls[0]), json!({"a": [1, 2]}));
+        assert_eq!(c.tool_calls[0].id, "call_0", "a call without an id gets a generated one");
+        assert_eq!(c.usage.map(|u| u.total_tokens), Some(3));
+    }
+
+    #[test]
+    fn a_name_repeated_on_every_fragment_is_not_doubled() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"lookup_order","arguments":"{\"order_id\""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"lookup_order","arguments":":\"1\"}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        assert_eq!(c.tool_calls.len(), 1);
+        assert_eq!(c.tool_calls[0].function.name, "lookup_order");
+        assert_eq!(args(&c.tool_calls[0]), json!({"order_id": "1"}));
+    }
+
+    #[test]
+    fn arguments_are_parsed_only_at_the_end_and_empty_means_no_arguments() {
+        assert_eq!(parse_arguments("").unwrap(), json!({}));
+        assert!(parse_arguments("{\"a\":").is_err());
+    }
+}

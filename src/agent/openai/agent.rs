@@ -1,0 +1,241 @@
+//! An agent backed by an OpenAI-compatible model: the tool loop.
+//!
+//! model → tool calls (run in parallel, each observing cancellation) →
+//! results back to the model → … until a final answer or `max_tool_turns`.
+//! Each model call and each tool call is bounded by the per-call timeout and
+//! by the run's deadline; dropping the run's stream drops the HTTP request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::accumulate::{Finish, parse_arguments};
+use super::client::{ChatClient, ChatStream, Step};
+use super::wire::{ChatRequest, FunctionSpec, Message, Sampling, StreamOptions, ToolCall, ToolSpec};
+use crate::agent::tools::{Tool, ToolOutcome};
+use crate::agent::{Agent, AgentError, Event, EventStream, RunContext};
+
+/// How the first model call of a turn differs from the rest.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FirstCall {
+    /// `tool_choice` of the first call (e.g. `required`); later calls leave
+    /// it to the server's default, so the model can answer.
+    pub tool_choice: Option<String>,
+    /// Text sent as a trailing assistant message on the first call, which
+    /// servers that support prefill (llama.cpp, vLLM) continue from.
+    pub prefill: Option<String>,
+}
+
+/// Everything one model-backed agent is.
+pub struct ModelAgentConfig {
+    pub name: String,
+    pub description: String,
+    /// The system prompt.
+    pub instruction: String,
+    pub model: String,
+    pub client: ChatClient,
+    pub sampling: Sampling,
+    /// Model calls that may end in tool calls before the agent gives up.
+    pub max_tool_turns: u32,
+    /// Bound of each model call and each tool call.
+    pub call_timeout: Duration,
+    pub tools: Vec<Arc<dyn Tool>>,
+    pub first_call: FirstCall,
+}
+
+pub struct ModelAgent {
+    cfg: Arc<ModelAgentConfig>,
+    specs: Arc<Vec<ToolSpec>>,
+}
+
+impl ModelAgent {
+    pub fn new(cfg: ModelAgentConfig) -> Self {
+        let specs = cfg
+            .tools
+            .iter()
+            .map(|t| ToolSpec {
+                kind: "function",
+                function: FunctionSpec {
+                    name: t.def().name.clone(),
+                    description: t.def().description.clone(),
+                    parameters: t.def().parameters.clone(),
+                },
+            })
+            .collect();
+        Self { cfg: Arc::new(cfg), specs: Arc::new(specs) }
+    }
+}
+
+impl Agent for ModelAgent {
+    fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    fn description(&self) -> &str {
+        &self.cfg.description
+    }
+
+    fn run(&self, ctx: RunContext, input: String) -> EventStream {
+        let cfg = self.cfg.clone();
+        let specs = self.specs.clone();
+        Box::pin(async_stream::try_stream! {
+            let mut messages = initial_messages(&cfg.instruction, &ctx, input);
+            let mut turn: u32 = 0;
+            loop {
+                let first = turn == 0;
+                let mut sent = messages.clone();
+                if let Some(p) = cfg.first_call.prefill.as_ref().filter(|_| first) {
+                    sent.push(Message::Assistant { content: Some(p.clone()), tool_calls: Vec::new() });
+                }
+                let req = ChatRequest {
+                    model: &cfg.model,
+                    messages: &sent,
+                    stream: true,
+                    stream_options: StreamOptions { include_usage: true },
+                    tools: &specs,
+                    tool_choice: if first { cfg.first_call.tool_choice.as_deref() } else { None },
+                    sampling: &cfg.sampling,
+                };
+                let call_deadline = bounded(ctx.deadline, cfg.call_timeout);
+                let id_prefix = format!("call_{}_{turn}", ctx.request_id);
+                let mut stream = within(call_deadline, &ctx, cfg.call_timeout, cfg.client.start(&req, &id_prefix)).await??;
+                drop(req);
+                let mut announced = 0usize;
+                let completion = loop {
+                    match within(call_deadline, &ctx, cfg.call_timeout, next_step(&mut stream)).await?? {
+                        Step::Text(t) => yield Event::partial(&cfg.name, t),
+                        Step::ToolCall(c) => {
+                            announced += 1;
+                            yield call_event(&cfg.name, &c);
+                        }
+                        Step::Done(c) => break c,
+                    }
+                };
+                drop(stream);
+                if let Some(u) = completion.usage {
+                    tracing::debug!(agent = %cfg.name, turn, prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens, "model call done");
+                }
+                if completion.finish != Finish::ToolCalls {
+                    if completion.finish == Finish::Length {
+                        tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
+                    }
+                    yield Event::final_answer(&cfg.name, completion.text);
+                    break;
+                }
+                for c in &completion.tool_calls[announced..] {
+                    yield call_event(&cfg.name, c);
+                }
+                turn += 1;
+                if turn > cfg.max_tool_turns {
+                    Err(AgentError::FailedPrecondition(format!(
+                        "the agent used its {} tool turns without reaching an answer",
+                        cfg.max_tool_turns
+                    )))?;
+                }
+                let calls = completion.tool_calls;
+                messages.push(Message::Assistant {
+                    content: Some(completion.text).filter(|t| !t.is_empty()),
+                    tool_calls: calls.clone(),
+                });
+                // Run every call at once; report each as it finishes, and
+                // answer the model in the order it asked.
+                let mut running: FuturesUnordered<_> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let cfg = cfg.clone();
+                        let ctx = &ctx;
+                        async move { (i, run_tool(&cfg, ctx, c).await) }
+                    })
+                    .collect();
+                let mut results: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+                while let Some((i, outcome)) = running.next().await {
+                    let c = &calls[i];
+                    yield Event::tool_result(&c.function.name, &c.id, outcome.summary.clone(), &outcome.result);
+                    results[i] = Some(outcome);
+                }
+                drop(running);
+                if ctx.cancel.is_cancelled() {
+                    return;
+                }
+                for (c, r) in calls.iter().zip(results) {
+                    let r = r.expect("every call reported");
+                    messages.push(Message::Tool { tool_call_id: c.id.clone(), content: r.result.to_string() });
+                }
+            }
+        })
+    }
+}
+
+/// System prompt, the session's earlier turns, then the new message.
+fn initial_messages(instruction: &str, ctx: &RunContext, input: String) -> Vec<Message> {
+    let mut m = Vec::with_capacity(2 + ctx.history.len() * 2);
+    if !instruction.trim().is_empty() {
+        m.push(Message::System { content: instruction.to_owned() });
+    }
+    for t in ctx.history.iter().filter(|t| !t.answer.is_empty()) {
+        m.push(Message::User { content: t.user_text.clone() });
+        m.push(Message::Assistant { content: Some(t.answer.clone()), tool_calls: Vec::new() });
+    }
+    m.push(Message::User { content: input });
+    m
+}
+
+fn call_event(agent: &str, c: &ToolCall) -> Event {
+    // An argument string that is not JSON is still shown, as a JSON string.
+    let args = parse_arguments(&c.function.arguments).unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+    Event::tool_call(agent, &c.function.name, &c.id, &args)
+}
+
+async fn run_tool(cfg: &ModelAgentConfig, ctx: &RunContext, c: &ToolCall) -> ToolOutcome {
+    let Some(tool) = cfg.tools.iter().find(|t| t.def().name == c.function.name) else {
+        return ToolOutcome::error(format!("there is no tool named {:?}", c.function.name));
+    };
+    let args = match parse_arguments(&c.function.arguments) {
+        Ok(a) => a,
+        Err(_) => return ToolOutcome::error("the arguments are not valid JSON"),
+    };
+    if let Err(e) = tool.def().check(&args) {
+        return ToolOutcome::error(e);
+    }
+    let deadline = bounded(ctx.deadline, cfg.call_timeout);
+    tokio::select! {
+        biased;
+        _ = ctx.cancel.cancelled() => ToolOutcome::error("cancelled"),
+        r = tokio::time::timeout_at(deadline, tool.call(args, &ctx.cancel)) => {
+            r.unwrap_or_else(|_| ToolOutcome::error(format!("the tool did not answer within {}", humantime::format_duration(cfg.call_timeout))))
+        }
+    }
+}
+
+async fn next_step(s: &mut ChatStream) -> Result<Step, AgentError> {
+    s.next().await
+}
+
+/// The earlier of the run's deadline and `timeout` from now.
+fn bounded(deadline: Instant, timeout: Duration) -> Instant {
+    deadline.min(Instant::now() + timeout)
+}
+
+/// Awaits `f` until `deadline` or cancellation. A cancelled run ends with
+/// Unavailable here, but the turn has already ended it by then.
+async fn within<T>(
+    deadline: Instant,
+    ctx: &RunContext,
+    timeout: Duration,
+    f: impl Future<Output = T>,
+) -> Result<T, AgentError> {
+    tokio::select! {
+        biased;
+        _ = ctx.cancel.cancelled() => Err(AgentError::Unavailable { message: "the run was cancelled".into(), retry_after: None }),
+        r = tokio::time::timeout_at(deadline, f) => r.map_err(|_| AgentError::Unavailable {
+            message: format!("the model did not finish within {}; retry later", humantime::format_duration(timeout)),
+            retry_after: None,
+        }),
+    }
+}

@@ -1,0 +1,387 @@
+//! A thin streaming client of `POST {base_url}/chat/completions`.
+//!
+//! HTTP failures become [`AgentError`]s a caller may see: 429, 5xx and
+//! connection errors are UNAVAILABLE (with the server's Retry-After), other
+//! 4xx are FAILED_PRECONDITION (the deployment is misconfigured) or
+//! INVALID_ARGUMENT (the conversation itself was refused). The server's body
+//! goes to the log, never into the error: model errors can echo the prompt.
+
+use std::pin::Pin;
+use std::time::{Duration, SystemTime};
+
+use eventsource_stream::{EventStreamError, Eventsource};
+use futures::{FutureExt, Stream, StreamExt};
+use reqwest::StatusCode;
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+
+use super::accumulate::{Accumulator, Completion, Output, StreamError};
+use super::wire::{ChatRequest, ToolCall};
+use crate::agent::AgentError;
+
+/// Most bytes of an error body kept for the log.
+const ERROR_BODY_LOG_BYTES: usize = 4096;
+
+/// Where a model is served, and how to authenticate.
+#[derive(Clone)]
+pub struct Endpoint {
+    /// The API root, e.g. `http://127.0.0.1:11434/v1` (no trailing slash).
+    pub base_url: String,
+    /// Sent as `Authorization: Bearer …`; never logged.
+    pub api_key: Option<String>,
+    /// Extra request headers (e.g. an organisation or routing header).
+    pub headers: HeaderMap,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Endpoint {
+    pub fn new(base_url: &str) -> Self {
+        Self { base_url: base_url.trim_end_matches('/').to_owned(), api_key: None, headers: HeaderMap::new() }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> anyhow::Result<Self> {
+        let name = HeaderName::try_from(name).map_err(|_| anyhow::anyhow!("{name:?} is not a valid header name"))?;
+        let mut value =
+            HeaderValue::try_from(value).map_err(|_| anyhow::anyhow!("the value of header {name} is not valid"))?;
+        value.set_sensitive(true);
+        self.headers.insert(name, value);
+        Ok(self)
+    }
+}
+
+/// The HTTP client shared by every agent and HTTP tool of a process.
+pub fn http_client() -> anyhow::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .user_agent(concat!("agentd/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))
+}
+
+/// A chat-completions client for one endpoint.
+#[derive(Debug, Clone)]
+pub struct ChatClient {
+    http: reqwest::Client,
+    endpoint: Endpoint,
+    /// Names the agent in log lines.
+    agent: String,
+}
+
+/// One step of a streamed completion.
+#[derive(Debug)]
+pub enum Step {
+    Text(String),
+    /// A tool call is complete (more may follow).
+    ToolCall(ToolCall),
+    /// The stream ended with `[DONE]`.
+    Done(Completion),
+}
+
+type Events = Pin<Box<dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>> + Send>>;
+
+/// A completion in progress. Dropping it closes the HTTP request.
+pub struct ChatStream {
+    events: Events,
+    acc: Option<Accumulator>,
+    pending: std::collections::VecDeque<Output>,
+    /// An item read ahead while merging text, handled by the next call.
+    lookahead: Option<Option<Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>>,
+    /// A failure met while merging text, returned by the next call.
+    deferred: Option<AgentError>,
+    agent: String,
+}
+
+/// Text deltas already received are merged into one step up to this size.
+const MAX_MERGED_TEXT: usize = 16 * 1024;
+
+impl ChatClient {
+    pub fn new(http: reqwest::Client, endpoint: Endpoint, agent: &str) -> Self {
+        Self { http, endpoint, agent: agent.to_owned() }
+    }
+
+    /// Sends `req` and returns its stream once the response headers are in.
+    /// `id_prefix` names tool calls that came without an id.
+    pub async fn start(&self, req: &ChatRequest<'_>, id_prefix: &str) -> Result<ChatStream, AgentError> {
+        let url = format!("{}/chat/completions", self.endpoint.base_url);
+        let mut builder = self
+            .http
+            .post(&url)
+            .headers(self.endpoint.headers.clone())
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .json(req);
+        if let Some(key) = &self.endpoint.api_key {
+            let mut v = HeaderValue::try_from(format!("Bearer {key}"))
+                .map_err(|_| AgentError::FailedPrecondition("the model's API key is not a valid header value".into()))?;
+            v.set_sensitive(true);
+            builder = builder.header(AUTHORIZATION, v);
+        }
+        let resp = builder.send().await.map_err(|e| self.transport_error(&e))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(self.http_error(resp).await);
+        }
+        Ok(ChatStream {
+            events: Box::pin(resp.bytes_stream().eventsource()),
+            acc: Some(Accumulator::new(id_prefix)),
+            pending: Default::default(),
+            lookahead: None,
+            deferred: None,
+            agent: self.agent.clone(),
+        })
+    }
+
+    fn transport_error(&self, e: &reqwest::Error) -> AgentError {
+        tracing::warn!(agent = %self.agent, base_url = %self.endpoint.base_url, error = %error_chain(e), "model server unreachable");
+        let message = if e.is_timeout() {
+            "the model server did not answer in time; retry later"
+        } else {
+            "the model server is unreachable; retry later"
+        };
+        AgentError::Unavailable { message: message.into(), retry_after: None }
+    }
+
+    async fn http_error(&self, resp: reqwest::Response) -> AgentError {
+        let status = resp.status();
+        let retry_after = retry_after(resp.headers());
+        let body = read_capped(resp, ERROR_BODY_LOG_BYTES).await;
+        tracing::warn!(
+            agent = %self.agent,
+            base_url = %self.endpoint.base_url,
+            http_status = status.as_u16(),
+            body = %String::from_utf8_lossy(&body),
+            "model server refused the request"
+        );
+        map_status(status, &body, retry_after)
+    }
+}
+
+/// The table from a model server's HTTP status to what a caller sees.
+pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>) -> AgentError {
+    let unavailable = |message: &str| AgentError::Unavailable { message: message.into(), retry_after };
+    match status.as_u16() {
+        429 => unavailable("the model server is rate-limiting requests; retry later"),
+        408 | 504 => unavailable("the model server timed out; retry later"),
+        500..=599 => unavailable("the model server failed; retry later"),
+        401 | 403 => AgentError::FailedPrecondition("the model server rejected agentd's credentials".into()),
+        404 => AgentError::FailedPrecondition("the model server does not serve the configured model or path".into()),
+        413 => AgentError::InvalidInput("the conversation is too large for the model".into()),
+        400 | 422 if is_context_length(body) => {
+            AgentError::InvalidInput("the conversation is too long for the model's context window".into())
+        }
+        _ => AgentError::FailedPrecondition(format!(
+            "the model server rejected the request (HTTP {}); the server log has the details",
+            status.as_u16()
+        )),
+    }
+}
+
+/// Whether an error body says the prompt exceeded the context window.
+fn is_context_length(body: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else { return false };
+    let e = v.get("error").unwrap_or(&v);
+    let fields = ["code", "type"].map(|k| e.get(k).and_then(|c| c.as_str()).unwrap_or_default().to_owned());
+    let message = e.get("message").and_then(|m| m.as_str()).unwrap_or_default().to_lowercase();
+    fields.iter().any(|f| f.contains("context_length") || f == "exceed_context_size_error")
+        || message.contains("context length")
+        || message.contains("context window")
+        || message.contains("maximum context")
+}
+
+/// `Retry-After` as seconds or an HTTP date, or OpenAI's `retry-after-ms`.
+pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
+    if let Some(ms) = h.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok()) {
+        return (ms >= 0.0 && ms.is_finite()).then(|| Duration::from_secs_f64(ms / 1000.0));
+    }
+    let v = h.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs >= 0.0 && secs.is_finite()).then(|| Duration::from_secs_f64(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+}
+
+/// Reads at most `cap` bytes of a body (the rest is dropped).
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        let room = cap - out.len();
+        out.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if out.len() >= cap {
+            break;
+        }
+    }
+    out
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+impl ChatStream {
+    /// The next step; after [`Step::Done`] the stream is spent.
+    ///
+    /// Text deltas that have already arrived (a server that streams faster
+    /// than agentd's client reads sends many per TCP read) come out as one
+    /// step: fewer, larger events, never a wait for more.
+    pub async fn next(&mut self) -> Result<Step, AgentError> {
+        let step = self.next_one().await?;
+        let Step::Text(mut text) = step else { return Ok(step) };
+        while text.len() < MAX_MERGED_TEXT {
+            match self.pending.front() {
+                Some(Output::Text(_)) => {
+                    if let Some(Output::Text(t)) = self.pending.pop_front() {
+                        text.push_str(&t);
+                    }
+                }
+                Some(Output::ToolCallReady(_)) => break,
+                None => {
+                    let Some(acc) = self.acc.as_mut().filter(|a| !a.is_done()) else { break };
+                    if self.lookahead.is_some() || self.deferred.is_some() {
+                        break;
+                    }
+                    match self.events.next().now_or_never() {
+                        None => break,
+                        Some(Some(Ok(ev))) => match acc.push(&ev.data) {
+                            Ok(outs) => self.pending.extend(outs),
+                            Err(e) => {
+                                self.deferred = Some(self.stream_error(e));
+                                break;
+                            }
+                        },
+                        Some(other) => {
+                            self.lookahead = Some(other);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Step::Text(text))
+    }
+
+    async fn next_one(&mut self) -> Result<Step, AgentError> {
+        loop {
+            let acc = self.acc.as_mut().ok_or_else(|| anyhow::anyhow!("ChatStream polled after Done"))?;
+            if let Some(out) = self.pending.pop_front() {
+                return Ok(match out {
+                    Output::Text(t) => Step::Text(t),
+                    Output::ToolCallReady(n) => Step::ToolCall(acc.call(n)),
+                });
+            }
+            if let Some(e) = self.deferred.take() {
+                return Err(e);
+            }
+            if acc.is_done() {
+                // Nothing may follow [DONE]; do not wait for the server to
+                // close the connection.
+                let acc = self.acc.take().expect("checked above");
+                return acc.finish().map(Step::Done).map_err(|e| self.stream_error(e));
+            }
+            let item = match self.lookahead.take() {
+                Some(item) => item,
+                None => self.events.next().await,
+            };
+            match item {
+                Some(Ok(ev)) => {
+                    let outs = acc.push(&ev.data).map_err(|e| self.stream_error(e))?;
+                    self.pending.extend(outs);
+                }
+                Some(Err(EventStreamError::Transport(e))) => {
+                    tracing::warn!(agent = %self.agent, error = %error_chain(&e), "model stream broke");
+                    return Err(AgentError::Unavailable {
+                        message: "the connection to the model server broke mid-answer; retry later".into(),
+                        retry_after: None,
+                    });
+                }
+                Some(Err(e)) => {
+                    return Err(self.stream_error(StreamError::Malformed { detail: e.to_string() }));
+                }
+                None => {
+                    let acc = self.acc.take().expect("checked above");
+                    return acc.finish().map(Step::Done).map_err(|e| self.stream_error(e));
+                }
+            }
+        }
+    }
+
+    fn stream_error(&self, e: StreamError) -> AgentError {
+        tracing::warn!(agent = %self.agent, error = %e, "model stream failed");
+        match e {
+            StreamError::Truncated => AgentError::Unavailable {
+                message: "the model server ended its answer early; retry later".into(),
+                retry_after: None,
+            },
+            StreamError::Server { code: Some(c), .. } if (400..500).contains(&c) && c != 429 && c != 408 => {
+                AgentError::FailedPrecondition(format!(
+                    "the model server rejected the request mid-answer (code {c}); the server log has the details"
+                ))
+            }
+            StreamError::Server { .. } => AgentError::Unavailable {
+                message: "the model server failed mid-answer; retry later".into(),
+                retry_after: None,
+            },
+            StreamError::Malformed { .. } => AgentError::Unexpected(anyhow::anyhow!(
+                "the model server sent a stream agentd cannot read"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_retryable_or_caller_errors() {
+        let m = |code: u16, body: &str| map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None);
+        assert!(matches!(m(429, ""), AgentError::Unavailable { .. }));
+        assert!(matches!(m(503, ""), AgentError::Unavailable { .. }));
+        assert!(matches!(m(401, ""), AgentError::FailedPrecondition(_)));
+        assert!(matches!(m(404, ""), AgentError::FailedPrecondition(_)));
+        assert!(matches!(m(400, r#"{"error":{"message":"bad temperature"}}"#), AgentError::FailedPrecondition(_)));
+        let too_long = r#"{"error":{"message":"This model's maximum context length is 8192 tokens","code":"context_length_exceeded"}}"#;
+        assert!(matches!(m(400, too_long), AgentError::InvalidInput(_)));
+    }
+
+    #[test]
+    fn error_messages_never_carry_the_body() {
+        let body = r#"{"error":{"message":"you said: my card is 4111-1111"}}"#;
+        for code in [400u16, 401, 404, 422, 429, 500] {
+            let msg = map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None).to_string();
+            assert!(!msg.contains("4111"), "{code}: {msg}");
+        }
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_milliseconds_and_dates() {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static("7"));
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(7)));
+        h.insert("retry-after-ms", HeaderValue::from_static("1500"));
+        assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
+        let mut h = HeaderMap::new();
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(120));
+        h.insert(RETRY_AFTER, HeaderValue::try_from(later).unwrap());
+        let d = retry_after(&h).unwrap();
+        assert!(d > Duration::from_secs(100) && d <= Duration::from_secs(120), "{d:?}");
+        h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&h), None);
+    }
+}

@@ -1,0 +1,461 @@
+//! The model backend against a scripted OpenAI-compatible server written
+//! here (axum on 127.0.0.1:0): failures the mock peers cannot produce on a
+//! stream (429 with Retry-After, 500, a stream cut before [DONE], an error
+//! object mid-stream), what agentd sends (system prompt, history, tool
+//! results, unknown per-call fields), and cancellation reaching the model
+//! server as a closed connection.
+
+mod openai_support;
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentd::pb::EventKind;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use openai_support::{Agentd, kinds, partial_text};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tonic::Code;
+
+/// What the scripted server does with the n-th request it gets.
+#[derive(Clone)]
+enum Reply {
+    /// SSE `data:` payloads, each sent as its own chunk; `[DONE]` is not
+    /// added, so a script without it is a cut stream.
+    Sse(Vec<String>),
+    /// An HTTP error with headers and a JSON body.
+    Error(u16, Vec<(&'static str, &'static str)>, String),
+    /// Text chunks forever, slowly; reports on `closed` when agentd hangs up.
+    Endless,
+    /// SSE `data:` payloads all in one body write, as a fast server bursts.
+    Burst(Vec<String>),
+}
+
+#[derive(Clone)]
+struct Script {
+    replies: Arc<Vec<Reply>>,
+    /// Every request body received, in order.
+    seen: Arc<Mutex<Vec<Value>>>,
+    /// Fires when an `Endless` body is dropped (the connection closed).
+    closed: mpsc::UnboundedSender<()>,
+}
+
+struct OnDrop(mpsc::UnboundedSender<()>);
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let n = {
+        let mut seen = s.seen.lock().unwrap();
+        seen.push(v);
+        seen.len() - 1
+    };
+    match s.replies.get(n).cloned().unwrap_or_else(|| panic!("unexpected request #{n}")) {
+        Reply::Sse(items) => {
+            let chunks = futures::stream::iter(items.into_iter().map(|d| Ok::<_, Infallible>(format!("data: {d}\n\n"))));
+            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+        }
+        Reply::Error(code, headers, body) => {
+            let mut r = (StatusCode::from_u16(code).unwrap(), body).into_response();
+            for (k, v) in headers {
+                r.headers_mut().insert(k, v.parse().unwrap());
+            }
+            r
+        }
+        Reply::Burst(items) => {
+            let body: String = items.iter().map(|d| format!("data: {d}\n\n")).collect();
+            Response::builder().header("content-type", "text/event-stream").body(Body::from(body)).unwrap()
+        }
+        Reply::Endless => {
+            let guard = OnDrop(s.closed.clone());
+            let chunks = futures::stream::unfold(guard, |g| async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let d = json!({"choices":[{"index":0,"delta":{"content":"tick "}}]});
+                Some((Ok::<_, Infallible>(format!("data: {d}\n\n")), g))
+            });
+            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+        }
+    }
+}
+
+struct Fake {
+    url: String,
+    seen: Arc<Mutex<Vec<Value>>>,
+    closed: mpsc::UnboundedReceiver<()>,
+}
+
+async fn fake(replies: Vec<Reply>) -> Fake {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let script = Script { replies: Arc::new(replies), seen: seen.clone(), closed: tx };
+    let app = axum::Router::new().route("/v1/chat/completions", post(chat)).with_state(script);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Fake { url, seen, closed: rx }
+}
+
+fn agents_file(base_url: &str, extra: &str) -> String {
+    format!(
+        r#"
+[agents.helper]
+description = "test agent"
+instruction = "You answer order questions."
+tools = ["lookup_order"]
+max_tool_turns = 2
+call_timeout = "10s"
+{extra}
+[agents.helper.model]
+base_url = "{base_url}"
+model = "test-model"
+"#
+    )
+}
+
+fn text(t: &str) -> String {
+    json!({"choices":[{"index":0,"delta":{"content":t}}]}).to_string()
+}
+fn stop() -> String {
+    json!({"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}).to_string()
+}
+const DONE: &str = "[DONE]";
+
+const SECRET: &str = "my card number is 4111-1111-1111-1111";
+
+#[tokio::test]
+async fn a_gemini_style_tool_call_runs_the_tool_and_its_unknown_fields_go_back_to_the_model() {
+    let call = json!({"choices":[{"delta":{"role":"assistant","tool_calls":[{
+        "extra_content":{"google":{"thought_signature":"sig-123"}},
+        "function":{"arguments":"{\"order_id\":\"1187\"}","name":"lookup_order"},
+        "id":"function-call-1","type":"function"}]},"finish_reason":"stop","index":0}]});
+    let f = fake(vec![
+        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("It has "), text("shipped."), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "Where is order 1187?", Duration::from_secs(20)).await;
+    status.unwrap();
+    // Text deltas that arrive together may be merged into one event.
+    let k = kinds(&events);
+    assert_eq!(k[..3], [EventKind::ToolCall, EventKind::ToolResult, EventKind::PartialText], "{events:#?}");
+    assert!(k[3..k.len() - 1].iter().all(|k| *k == EventKind::PartialText));
+    assert_eq!(partial_text(&events), "It has shipped.");
+    assert_eq!(events[0].tool_name, "lookup_order");
+    assert_eq!(serde_json::from_str::<Value>(&events[0].payload_json).unwrap(), json!({"order_id": "1187"}));
+    assert_eq!(events[1].tool_call_id, "function-call-1");
+    assert_eq!(serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["status"], "shipped");
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), EventKind::FinalAnswer);
+    assert_eq!(last.text, "It has shipped.");
+    assert!(last.is_final);
+
+    let seen = f.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    let first = &seen[0];
+    assert_eq!(first["stream"], true);
+    assert_eq!(first["model"], "test-model");
+    assert_eq!(first["messages"][0], json!({"role": "system", "content": "You answer order questions."}));
+    assert_eq!(first["tools"][0]["function"]["name"], "lookup_order");
+    let msgs = seen[1]["messages"].as_array().unwrap();
+    let assistant = &msgs[2];
+    assert_eq!(assistant["role"], "assistant");
+    assert_eq!(assistant["tool_calls"][0]["extra_content"]["google"]["thought_signature"], "sig-123");
+    assert_eq!(assistant["tool_calls"][0]["id"], "function-call-1");
+    let tool = &msgs[3];
+    assert_eq!(tool["role"], "tool");
+    assert_eq!(tool["tool_call_id"], "function-call-1");
+    assert_eq!(serde_json::from_str::<Value>(tool["content"].as_str().unwrap()).unwrap()["carrier"], "DHL");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn the_sessions_earlier_turns_are_sent_as_history() {
+    let f = fake(vec![
+        Reply::Sse(vec![text("First answer."), stop(), DONE.into()]),
+        Reply::Sse(vec![text("Second answer."), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    d.run("u1", &s, "helper", "first question", Duration::from_secs(20)).await.1.unwrap();
+    d.run("u1", &s, "helper", "second question", Duration::from_secs(20)).await.1.unwrap();
+    let seen = f.seen.lock().unwrap().clone();
+    let msgs: Vec<(String, String)> = seen[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap().to_owned(), m["content"].as_str().unwrap_or_default().to_owned()))
+        .collect();
+    let want = [("system", "You answer order questions."), ("user", "first question"), ("assistant", "First answer."), ("user", "second question")];
+    assert_eq!(msgs, want.map(|(a, b)| (a.to_owned(), b.to_owned())).to_vec());
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_429_is_unavailable_with_the_retry_pushback_and_no_model_text() {
+    let body = json!({"error": {"message": format!("rate limited; you said: {SECRET}")}}).to_string();
+    let f = fake(vec![Reply::Error(429, vec![("retry-after", "3")], body)]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (_, status) = d.run("u1", &s, "helper", SECRET, Duration::from_secs(20)).await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(!st.message().contains("4111"), "{}", st.message());
+    assert_eq!(st.metadata().get("grpc-retry-pushback-ms").map(|v| v.to_str().unwrap()), Some("3000"));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_500_is_unavailable_and_a_401_is_failed_precondition_both_sanitised() {
+    let body = json!({"error": {"message": format!("boom: {SECRET}")}}).to_string();
+    let f = fake(vec![Reply::Error(500, vec![], body.clone()), Reply::Error(401, vec![], body)]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let st = d.run("u1", &s, "helper", "hello one", Duration::from_secs(20)).await.1.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable);
+    assert!(!st.message().contains("4111"));
+    let st = d.run("u1", &s, "helper", "hello two", Duration::from_secs(20)).await.1.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert!(!st.message().contains("4111"));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_cut_before_done_is_unavailable_not_a_success() {
+    // The answer looks complete (finish_reason stop) but [DONE] never came.
+    let f = fake(vec![Reply::Sse(vec![text("Order 1187 has "), stop()])]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "where?", Duration::from_secs(20)).await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert_eq!(partial_text(&events), "Order 1187 has ");
+    assert!(events.iter().all(|e| !e.is_final));
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_error_object_mid_stream_ends_the_run_sanitised() {
+    let err = json!({"error": {"code": 500, "message": format!("parser failed on: {SECRET}")}}).to_string();
+    let f = fake(vec![Reply::Sse(vec![text("partial "), err, DONE.into()])]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "where?", Duration::from_secs(20)).await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(!st.message().contains("4111"));
+    assert_eq!(kinds(&events), vec![EventKind::PartialText]);
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
+    let call = |id: &str| {
+        json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":id,"type":"function",
+            "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1042\"}"}}]},"finish_reason":"tool_calls"}]})
+        .to_string()
+    };
+    let f = fake((0..3).map(|i| Reply::Sse(vec![call(&format!("c{i}")), DONE.into()])).collect()).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "loop", Duration::from_secs(20)).await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    // max_tool_turns = 2: two rounds of tools ran, the third call was refused.
+    assert_eq!(events.iter().filter(|e| e.kind() == EventKind::ToolResult).count(), 2);
+    assert_eq!(f.seen.lock().unwrap().len(), 3);
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn bad_arguments_go_back_to_the_model_as_a_tool_error() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
+        "function":{"name":"lookup_order","arguments":"{\"order\":1187}"}}]},"finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Sorry."), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "where is 1187", Duration::from_secs(20)).await;
+    status.unwrap();
+    let result: Value = serde_json::from_str(&events[1].payload_json).unwrap();
+    assert!(result["error"].as_str().unwrap().contains("order_id"), "{result}");
+    let seen = f.seen.lock().unwrap().clone();
+    let tool_msg = seen[1]["messages"].as_array().unwrap().last().unwrap().clone();
+    assert!(tool_msg["content"].as_str().unwrap().contains("schema"), "{tool_msg}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_deadline_closes_the_connection_to_the_model_server() {
+    let mut f = fake(vec![Reply::Endless]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "talk forever", Duration::from_millis(500)).await;
+    assert_eq!(status.unwrap_err().code(), Code::DeadlineExceeded);
+    assert!(!events.is_empty(), "text was streaming before the deadline");
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("the model server saw the connection close")
+        .unwrap();
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn the_per_call_timeout_bounds_a_model_call() {
+    let mut f = fake(vec![Reply::Endless]).await;
+    let file = agents_file(&f.url, "").replace("call_timeout = \"10s\"", "call_timeout = \"300ms\"");
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (_, status) = d.run("u1", &s, "helper", "talk forever", Duration::from_secs(20)).await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv()).await.expect("connection closed").unwrap();
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_unreachable_model_server_is_unavailable() {
+    let port = openai_support::free_port();
+    let mut d = Agentd::start(&agents_file(&format!("http://127.0.0.1:{port}/v1"), "")).await;
+    let s = d.session("u1").await;
+    let st = d.run("u1", &s, "helper", "anyone?", Duration::from_secs(20)).await.1.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_unknown_agent_is_not_found() {
+    let f = fake(vec![]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let st = d.run("u1", &s, "nobody", "hi", Duration::from_secs(5)).await.1.unwrap_err();
+    assert_eq!(st.code(), Code::NotFound);
+    d.stop().await;
+}
+
+/// An HTTP tool server whose `/both` answers only once two calls are in
+/// (so it proves they ran at the same time), and whose `/big` answers with
+/// more than the tool's size cap.
+async fn tool_server() -> String {
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let app = axum::Router::new()
+        .route(
+            "/both",
+            post(move |axum::Json(args): axum::Json<Value>| {
+                let barrier = barrier.clone();
+                async move {
+                    let met = tokio::time::timeout(Duration::from_secs(10), barrier.wait()).await.is_ok();
+                    axum::Json(json!({"sku": args["sku"], "met_the_other_call": met}))
+                }
+            }),
+        )
+        .route("/big", post(|| async { "x".repeat(10_000) }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+fn http_tools(tools_url: &str) -> String {
+    format!(
+        r#"
+[tools.stock]
+description = "Stock of a product."
+url = "{tools_url}/both"
+parameters = {{ type = "object", properties = {{ sku = {{ type = "string" }} }}, required = ["sku"] }}
+[tools.catalog]
+description = "The whole catalog."
+url = "{tools_url}/big"
+parameters = {{ type = "object" }}
+max_response_bytes = 1000
+"#
+    )
+}
+
+#[tokio::test]
+async fn parallel_tool_calls_run_at_once_and_their_results_go_back_in_call_order() {
+    let calls = json!({"choices":[{"index":0,"delta":{"tool_calls":[
+        {"index":0,"id":"a","type":"function","function":{"name":"stock","arguments":"{\"sku\":\"cup\"}"}},
+        {"index":1,"id":"b","type":"function","function":{"name":"stock","arguments":"{\"sku\":\"pot\"}"}}]},
+        "finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![calls.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Both in stock."), stop(), DONE.into()]),
+    ])
+    .await;
+    let tools = tool_server().await;
+    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["stock"]"#) + &http_tools(&tools);
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "stock of cups and pots?", Duration::from_secs(20)).await;
+    status.unwrap();
+    let results: Vec<Value> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult)
+        .map(|e| serde_json::from_str(&e.payload_json).unwrap())
+        .collect();
+    assert_eq!(results.len(), 2);
+    assert!(results.iter().all(|r| r["met_the_other_call"] == true), "the calls ran concurrently: {results:?}");
+    let seen = f.seen.lock().unwrap().clone();
+    let msgs = seen[1]["messages"].as_array().unwrap();
+    let tool_msgs: Vec<(&str, Value)> = msgs
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| (m["tool_call_id"].as_str().unwrap(), serde_json::from_str(m["content"].as_str().unwrap()).unwrap()))
+        .collect();
+    assert_eq!(tool_msgs.iter().map(|t| t.0).collect::<Vec<_>>(), vec!["a", "b"]);
+    assert_eq!(tool_msgs[1].1["sku"], "pot");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn an_http_tool_response_over_its_cap_is_an_error_for_the_model() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function",
+        "function":{"name":"catalog","arguments":"{}"}}]},"finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Too big."), stop(), DONE.into()]),
+    ])
+    .await;
+    let tools = tool_server().await;
+    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["catalog"]"#) + &http_tools(&tools);
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "show the catalog", Duration::from_secs(20)).await;
+    status.unwrap();
+    let r: Value = serde_json::from_str(&events[1].payload_json).unwrap();
+    assert!(r["error"].as_str().unwrap().contains("exceeded 1000 bytes"), "{r}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn text_deltas_that_arrive_together_become_fewer_events_with_the_text_intact() {
+    let mut items: Vec<String> = (0..200).map(|i| text(&format!("w{i} "))).collect();
+    items.push(stop());
+    items.push(DONE.into());
+    let f = fake(vec![Reply::Burst(items)]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d.run("u1", &s, "helper", "burst", Duration::from_secs(20)).await;
+    status.unwrap();
+    let want: String = (0..200).map(|i| format!("w{i} ")).collect();
+    assert_eq!(partial_text(&events), want);
+    assert_eq!(events.last().unwrap().text, want);
+    let partials = events.iter().filter(|e| e.kind() == EventKind::PartialText).count();
+    assert!(partials < 200, "deltas read together are merged: {partials} events");
+    d.stop().await;
+}
