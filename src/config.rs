@@ -227,9 +227,22 @@ fn default_replica_id() -> String {
 /// Where the client commands connect.
 #[derive(Debug, Args)]
 pub struct ClientArgs {
-    /// Server address, e.g. http://127.0.0.1:50051.
+    /// Server address: http://HOST:PORT for one server, or dns:///NAME:PORT
+    /// to balance over every A/AAAA record of NAME (e.g. a Kubernetes
+    /// headless Service), re-resolved every --resolve-interval.
     #[arg(long, env = "AGENTD_SERVER", default_value = "http://127.0.0.1:50051")]
     pub server: String,
+
+    /// How often a dns:/// server name is resolved again, so that new and
+    /// replaced replicas are used.
+    #[arg(long, env = "AGENTD_RESOLVE_INTERVAL", value_parser = duration, default_value = "10s")]
+    pub resolve_interval: Duration,
+}
+
+impl ClientArgs {
+    pub fn client_config(&self) -> crate::client::ClientConfig {
+        crate::client::ClientConfig { resolve_interval: self.resolve_interval, ..Default::default() }
+    }
 }
 
 #[derive(Debug, Subcommand)]
