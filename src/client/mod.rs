@@ -39,6 +39,9 @@ pub use target::Target;
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
 /// Default interval between two resolutions of a `dns:///` target.
 pub const DEFAULT_RESOLVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Metadata key of a status returned by this client: the attempts the call
+/// took (more than 1 when it was retried), for the caller's logs.
+pub const ATTEMPTS_METADATA: &str = "agentd-client-attempts";
 /// How long past the deadline the client waits for the server's own
 /// DEADLINE_EXCEEDED before giving up on a silent stream itself. The server
 /// enforces the deadline and records the turn as such; cutting at the same
@@ -267,7 +270,8 @@ impl AgentClient {
             };
             match result {
                 Err(s) if retryable(&s) => attempts.backoff_or_give_up(s).await?,
-                other => return other,
+                Err(s) => return Err(attempts.final_status(s)),
+                ok => return ok,
             }
         }
     }
@@ -361,6 +365,13 @@ impl Attempts {
         Self { policy, until, count: Arc::new(AtomicU32::new(0)) }
     }
 
+    /// The status the caller gets, stamped with the attempts it took.
+    fn final_status(&self, mut status: Status) -> Status {
+        let made = self.count.load(Ordering::Relaxed);
+        status.metadata_mut().insert(ATTEMPTS_METADATA, made.into());
+        status
+    }
+
     /// Counts an attempt; its time budget, or DEADLINE_EXCEEDED if none is
     /// left.
     fn begin(&mut self) -> Result<Duration, Status> {
@@ -374,11 +385,11 @@ impl Attempts {
     async fn backoff_or_give_up(&mut self, status: Status) -> Result<(), Status> {
         let made = self.count.load(Ordering::Relaxed);
         if made >= self.policy.max_attempts.max(1) {
-            return Err(status);
+            return Err(self.final_status(status));
         }
         let wait = self.policy.backoff(made).max(retry::pushback(&status).unwrap_or_default());
         if Instant::now() + wait >= self.until {
-            return Err(status);
+            return Err(self.final_status(status));
         }
         tracing::debug!(code = ?status.code(), reason = status.message(), attempt = made, ?wait, "retrying");
         tokio::time::sleep(wait).await;
@@ -409,7 +420,7 @@ impl RunAttempts {
             match self.once().await {
                 Ok(s) => return Ok(s),
                 Err(s) if retry::run_is_retryable(&s) => self.attempts.backoff_or_give_up(s).await?,
-                Err(s) => return Err(s),
+                Err(s) => return Err(self.attempts.final_status(s)),
             }
         }
     }
@@ -444,7 +455,7 @@ fn follow(
         loop {
             let status = match tokio::time::timeout_at(local_deadline, stream.message()).await {
                 Err(_) => {
-                    yield Err(retry::deadline_exceeded());
+                    yield Err(run.attempts.final_status(retry::deadline_exceeded()));
                     return;
                 }
                 Ok(Ok(Some(event))) => {
@@ -456,7 +467,7 @@ fn follow(
                 Ok(Err(status)) => status,
             };
             if received || mode == crate::turn::Mode::Replay.as_str() || !retry::run_is_retryable(&status) {
-                yield Err(status);
+                yield Err(run.attempts.final_status(status));
                 return;
             }
             if let Err(status) = run.attempts.backoff_or_give_up(status).await {

@@ -215,7 +215,7 @@ impl Task {
     }
 }
 
-/// Follows one address's grpc.health.v1 `Watch` and reports every change:
+/// Follows one address's grpc.health.v1 `Watch` and reports what it sees:
 /// SERVING is up; NOT_SERVING (a replica draining for shutdown), a broken
 /// stream or a failed connection is down. A server that does not offer
 /// health (or refuses this client its use) counts as up. Tries again every
@@ -235,12 +235,20 @@ async fn watch_health(addr: SocketAddr, endpoint: Endpoint, report: mpsc::Sender
             Ok(channel) => match HealthClient::new(channel).watch(HealthCheckRequest { service: String::new() }).await {
                 Ok(resp) => {
                     let mut statuses = resp.into_inner();
-                    while let Ok(Some(r)) = statuses.message().await {
-                        if report.send((addr, r.status() == ServingStatus::Serving)).await.is_err() {
-                            return;
+                    // Watch while serving. At NOT_SERVING the replica is
+                    // draining: let go of the stream and its connection at
+                    // once (an open stream would hold up its shutdown) and
+                    // ask again after `retry`.
+                    loop {
+                        match statuses.message().await {
+                            Ok(Some(r)) if r.status() == ServingStatus::Serving => {
+                                if report.send((addr, true)).await.is_err() {
+                                    return;
+                                }
+                            }
+                            _ => break false,
                         }
                     }
-                    false
                 }
                 Err(s) if matches!(s.code(), Code::Unimplemented | Code::Unauthenticated | Code::PermissionDenied) => {
                     let _ = report.send((addr, true)).await;
