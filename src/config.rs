@@ -243,6 +243,10 @@ impl ClientArgs {
     pub fn client_config(&self) -> crate::client::ClientConfig {
         crate::client::ClientConfig { resolve_interval: self.resolve_interval, ..Default::default() }
     }
+
+    pub async fn connect(&self) -> anyhow::Result<crate::client::AgentClient> {
+        crate::client::AgentClient::connect_with(&self.server, self.client_config()).await
+    }
 }
 
 #[derive(Debug, Subcommand)]

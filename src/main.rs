@@ -8,7 +8,6 @@ use std::time::Duration;
 use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
-use agentd::client::AgentClient;
 use agentd::config::{Cli, Command, HealthArgs, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
@@ -27,7 +26,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => serve(*args).await,
             Command::Session(SessionCommand::Create { client, user }) => {
-                let mut c = AgentClient::connect_with(&client.server, client.client_config()).await?;
+                let mut c = client.connect().await?;
                 let s = c.create_session(&user).await.map_err(status_error)?;
                 println!("{}", s.session_id);
                 Ok(())
@@ -91,7 +90,7 @@ async fn shutdown_signal() {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect_with(&args.client.server, args.client.client_config()).await?;
+    let mut c = args.client.connect().await?;
     let req = pb::RunRequest {
         user_id: args.user,
         session_id: args.session,
@@ -136,7 +135,7 @@ fn print_event(e: &pb::AgentEvent, json: bool) {
 }
 
 async fn health(args: HealthArgs) -> anyhow::Result<()> {
-    let mut c = AgentClient::connect_with(&args.client.server, args.client.client_config()).await?;
+    let mut c = args.client.connect().await?;
     let status = tokio::time::timeout(Duration::from_secs(10), c.health(&args.service))
         .await
         .map_err(|_| anyhow::anyhow!("health check timed out"))?

@@ -79,7 +79,15 @@ impl Default for ClientConfig {
 }
 
 impl ClientConfig {
-    /// The one place an endpoint's transport settings are chosen.
+    /// The one place a call's request is built: its deadline (sent as
+    /// grpc-timeout) and, with credentials, their metadata.
+    fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+        let mut req = Request::new(msg);
+        req.set_timeout(timeout);
+        req
+    }
+
+    /// The one place an endpoint's transport settings (and TLS) are chosen.
     fn endpoint(&self, uri: Uri) -> Endpoint {
         Endpoint::from(uri)
             .connect_timeout(self.connect_timeout)
@@ -226,12 +234,11 @@ impl AgentClient {
     /// Creates a session. Resent only when no connection could be made (a
     /// CreateSession that reached a server is not deduplicated).
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
-        let agents = self.agents.clone();
+        let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
         let msg = pb::CreateSessionRequest { user_id: user_id.to_owned() };
         self.unary(retry::is_connect_error, move |req_timeout| {
             let mut agents = agents.clone();
-            let mut req = Request::new(msg.clone());
-            req.set_timeout(req_timeout);
+            let req = cfg.request(msg.clone(), req_timeout);
             async move { agents.create_session(req).await.map(|r| r.into_inner()) }
         })
         .await
@@ -239,13 +246,12 @@ impl AgentClient {
 
     /// Asks grpc.health.v1 about `service` ("" for the whole server).
     pub async fn health(&mut self, service: &str) -> Result<ServingStatus, Status> {
-        let health = self.health.clone();
+        let (health, cfg) = (self.health.clone(), self.cfg.clone());
         let msg = tonic_health::pb::HealthCheckRequest { service: service.to_owned() };
         let status = self
             .unary(retry::run_is_retryable, move |req_timeout| {
                 let mut health = health.clone();
-                let mut req = Request::new(msg.clone());
-                req.set_timeout(req_timeout);
+                let req = cfg.request(msg.clone(), req_timeout);
                 async move { health.check(req).await.map(|r| r.into_inner()) }
             })
             .await?;
@@ -287,6 +293,7 @@ impl AgentClient {
         }
         let mut run = RunAttempts {
             client: self.agents.clone(),
+            cfg: self.cfg.clone(),
             req,
             attempts: Attempts::new(self.cfg.retry, Instant::now() + deadline),
         };
@@ -400,6 +407,7 @@ impl Attempts {
 /// A Run's request and its attempts.
 struct RunAttempts {
     client: AgentServiceClient<Channel>,
+    cfg: Arc<ClientConfig>,
     /// Sent unchanged by every attempt (its request_id above all).
     req: pb::RunRequest,
     attempts: Attempts,
@@ -427,8 +435,7 @@ impl RunAttempts {
 
     async fn once(&mut self) -> Result<Started, Status> {
         let remaining = self.attempts.begin()?;
-        let mut req = Request::new(self.req.clone());
-        req.set_timeout(remaining);
+        let req = self.cfg.request(self.req.clone(), remaining);
         let resp = match tokio::time::timeout_at(self.attempts.until, self.client.run(req)).await {
             Err(_) => return Err(retry::deadline_exceeded()),
             Ok(r) => r.map_err(retry::deadline_passed)?,
