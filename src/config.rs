@@ -245,7 +245,7 @@ impl ClientArgs {
     }
 
     pub async fn connect(&self) -> anyhow::Result<crate::client::AgentClient> {
-        crate::client::AgentClient::connect_with(&self.server, self.client_config()).await
+        crate::client::AgentClient::connect_config(&self.server, self.client_config()).await
     }
 }
 

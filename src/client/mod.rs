@@ -131,13 +131,13 @@ impl AgentClient {
     /// Connects to `target` (`http://host:port` or `dns:///host:port`) with
     /// the default configuration.
     pub async fn connect(target: &str) -> anyhow::Result<Self> {
-        Self::connect_with(target, ClientConfig::default()).await
+        Self::connect_config(target, ClientConfig::default()).await
     }
 
     /// Connects to `target`. A direct target is connected to now (so a
     /// wrong address fails here); a `dns:///` target must resolve to at
     /// least one address, connected to on first use.
-    pub async fn connect_with(target: &str, cfg: ClientConfig) -> anyhow::Result<Self> {
+    pub async fn connect_config(target: &str, cfg: ClientConfig) -> anyhow::Result<Self> {
         match target.parse::<Target>().map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))? {
             Target::Direct(uri) => {
                 let channel =
