@@ -341,4 +341,18 @@ mod tests {
         assert_eq!(s.stall_timeout, Duration::from_millis(1500));
         assert_eq!(s.drain_delay, Duration::ZERO);
     }
+
+    #[test]
+    fn client_commands_take_a_resolve_interval() {
+        let health = |args: &[&str]| {
+            let mut argv = vec!["agentd", "health"];
+            argv.extend_from_slice(args);
+            match Cli::try_parse_from(argv).unwrap().command {
+                Command::Health(h) => h.client.client_config().resolve_interval,
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(health(&[]), Duration::from_secs(10));
+        assert_eq!(health(&["--resolve-interval", "250ms"]), Duration::from_millis(250));
+    }
 }
