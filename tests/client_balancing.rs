@@ -80,6 +80,10 @@ struct Replica {
 
 impl Replica {
     async fn start(name: &str, store: Arc<MemoryStore>, opts: ServerOptions) -> Replica {
+        Self::start_at("127.0.0.1:0".parse().unwrap(), name, store, opts).await
+    }
+
+    async fn start_at(bind: SocketAddr, name: &str, store: Arc<MemoryStore>, opts: ServerOptions) -> Replica {
         let runs = Arc::new(AtomicUsize::new(0));
         let flaky_runs = Arc::new(AtomicUsize::new(0));
         let deadlines = Arc::new(Mutex::new(Vec::new()));
@@ -91,7 +95,7 @@ impl Replica {
         let registry = AgentRegistry::new(agents, "whoami").unwrap();
         let cfg = TurnConfig { replica_id: name.to_owned(), max_run_duration: Duration::from_secs(600), ..TurnConfig::default() };
         let turns = Turns::new(store, registry, cfg);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(agentd::server::run(listener, turns, opts, async {
@@ -280,6 +284,35 @@ async fn a_replica_that_stops_is_left_out_and_its_calls_move_to_the_others() {
     assert_eq!(*client.endpoints().unwrap().borrow(), addrs(&replicas).into_iter().collect::<BTreeSet<_>>());
     let answers = ask_many(&mut client, &session, 20).await;
     assert!(answers.iter().all(|a| a.attempts == 1 && a.replica != gone.name));
+}
+
+#[tokio::test]
+async fn a_replica_that_comes_back_on_its_address_is_used_again() {
+    let store = Arc::new(MemoryStore::new());
+    let mut replicas = cluster(2, &store).await;
+    let resolver = StaticResolver::new(addrs(&replicas));
+    let mut client = connect(&resolver, client_config()).await;
+    let session = client.create_session("u1").await.unwrap().session_id;
+
+    let addr = replicas[1].addr;
+    replicas[1].stop().await;
+    wait_for_endpoints(&client, |s| !s.contains(&addr)).await;
+    // The same address serves again (a restarted process), without any
+    // change to the name: its health watch sees it and it rejoins.
+    let back = Replica::start_at(addr, "back", store.clone(), quick_shutdown()).await;
+    wait_for_endpoints(&client, |s| s.contains(&addr)).await;
+
+    let mut served_by_back = 0;
+    for _ in 0..200 {
+        if ask(&mut client, &session, "").await.replica == "back" {
+            served_by_back += 1;
+            if served_by_back == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(served_by_back, 3, "the replica that came back takes calls");
+    assert_eq!(back.runs.load(Ordering::SeqCst), 3);
 }
 
 #[tokio::test]
