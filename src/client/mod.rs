@@ -249,7 +249,7 @@ impl AgentClient {
         let (health, cfg) = (self.health.clone(), self.cfg.clone());
         let msg = tonic_health::pb::HealthCheckRequest { service: service.to_owned() };
         let status = self
-            .unary(retry::run_is_retryable, move |req_timeout| {
+            .unary(retry::is_unavailable, move |req_timeout| {
                 let mut health = health.clone();
                 let req = cfg.request(msg.clone(), req_timeout);
                 async move { health.check(req).await.map(|r| r.into_inner()) }

@@ -82,10 +82,15 @@ pub fn deadline_exceeded() -> Status {
     Status::deadline_exceeded("the call's deadline passed (client side)")
 }
 
+/// The server (or the way to it) is unavailable.
+pub fn is_unavailable(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+}
+
 /// A Run failure before any event that a resend with the same request_id
 /// may cure.
 pub fn run_is_retryable(status: &Status) -> bool {
-    status.code() == Code::Unavailable
+    is_unavailable(status)
 }
 
 #[cfg(test)]
