@@ -177,7 +177,7 @@ fn run_request(session: &str, request_id: &str) -> pb::RunRequest {
         session_id: session.into(),
         text: "who are you?".into(),
         request_id: request_id.into(),
-        agent: String::new(),
+        ..Default::default()
     }
 }
 
