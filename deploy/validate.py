@@ -13,6 +13,8 @@
 - Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
   preStop + drain delay + shutdown grace + the server's own flush time in
   every workload, the maximum run duration is below the shutdown grace,
+  each workload names its store (SQLite on a volume with one replica,
+  PostgreSQL from a Secret),
   every AGENTD_* variable is a flag the binary knows, the listen addresses,
   the gRPC probes, the rollout strategy, the headless Service, the PDB, and
   the Dockerfile's shape.
@@ -60,10 +62,10 @@ PLAIN_FILES = ["examples/secrets.yaml"]
 # (CUT_FLUSH and CONNECTIONS_CLOSE in src/server.rs).
 SERVER_FLUSH_SECONDS = 10
 
-# AGENTD_* variables of flags that other work adds to src/config.rs (the
-# session store, the admin port, bearer tokens); accepted until they are
-# there, after which the check against src/config.rs covers them.
-PENDING_FLAGS = {"AGENTD_STORE", "AGENTD_ADMIN_LISTEN", "AGENTD_AUTH_TOKENS"}
+# AGENTD_* variables of flags not yet in src/config.rs (the admin port and
+# bearer tokens, arriving with authentication and metrics); accepted until
+# they are there, after which the check against src/config.rs covers them.
+PENDING_FLAGS = {"AGENTD_ADMIN_LISTEN", "AGENTD_AUTH_TOKENS"}
 
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
@@ -280,6 +282,21 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
         if env.get(name) != want:
             errors.append(f"{what}: {name} must be {want} in a container (is {env.get(name)!r})")
 
+    # The binary's default store is a file in the working directory, on a
+    # read-only root file system: every workload names its store.
+    if "AGENTD_STORE" not in env:
+        errors.append(f"{what}: AGENTD_STORE is not set (the default SQLite file would be on the read-only root file system)")
+    store = env.get("AGENTD_STORE") or ""
+    if store.startswith("sqlite://"):
+        directory = str(Path(store[len("sqlite://"):]).parent)
+        mounts = {m.get("mountPath") for m in c.get("volumeMounts", [])}
+        if directory not in mounts:
+            errors.append(f"{what}: the SQLite file {store} must be on a mounted volume (mounts: {sorted(mounts)})")
+        if doc["spec"].get("replicas", 1) != 1:
+            errors.append(f"{what}: a SQLite store serves exactly one replica")
+    if store.startswith("postgres"):
+        errors.append(f"{what}: a PostgreSQL URL carries a password: take AGENTD_STORE from a Secret")
+
     ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
     if ports.get("grpc") != 50051 or ports.get("admin") != 9090:
         errors.append(f"{what}: container ports must be grpc=50051 and admin=9090 (are {ports})")
@@ -430,6 +447,9 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
         ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
         ("a Service port without h2c", pg, "appProtocol kubernetes.io/h2c", lambda d: find(d, "Service")["spec"]["ports"][0].pop("appProtocol")),
+        ("no store named", pg, "AGENTD_STORE is not set", lambda d: container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "AGENTD_STORE"))),
+        ("SQLite off its volume", sq, "must be on a mounted volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
+        ("SQLite with two replicas", sq, "exactly one replica", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2)),
         ("no PodDisruptionBudget", pg, "no PodDisruptionBudget", lambda d: d.remove(find(d, "PodDisruptionBudget"))),
         ("broken PromQL", mon, "promtool check rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="sum(rate(x[5m])")),
         ("an alert its unit test disagrees with", mon, "promtool test rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="vector(0) > 1")),
