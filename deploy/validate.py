@@ -62,11 +62,6 @@ PLAIN_FILES = ["examples/secrets.yaml"]
 # (CUT_FLUSH and CONNECTIONS_CLOSE in src/server.rs).
 SERVER_FLUSH_SECONDS = 10
 
-# AGENTD_* variables of flags not yet in src/config.rs (the admin port and
-# bearer tokens, arriving with authentication and metrics); accepted until
-# they are there, after which the check against src/config.rs covers them.
-PENDING_FLAGS = {"AGENTD_ADMIN_LISTEN", "AGENTD_AUTH_TOKENS"}
-
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "schemas/prometheusrule.json",
@@ -244,7 +239,7 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     env = effective_env(c, docs, errors, what)
 
     for name in env:
-        if name.startswith("AGENTD_") and name not in flags and name not in PENDING_FLAGS:
+        if name.startswith("AGENTD_") and name not in flags:
             errors.append(f"{what}: {name} is not a flag of agentd (src/config.rs); the binary would ignore it")
 
     def setting(name: str) -> float:

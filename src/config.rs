@@ -39,6 +39,9 @@ pub enum Command {
     Run(RunArgs),
     /// Ask a server's grpc.health.v1 service; exits 0 only when SERVING.
     Health(HealthArgs),
+    /// Print a turn's events after --after-seq, then follow it live until it
+    /// ends (resume after a dropped stream). Never runs the agent.
+    Attach(AttachArgs),
 }
 
 #[derive(Debug, Args)]
@@ -140,6 +143,49 @@ pub struct ServeArgs {
     /// the lease expires the turn ends with UNAVAILABLE (never re-run).
     #[arg(long, env = "AGENTD_TURN_LEASE", value_parser = duration, default_value = "10s")]
     pub turn_lease: Duration,
+
+    /// Admin HTTP address: /metrics (Prometheus), /healthz, /readyz. Plain
+    /// HTTP, no authentication: keep it on a private address. `off` disables it.
+    #[arg(long, env = "AGENTD_ADMIN_LISTEN", default_value = "127.0.0.1:9090", value_parser = admin_listen)]
+    pub admin_listen: AdminListen,
+
+    /// PEM certificate (chain) of the gRPC port; with --tls-key, the port
+    /// speaks TLS only.
+    #[arg(long, env = "AGENTD_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "AGENTD_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
+    /// PEM CA bundle for client certificates: turns on mutual TLS. Every
+    /// client must present a certificate it signed; the certificate's name
+    /// (first DNS/URI SAN, else CN) is the caller.
+    #[arg(long, env = "AGENTD_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+
+    /// JSON file of bearer tokens (token → caller and the user_ids it may
+    /// act for, or "*") and of client certificate names; see README. With it
+    /// (or with --tls-client-ca) every call needs credentials.
+    #[arg(long, env = "AGENTD_AUTH_TOKENS")]
+    pub auth_tokens: Option<std::path::PathBuf>,
+
+    /// Services callable without credentials when authentication is on
+    /// (comma-separated; empty: none).
+    #[arg(long, env = "AGENTD_AUTH_OPEN_SERVICES", value_delimiter = ',',
+          default_value = "grpc.health.v1.Health,grpc.reflection.v1.ServerReflection")]
+    pub auth_open_services: Vec<String>,
+}
+
+/// Where the admin HTTP port listens, if anywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdminListen(pub Option<SocketAddr>);
+
+fn admin_listen(s: &str) -> Result<AdminListen, String> {
+    if s == "off" || s.is_empty() {
+        return Ok(AdminListen(None));
+    }
+    s.parse().map(|a| AdminListen(Some(a))).map_err(|e| format!("{e} (use HOST:PORT, or off)"))
 }
 
 impl ServeArgs {
@@ -200,6 +246,25 @@ impl ServeArgs {
         }
     }
 
+    /// Reads and checks the TLS and token files (start-up errors are one line).
+    pub fn security(&self) -> anyhow::Result<crate::server::Security> {
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(crate::auth::tls::TlsFiles::load(cert, key, self.tls_client_ca.as_ref())?),
+            _ => None,
+        };
+        let mtls = tls.as_ref().is_some_and(|t| t.mtls());
+        let auth = if self.auth_tokens.is_some() || mtls {
+            Some(std::sync::Arc::new(crate::auth::Authenticator::new(
+                self.auth_tokens.as_deref(),
+                mtls,
+                &self.auth_open_services,
+            )?))
+        } else {
+            None
+        };
+        Ok(crate::server::Security { tls, auth })
+    }
+
     pub fn server_options(&self) -> crate::server::ServerOptions {
         let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
         crate::server::ServerOptions {
@@ -211,6 +276,7 @@ impl ServeArgs {
             max_input_bytes: self.max_input_bytes,
             drain_delay: self.drain_delay,
             shutdown_grace: self.shutdown_grace,
+            ..Default::default()
         }
     }
 }
@@ -237,15 +303,49 @@ pub struct ClientArgs {
     /// replaced replicas are used.
     #[arg(long, env = "AGENTD_RESOLVE_INTERVAL", value_parser = duration, default_value = "10s")]
     pub resolve_interval: Duration,
+    /// Bearer token sent on every call (servers with --auth-tokens).
+    #[arg(long, env = "AGENTD_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// PEM CA that signed the server's certificate (for an https:// server).
+    #[arg(long, env = "AGENTD_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate, for servers with mutual TLS.
+    #[arg(long, env = "AGENTD_TLS_CLIENT_CERT", requires = "tls_client_key")]
+    pub tls_client_cert: Option<std::path::PathBuf>,
+    /// PEM key of --tls-client-cert.
+    #[arg(long, env = "AGENTD_TLS_CLIENT_KEY", requires = "tls_client_cert")]
+    pub tls_client_key: Option<std::path::PathBuf>,
 }
 
 impl ClientArgs {
-    pub fn client_config(&self) -> crate::client::ClientConfig {
-        crate::client::ClientConfig { resolve_interval: self.resolve_interval, ..Default::default() }
+    pub fn client_config(&self) -> anyhow::Result<crate::client::ClientConfig> {
+        Ok(crate::client::ClientConfig {
+            resolve_interval: self.resolve_interval,
+            security: self.security()?,
+            ..Default::default()
+        })
     }
 
     pub async fn connect(&self) -> anyhow::Result<crate::client::AgentClient> {
-        crate::client::AgentClient::connect_config(&self.server, self.client_config()).await
+        crate::client::AgentClient::connect_config(&self.server, self.client_config()?).await
+    }
+
+    /// Reads the TLS files and token into client settings.
+    pub fn security(&self) -> anyhow::Result<crate::client::ClientSecurity> {
+        use anyhow::Context as _;
+        let read = |p: &std::path::Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+        let tls = match &self.tls_ca {
+            Some(ca) => {
+                let identity = match (&self.tls_client_cert, &self.tls_client_key) {
+                    (Some(c), Some(k)) => Some((read(c)?, read(k)?)),
+                    _ => None,
+                };
+                let ca = read(ca)?;
+                Some(crate::client::ClientSecurity::tls_from_pem(&ca, identity.as_ref().map(|(c, k)| (&c[..], &k[..]))))
+            }
+            None => None,
+        };
+        Ok(crate::client::ClientSecurity { tls, token: self.token.clone() })
     }
 }
 
@@ -259,6 +359,55 @@ pub enum SessionCommand {
         #[arg(long)]
         user: String,
     },
+    /// Print a session and its turns as JSON.
+    Get {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        session: String,
+    },
+    /// Print a user's sessions, one JSON object per line, oldest first.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+    },
+    /// Delete a session with its turns and events.
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        session: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct AttachArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The session's owner.
+    #[arg(long)]
+    pub user: String,
+    #[arg(long)]
+    pub session: String,
+    /// The turn's request id.
+    #[arg(long)]
+    pub request_id: String,
+    /// The last seq already received; events after it are printed (default:
+    /// all of them).
+    #[arg(long)]
+    pub after_seq: Option<u64>,
+    /// Give up after this long.
+    #[arg(long, value_parser = duration, default_value = "120s")]
+    pub deadline: Duration,
+    /// Print each event as a JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -283,8 +432,19 @@ pub struct RunArgs {
     /// Print each event as a JSON object per line instead of text.
     #[arg(long)]
     pub json: bool,
+    /// `continue` keeps the run going after this command exits or is
+    /// interrupted, so `agentd attach` can pick it up.
+    #[arg(long, value_enum, default_value_t = OnDisconnectArg::Cancel)]
+    pub on_disconnect: OnDisconnectArg,
     /// The message.
     pub text: String,
+}
+
+/// `RunRequest.on_disconnect` on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnDisconnectArg {
+    Cancel,
+    Continue,
 }
 
 #[derive(Debug, Args)]
@@ -336,6 +496,25 @@ mod tests {
     }
 
     #[test]
+    fn the_admin_port_can_be_turned_off() {
+        assert_eq!(serve(&[]).admin_listen, AdminListen(Some("127.0.0.1:9090".parse().unwrap())));
+        assert_eq!(serve(&["--admin-listen", "off"]).admin_listen, AdminListen(None));
+        assert!(Cli::try_parse_from(["agentd", "serve", "--admin-listen", "nowhere"]).is_err());
+    }
+
+    #[test]
+    fn by_default_health_and_reflection_are_open() {
+        assert_eq!(serve(&[]).auth_open_services, crate::auth::DEFAULT_OPEN_SERVICES);
+        assert_eq!(serve(&["--auth-open-services", ""]).auth_open_services.concat(), "");
+    }
+
+    #[test]
+    fn a_tls_certificate_needs_its_key() {
+        assert!(Cli::try_parse_from(["agentd", "serve", "--tls-cert", "c.pem"]).is_err());
+        assert!(Cli::try_parse_from(["agentd", "serve", "--tls-client-ca", "ca.pem"]).is_err());
+    }
+
+    #[test]
     fn durations_take_human_units() {
         let s = serve(&["--stall-timeout", "1500ms", "--drain-delay", "0s"]);
         assert_eq!(s.stall_timeout, Duration::from_millis(1500));
@@ -348,7 +527,7 @@ mod tests {
             let mut argv = vec!["agentd", "health"];
             argv.extend_from_slice(args);
             match Cli::try_parse_from(argv).unwrap().command {
-                Command::Health(h) => h.client.client_config().resolve_interval,
+                Command::Health(h) => h.client.client_config().unwrap().resolve_interval,
                 _ => unreachable!(),
             }
         };

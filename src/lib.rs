@@ -6,6 +6,7 @@
 //! stream. [`server`] assembles the services, health, reflection and shutdown.
 
 pub mod agent;
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod domain;

@@ -8,19 +8,24 @@ use std::time::Duration;
 use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
-use agentd::config::{Cli, Command, HealthArgs, RunArgs, ServeArgs, SessionCommand};
+use agentd::config::{AttachArgs, Cli, ClientArgs, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    agentd::telemetry::init(cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    // Inside the runtime: the OTLP exporter's channel lives there. Dropped
+    // (flushing spans) before the runtime.
+    let _telemetry = {
+        let _rt = rt.enter();
+        agentd::telemetry::init(cli.log_format)
     };
     let result = rt.block_on(async {
         match cli.command {
@@ -31,6 +36,21 @@ fn main() -> ExitCode {
                 println!("{}", s.session_id);
                 Ok(())
             }
+            Command::Session(SessionCommand::Get { client, user, session }) => {
+                let mut c = client.connect().await?.raw();
+                let req = pb::GetSessionRequest { user_id: user, session_id: session };
+                let s = c.get_session(with_timeout(req)).await.map_err(status_error)?.into_inner();
+                println!("{}", session_json(&s));
+                Ok(())
+            }
+            Command::Session(SessionCommand::List { client, user }) => list_sessions(&client, user).await,
+            Command::Session(SessionCommand::Delete { client, user, session }) => {
+                let mut c = client.connect().await?.raw();
+                let req = pb::DeleteSessionRequest { user_id: user, session_id: session };
+                c.delete_session(with_timeout(req)).await.map_err(status_error)?;
+                Ok(())
+            }
+            Command::Attach(args) => attach(args).await,
             Command::Run(args) => run(args).await,
             Command::Health(args) => health(args).await,
         }
@@ -58,11 +78,41 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registry = AgentRegistry::new(agents, &args.default_agent)?;
     let store = agentd::store::open(&args.store).await?;
     let turns = Turns::new(store, registry, args.turn_config());
+    let mut opts = args.server_options();
+    opts.security = args.security()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, "agentd starting");
-    agentd::server::run(listener, turns, args.server_options(), shutdown_signal()).await
+    let admin = spawn_admin(&args, opts.readiness.clone()).await?;
+    tracing::info!(listen = %listener.local_addr()?, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
+    let result = agentd::server::run(listener, turns, opts, shutdown_signal()).await;
+    if let Some((stop, task)) = admin {
+        let _ = stop.send(());
+        let _ = task.await;
+    }
+    result
+}
+
+/// Starts the admin HTTP port (/metrics, /healthz, /readyz) unless it is off.
+async fn spawn_admin(
+    args: &ServeArgs,
+    readiness: agentd::telemetry::admin::Readiness,
+) -> anyhow::Result<Option<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)>> {
+    let Some(addr) = args.admin_listen.0 else { return Ok(None) };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--admin-listen): {e}"))?;
+    tracing::info!(admin = %listener.local_addr()?, "admin HTTP port: /metrics /healthz /readyz");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        if let Err(e) = agentd::telemetry::admin::serve(listener, readiness, shutdown).await {
+            tracing::error!(error = %format!("{e:#}"), "admin HTTP port stopped");
+        }
+    });
+    Ok(Some((stop, task)))
 }
 
 /// Resolves on SIGTERM or SIGINT.
@@ -97,7 +147,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         text: args.text,
         request_id: args.request_id.unwrap_or_default(),
         agent: args.agent.unwrap_or_default(),
-        ..Default::default()
+        on_disconnect: match args.on_disconnect {
+            OnDisconnectArg::Cancel => pb::OnDisconnect::Cancel,
+            OnDisconnectArg::Continue => pb::OnDisconnect::Continue,
+        } as i32,
     };
     let mut call = c.run(req, args.deadline).await.map_err(status_error)?;
     if !args.json {
@@ -105,6 +158,70 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     loop {
         match call.events.message().await {
+            Ok(Some(e)) => print_event(&e, args.json),
+            Ok(None) => return Ok(()),
+            Err(s) => return Err(status_error(s)),
+        }
+    }
+}
+
+fn with_timeout<T>(msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.set_timeout(Duration::from_secs(10));
+    req
+}
+
+fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
+    let turns: Vec<serde_json::Value> = s
+        .turns
+        .iter()
+        .map(|t| {
+            serde_json::json!({
+                "request_id": t.request_id,
+                "state": t.state().as_str_name().trim_start_matches("TURN_STATE_").to_lowercase(),
+                "status_code": t.status_code.map(|c| format!("{:?}", tonic::Code::from(c))),
+                "status_message": t.status_message, "agent": t.agent, "owner": t.owner,
+                "created_unix_micros": t.created_unix_micros, "updated_unix_micros": t.updated_unix_micros,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "session_id": s.session_id, "user_id": s.user_id,
+        "created_unix_micros": s.created_unix_micros, "updated_unix_micros": s.updated_unix_micros, "turns": turns,
+    })
+}
+
+async fn list_sessions(client: &ClientArgs, user: String) -> anyhow::Result<()> {
+    let mut c = client.connect().await?.raw();
+    let mut page_token = String::new();
+    loop {
+        let req = pb::ListSessionsRequest { user_id: user.clone(), page_size: 0, page_token };
+        let page = c.list_sessions(with_timeout(req)).await.map_err(status_error)?.into_inner();
+        for s in &page.sessions {
+            let v = session_json(s);
+            println!("{}", serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
+                "created_unix_micros": v["created_unix_micros"], "updated_unix_micros": v["updated_unix_micros"] }));
+        }
+        if page.next_page_token.is_empty() {
+            return Ok(());
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+async fn attach(args: AttachArgs) -> anyhow::Result<()> {
+    let mut c = args.client.connect().await?.raw();
+    let msg = pb::AttachRequest {
+        user_id: args.user,
+        session_id: args.session,
+        request_id: args.request_id,
+        after_seq: args.after_seq,
+    };
+    let mut req = tonic::Request::new(msg);
+    req.set_timeout(args.deadline);
+    let mut events = c.attach(req).await.map_err(status_error)?.into_inner();
+    loop {
+        match events.message().await {
             Ok(Some(e)) => print_event(&e, args.json),
             Ok(None) => return Ok(()),
             Err(s) => return Err(status_error(s)),

@@ -12,7 +12,11 @@ use tonic::transport::server::{Connected, TcpIncoming};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::auth::tls::TlsFiles;
+use crate::auth::{AuthLayer, Authenticator};
 use crate::grpc::agents::{AgentServiceServer, AgentsService, Limits};
+use crate::telemetry::admin::Readiness;
+use crate::telemetry::rpc::RpcLayer;
 use crate::turn::Turns;
 
 /// Transport and lifecycle settings of one server.
@@ -34,6 +38,19 @@ pub struct ServerOptions {
     pub drain_delay: Duration,
     /// How long in-flight runs may take once we stop accepting.
     pub shutdown_grace: Duration,
+    /// TLS and authentication of the port.
+    pub security: Security,
+    /// Mirrors the health entries for the admin port's `/readyz`.
+    pub readiness: Readiness,
+}
+
+/// TLS and authentication of the gRPC port.
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// Serve TLS (and mTLS with a client CA); `None` serves plaintext h2c.
+    pub tls: Option<TlsFiles>,
+    /// Check credentials on every call; `None` lets every call in.
+    pub auth: Option<Arc<Authenticator>>,
 }
 
 impl Default for ServerOptions {
@@ -47,6 +64,8 @@ impl Default for ServerOptions {
             max_input_bytes: 64 * 1024,
             drain_delay: Duration::from_secs(5),
             shutdown_grace: Duration::from_secs(130),
+            security: Security::default(),
+            readiness: Readiness::default(),
         }
     }
 }
@@ -83,10 +102,10 @@ where
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     let (health, health_service) = tonic_health::server::health_reporter();
-    set_health(&health, ServingStatus::Serving).await;
+    set_health(&health, &opts.readiness, ServingStatus::Serving).await;
     // Store upkeep (health checks, expired leases, retention), mirrored into
     // grpc.health until shutdown takes health over.
-    let upkeep = tokio::spawn(store_upkeep(turns.clone(), health.clone()));
+    let upkeep = tokio::spawn(store_upkeep(turns.clone(), health.clone(), opts.readiness.clone()));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -102,16 +121,31 @@ where
         .http2_keepalive_timeout(Some(opts.keepalive_timeout))
         .max_concurrent_streams(Some(opts.max_concurrent_streams))
         .tcp_nodelay(true);
+    if let Some(tls) = &opts.security.tls {
+        builder = builder.tls_config(tls.server_config()?)?;
+    }
     if let Some(age) = opts.max_connection_age {
         // Without max_connection_age_grace: with it, tonic closes the
         // connection at age + grace without a GOAWAY. Alone, it sends GOAWAY
         // at `age` and lets in-flight calls finish.
         builder = builder.max_connection_age(age);
     }
+    let rpc = RpcLayer::new(&[
+        crate::pb::FILE_DESCRIPTOR_SET,
+        tonic_health::pb::FILE_DESCRIPTOR_SET,
+        tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+    ])?;
     let router = builder
-        // Outermost: rewrites tonic's status for an oversized request, the
-        // one refusal produced before our handlers see the request.
+        // Outermost: the call's span and metrics see every call, refusals of
+        // the layers below included, with the status the client gets, and
+        // end when the response stream ends.
+        .layer(rpc)
+        // Rewrites tonic's status for an oversized request, the one refusal
+        // produced before our handlers see the request.
         .layer(tower::util::MapResponseLayer::new(oversize_is_invalid_argument))
+        // Innermost: credentials are checked before anything is decoded, and
+        // the caller rides in the request's extensions to the handlers.
+        .layer(AuthLayer::new(opts.security.auth.clone()))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(agents);
@@ -132,7 +166,7 @@ where
     upkeep.abort();
     let _ = upkeep.await;
     tracing::info!(drain_delay = ?opts.drain_delay, "shutdown: health NOT_SERVING; still accepting during the drain delay");
-    set_health(&health, ServingStatus::NotServing).await;
+    set_health(&health, &opts.readiness, ServingStatus::NotServing).await;
     tokio::time::sleep(opts.drain_delay).await;
 
     turns.begin_drain();
@@ -158,18 +192,19 @@ where
 
 /// Runs the turn engine's upkeep and reports NOT_SERVING while its store
 /// is unreachable, SERVING again once it answers.
-async fn store_upkeep(turns: Arc<Turns>, health: HealthReporter) {
+async fn store_upkeep(turns: Arc<Turns>, health: HealthReporter, readiness: Readiness) {
     let mut store_ok = turns.store_health();
     let mirror = async {
         while store_ok.changed().await.is_ok() {
             let ok = *store_ok.borrow_and_update();
-            set_health(&health, if ok { ServingStatus::Serving } else { ServingStatus::NotServing }).await;
+            set_health(&health, &readiness, if ok { ServingStatus::Serving } else { ServingStatus::NotServing }).await;
         }
     };
     tokio::join!(turns.upkeep(), mirror);
 }
 
-async fn set_health(health: &HealthReporter, status: ServingStatus) {
+async fn set_health(health: &HealthReporter, readiness: &Readiness, status: ServingStatus) {
+    readiness.set(status == ServingStatus::Serving);
     health.set_service_status("", status).await;
     health.set_service_status(AGENT_SERVICE_NAME, status).await;
 }

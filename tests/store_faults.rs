@@ -19,7 +19,7 @@ async fn serve_fails(store: &str) -> (bool, String) {
     let out = tokio::time::timeout(
         Duration::from_secs(30),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--store", store])
+            .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--store", store])
             .stdin(std::process::Stdio::null())
             .output(),
     )

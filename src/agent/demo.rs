@@ -191,7 +191,8 @@ impl Agent for OrderHelper {
                 Intent::Lookup(id) => {
                     let call_id = format!("call_{}_0", ctx.request_id);
                     yield Ok::<_, AgentError>(Event::tool_call(NAME, TOOL, &call_id, &json!({ "order_id": id })));
-                    let Some(found) = tool.call(&id, &ctx.cancel).await else {
+                    let span = crate::telemetry::trace::tool_span(TOOL, &call_id);
+                    let Some(found) = tracing::Instrument::instrument(tool.call(&id, &ctx.cancel), span).await else {
                         return;
                     };
                     let (summary, result, answer) = match found {

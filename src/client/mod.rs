@@ -24,7 +24,8 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri};
 use tonic::{Request, Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -64,6 +65,8 @@ pub struct ClientConfig {
     /// For a `dns:///` target, watch each replica's grpc.health.v1 and send
     /// no calls to one that is not serving (draining) or unreachable.
     pub health_check: bool,
+    /// TLS (and mTLS) of every endpoint, and the bearer token of every call.
+    pub security: ClientSecurity,
 }
 
 impl Default for ClientConfig {
@@ -74,6 +77,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             retry: RetryPolicy::default(),
             health_check: true,
+            security: ClientSecurity::default(),
         }
     }
 }
@@ -84,18 +88,46 @@ impl ClientConfig {
     fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut req = Request::new(msg);
         req.set_timeout(timeout);
+        // The token was checked when the client was made.
+        if let Some(v) = self.security.token.as_deref().and_then(|t| bearer(t).ok()) {
+            req.metadata_mut().insert("authorization", v);
+        }
+        crate::telemetry::trace::inject_metadata(req.metadata_mut());
         req
     }
 
     /// The one place an endpoint's transport settings (and TLS) are chosen.
-    fn endpoint(&self, uri: Uri) -> Endpoint {
-        Endpoint::from(uri)
+    /// `server_name`, when given, is the name the server's certificate must
+    /// carry (a `dns:///` target's host, dialled by address); otherwise it is
+    /// the host of `uri`.
+    fn endpoint(&self, uri: Uri, server_name: Option<&str>) -> anyhow::Result<Endpoint> {
+        let endpoint = Endpoint::from(uri)
             .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true)
+            .keep_alive_while_idle(true);
+        match &self.security.tls {
+            None => Ok(endpoint),
+            Some(tls) => {
+                let tls = match server_name {
+                    Some(name) => tls.clone().domain_name(name),
+                    None => tls.clone(),
+                };
+                endpoint.tls_config(tls).map_err(|e| anyhow::anyhow!("bad TLS settings: {e}"))
+            }
+        }
     }
+
+    /// The scheme of the endpoints this configuration dials.
+    fn scheme(&self) -> &'static str {
+        if self.security.tls.is_some() { "https" } else { "http" }
+    }
+}
+
+/// The `authorization` value of a bearer token.
+fn bearer(token: &str) -> anyhow::Result<AsciiMetadataValue> {
+    AsciiMetadataValue::try_from(format!("Bearer {token}")).map_err(|_| anyhow::anyhow!("the token must be printable ASCII"))
 }
 
 #[derive(Clone)]
@@ -107,6 +139,27 @@ pub struct AgentClient {
     refresh: Option<mpsc::Sender<resolve::Refresh>>,
     /// The addresses the balancer has (of a `dns:///` target).
     endpoints: Option<watch::Receiver<BTreeSet<SocketAddr>>>,
+}
+
+/// How the client reaches a secured server: TLS (the server's CA, and a
+/// client certificate for mTLS) and a bearer token.
+#[derive(Clone, Debug, Default)]
+pub struct ClientSecurity {
+    /// Required for an `https://` target.
+    pub tls: Option<ClientTlsConfig>,
+    pub token: Option<String>,
+}
+
+impl ClientSecurity {
+    /// From PEM bytes: the CA that signed the server's certificate, and
+    /// optionally the client's certificate and key (mTLS).
+    pub fn tls_from_pem(ca: &[u8], identity: Option<(&[u8], &[u8])>) -> ClientTlsConfig {
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        if let Some((cert, key)) = identity {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        tls
+    }
 }
 
 /// A started Run: the server's response headers and its event stream.
@@ -134,14 +187,23 @@ impl AgentClient {
         Self::connect_config(target, ClientConfig::default()).await
     }
 
+    /// Connects to `target` with TLS and/or a bearer token, and otherwise
+    /// the default configuration.
+    pub async fn connect_with(target: &str, security: &ClientSecurity) -> anyhow::Result<Self> {
+        Self::connect_config(target, ClientConfig { security: security.clone(), ..Default::default() }).await
+    }
+
     /// Connects to `target`. A direct target is connected to now (so a
     /// wrong address fails here); a `dns:///` target must resolve to at
     /// least one address, connected to on first use.
     pub async fn connect_config(target: &str, cfg: ClientConfig) -> anyhow::Result<Self> {
+        if let Some(token) = &cfg.security.token {
+            bearer(token)?;
+        }
         match target.parse::<Target>().map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))? {
             Target::Direct(uri) => {
                 let channel =
-                    cfg.endpoint(uri).connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e}"))?;
+                    cfg.endpoint(uri, None)?.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e:#}"))?;
                 Ok(Self::new(channel, cfg, None))
             }
             Target::Dns { host, port } => Self::balanced(&host, port, Arc::new(DnsResolver), cfg).await,
@@ -154,24 +216,33 @@ impl AgentClient {
         if cfg.resolve_interval.is_zero() {
             anyhow::bail!("the resolve interval must be more than 0s");
         }
+        if let Some(token) = &cfg.security.token {
+            bearer(token)?;
+        }
         let (channel, changes) = Channel::balance_channel::<SocketAddr>(64);
         let (refresh, refresh_rx) = mpsc::channel(8);
         let (health_tx, health_rx) = mpsc::channel(64);
         let (published, endpoints) = watch::channel(BTreeSet::new());
         let endpoint_cfg = cfg.clone();
+        let server_name = host.to_owned();
         // The :authority (and, with TLS, the server name) is the service's
         // name, not a pod's address.
-        let origin: Uri = format!("http://{}:{port}", bracket_v6(host))
+        let scheme = cfg.scheme();
+        let origin: Uri = format!("{scheme}://{}:{port}", bracket_v6(host))
             .parse()
             .map_err(|e| anyhow::anyhow!("bad host name {host:?}: {e}"))?;
+        let addr_uri = move |addr: SocketAddr| {
+            Uri::try_from(format!("{scheme}://{addr}")).expect("a socket address is a valid authority")
+        };
+        // Every address gets the same settings: check them once here.
+        cfg.endpoint(addr_uri(SocketAddr::from(([127, 0, 0, 1], port))), Some(host))?;
         let mut task = resolve::Task {
             resolver,
             host: host.to_owned(),
             port,
             interval: cfg.resolve_interval,
             endpoint: Arc::new(move |addr| {
-                let uri = Uri::try_from(format!("http://{addr}")).expect("a socket address is a valid authority");
-                endpoint_cfg.endpoint(uri).origin(origin.clone())
+                endpoint_cfg.endpoint(addr_uri(addr), Some(&server_name)).expect("checked when the client was made").origin(origin.clone())
             }),
             health_check: cfg.health_check,
             changes,
@@ -224,6 +295,13 @@ impl AgentClient {
 
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// Sends `authorization: Bearer <token>` on every call.
+    pub fn with_token(mut self, token: &str) -> anyhow::Result<Self> {
+        bearer(token)?;
+        Arc::make_mut(&mut self.cfg).security.token = Some(token.to_owned());
+        Ok(self)
     }
 
     /// The generated client, for calls this wrapper does not cover.

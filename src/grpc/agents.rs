@@ -113,7 +113,9 @@ type EventResult = Result<pb::AgentEvent, Status>;
 #[tonic::async_trait]
 impl pb::agent_service_server::AgentService for AgentsService {
     async fn create_session(&self, req: Request<pb::CreateSessionRequest>) -> Result<Response<pb::SessionRef>, Status> {
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let user_id = UserId::parse(req.into_inner().user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let session = self.turns.store().create_session(&user_id).await.map_err(status::store)?;
         tracing::info!(method = "CreateSession", session = %session.id, "session created");
         Ok(Response::new(pb::SessionRef { user_id: user_id.to_string(), session_id: session.id.to_string() }))
@@ -186,7 +188,9 @@ impl pb::agent_service_server::AgentService for AgentsService {
 impl AgentsService {
     async fn start(&self, req: Request<pb::RunRequest>) -> Result<Response<<Self as pb::agent_service_server::AgentService>::RunStream>, Status> {
         let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let input = parse_run(req.into_inner(), &self.limits).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &input.user_id).map_err(status::permission_denied)?;
         let started = self
             .turns
             .start(input, timeout)

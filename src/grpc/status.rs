@@ -11,6 +11,16 @@ use crate::domain::InvalidInput;
 use crate::store::{StoreError, TurnOutcome, TurnState};
 use crate::turn::{Failure, RunError};
 
+/// A call without acceptable credentials (refused before decoding).
+pub fn unauthenticated(e: crate::auth::Unauthenticated) -> Status {
+    Status::unauthenticated(e.to_string())
+}
+
+/// A caller acting for a user it may not act for.
+pub fn permission_denied(e: crate::auth::Denied) -> Status {
+    Status::permission_denied(e.to_string())
+}
+
 /// A request refused for bad input.
 pub fn invalid(e: InvalidInput) -> Status {
     Status::invalid_argument(e.to_string())

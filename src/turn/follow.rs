@@ -31,16 +31,19 @@ pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadli
         cut: turns.cut.clone(),
     };
     let end2 = end.clone();
-    turns.tracker.spawn(async move {
+    crate::telemetry::metrics::dedup(mode);
+    let span = crate::telemetry::trace::run_span(mode.as_str(), "", &follower.key.session_id, &follower.key.request_id);
+    turns.tracker.spawn(tracing::Instrument::instrument(async move {
         let started = Instant::now();
         let key = follower.key.clone();
         let mut sent = 0u64;
         let result = follower.run(&mut sent).await;
+        crate::telemetry::metrics::run_finished(mode, &result, sent);
         let code = tonic::Code::from(status::outcome(&result).code);
         tracing::info!(method = "Run", mode = mode.as_str(), session = %key.session_id, request_id = %key.request_id,
             code = ?code, duration_ms = started.elapsed().as_secs_f64() * 1e3, events_sent = sent, "run finished");
         end2.set(result);
-    });
+    }, span));
     RunStream::new(rx, end)
 }
 

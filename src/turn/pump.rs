@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use tracing::Instrument;
 use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -45,9 +46,10 @@ pub(super) fn spawn(
     let key = input.key.clone();
     turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx.clone());
 
+    let span = crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id);
     let writer = Writer { turns: turns.clone(), key: key.clone(), rx: writer_rx, progress: progress_tx };
     let on_disconnect = input.on_disconnect;
-    turns.tracker.spawn(writer.run());
+    turns.tracker.spawn(writer.run().instrument(span.clone()));
 
     let cancel = CancellationToken::new();
     let ctx = RunContext {
@@ -74,7 +76,7 @@ pub(super) fn spawn(
         cut: turns.cut.clone(),
         _permit: permit,
     };
-    turns.tracker.spawn(pump.run());
+    turns.tracker.spawn(pump.run().instrument(span));
     RunStream::new(rx, end)
 }
 
@@ -105,8 +107,10 @@ impl Pump {
     async fn run(mut self) {
         let started = Instant::now();
         let _cancel_on_exit = self.cancel.clone().drop_guard();
+        let _in_flight = crate::telemetry::metrics::RunInFlight::enter();
         let mut sent = 0u64;
         let result = self.forward(&mut sent).await;
+        crate::telemetry::metrics::run_finished(super::Mode::New, &result, sent);
         // Drop the agent's stream first: that cancels the model call and the
         // tools right now, before anything else is awaited.
         self.events = Box::pin(futures::stream::empty());

@@ -371,7 +371,7 @@ impl Child {
     /// "agentd starting" log line to learn the port.
     pub async fn serve(args: &[&str]) -> Child {
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain-delay", "0s"])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -1,0 +1,309 @@
+//! Who is calling, and for which users they may act.
+//!
+//! A caller proves who it is with a bearer token (`authorization: Bearer T`,
+//! looked up in the `--auth-tokens` file) or, with mTLS, with its client
+//! certificate (the certificate's name is the caller). [`AuthLayer`] does
+//! this before a request is decoded and puts the [`Caller`] in the request's
+//! extensions; the handlers then check the request's `user_id` against it
+//! ([`authorize`]), since the user is inside the message.
+//!
+//! Tokens are compared in constant time and never logged or displayed.
+
+mod layer;
+pub mod tls;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+
+pub use layer::{AuthLayer, AuthService};
+
+use crate::domain::UserId;
+
+/// Services reachable without credentials by default: probes and tooling.
+pub const DEFAULT_OPEN_SERVICES: &[&str] = &["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"];
+
+/// The user ids a caller may act for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// A trusted service: any user.
+    AnyUser,
+    Users(HashSet<String>),
+}
+
+impl Scope {
+    fn parse(user_ids: Vec<String>, whose: &str) -> anyhow::Result<Self> {
+        if user_ids.iter().any(|u| u == "*") {
+            if user_ids.len() > 1 {
+                anyhow::bail!("{whose}: \"*\" must be the only entry of user_ids");
+            }
+            return Ok(Scope::AnyUser);
+        }
+        if user_ids.is_empty() {
+            anyhow::bail!("{whose}: user_ids is empty (list users, or \"*\" for any)");
+        }
+        for u in &user_ids {
+            UserId::parse(u.clone()).map_err(|e| anyhow::anyhow!("{whose}: a user id is not valid: {e}"))?;
+        }
+        Ok(Scope::Users(user_ids.into_iter().collect()))
+    }
+
+    pub fn allows(&self, user: &str) -> bool {
+        match self {
+            Scope::AnyUser => true,
+            Scope::Users(users) => users.contains(user),
+        }
+    }
+}
+
+/// An authenticated caller, found in a request's extensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// For logs and metrics: the token's caller name or the certificate's name.
+    pub name: Arc<str>,
+    pub scope: Scope,
+}
+
+/// Checks that `caller` may act for `user`. Without a caller (authentication
+/// is off) everything is allowed.
+pub fn authorize(caller: Option<&Caller>, user: &UserId) -> Result<(), Denied> {
+    match caller {
+        Some(c) if !c.scope.allows(user.as_str()) => {
+            tracing::info!(caller = %c.name, "call refused: the caller may not act for this user");
+            Err(Denied)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The caller may not act for the request's user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the caller may not act for this user_id")]
+pub struct Denied;
+
+/// Why a request carried no acceptable credentials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unauthenticated {
+    #[error("this call needs credentials: a bearer token or a client certificate")]
+    Missing,
+    #[error("the authorization header must be \"Bearer <token>\"")]
+    Malformed,
+    #[error("the bearer token is not valid")]
+    BadToken,
+    #[error("the client certificate has no name this server knows")]
+    UnknownCertificate,
+}
+
+/// A token's entry. Debug shows the caller, never the token.
+struct TokenEntry {
+    token: Vec<u8>,
+    caller: Caller,
+}
+
+impl std::fmt::Debug for TokenEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenEntry").field("caller", &self.caller).finish_non_exhaustive()
+    }
+}
+
+/// The credentials a server accepts.
+#[derive(Debug)]
+pub struct Authenticator {
+    tokens: Vec<TokenEntry>,
+    /// Certificate name → scope, from the tokens file's `clients`.
+    clients: Vec<Caller>,
+    /// With mTLS and no `clients` list, every certificate the CA signed is
+    /// a trusted caller.
+    trust_any_certificate: bool,
+    /// Full service names reachable without credentials.
+    open_services: HashSet<String>,
+}
+
+/// The `--auth-tokens` file (JSON).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokensFile {
+    #[serde(default)]
+    tokens: Vec<TokenSpec>,
+    #[serde(default)]
+    clients: Vec<ClientSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenSpec {
+    token: String,
+    caller: String,
+    user_ids: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClientSpec {
+    name: String,
+    user_ids: Vec<String>,
+}
+
+/// Shortest token accepted: guessing must be hopeless.
+const MIN_TOKEN_BYTES: usize = 16;
+
+impl Authenticator {
+    /// `tokens_file`: the `--auth-tokens` JSON; `mtls`: whether client
+    /// certificates are verified; `open_services`: reachable without
+    /// credentials.
+    pub fn new(tokens_file: Option<&Path>, mtls: bool, open_services: &[String]) -> anyhow::Result<Self> {
+        let (tokens, clients, listed_clients) = match tokens_file {
+            None => (Vec::new(), Vec::new(), false),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --auth-tokens {}", path.display()))?;
+                Self::parse(&text).with_context(|| format!("--auth-tokens {}", path.display()))?
+            }
+        };
+        Ok(Self {
+            tokens,
+            clients,
+            trust_any_certificate: mtls && !listed_clients,
+            open_services: open_services.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse(text: &str) -> anyhow::Result<(Vec<TokenEntry>, Vec<Caller>, bool)> {
+        // Only the position and kind of error: serde_json messages can quote values.
+        let file: TokensFile = serde_json::from_str(text).map_err(|e| {
+            anyhow::anyhow!("not a valid tokens file (line {}, column {}): {}", e.line(), e.column(), match e.classify() { serde_json::error::Category::Syntax => "syntax error", serde_json::error::Category::Eof => "unexpected end", serde_json::error::Category::Data => "a field is missing, unknown or of the wrong type", serde_json::error::Category::Io => "read error" })
+        })?;
+        let mut tokens = Vec::new();
+        for (i, t) in file.tokens.into_iter().enumerate() {
+            let whose = format!("tokens[{i}] (caller {:?})", t.caller);
+            if t.token.len() < MIN_TOKEN_BYTES || !t.token.bytes().all(|b| b.is_ascii_graphic()) {
+                anyhow::bail!("{whose}: a token must be at least {MIN_TOKEN_BYTES} printable ASCII characters");
+            }
+            if t.caller.is_empty() {
+                anyhow::bail!("tokens[{i}]: caller is empty");
+            }
+            if tokens.iter().any(|e: &TokenEntry| e.token == t.token.as_bytes()) {
+                anyhow::bail!("{whose}: the same token is listed twice");
+            }
+            let scope = Scope::parse(t.user_ids, &whose)?;
+            tokens.push(TokenEntry { token: t.token.into_bytes(), caller: Caller { name: t.caller.into(), scope } });
+        }
+        let listed = !file.clients.is_empty();
+        let mut clients = Vec::new();
+        for (i, c) in file.clients.into_iter().enumerate() {
+            let whose = format!("clients[{i}] ({:?})", c.name);
+            let scope = Scope::parse(c.user_ids, &whose)?;
+            clients.push(Caller { name: c.name.into(), scope });
+        }
+        Ok((tokens, clients, listed))
+    }
+
+    /// Whether `service` (e.g. `grpc.health.v1.Health`) needs no credentials.
+    pub fn is_open(&self, service: &str) -> bool {
+        self.open_services.contains(service)
+    }
+
+    /// The caller presenting `token`. Every entry is compared, in constant
+    /// time, whichever matches.
+    pub fn by_token(&self, token: &[u8]) -> Option<&Caller> {
+        let mut found = None;
+        for e in &self.tokens {
+            if bool::from(e.token.as_slice().ct_eq(token)) {
+                found = Some(&e.caller);
+            }
+        }
+        found
+    }
+
+    /// The caller a verified client certificate named `name` is.
+    pub fn by_certificate(&self, name: &str) -> Option<Caller> {
+        if self.trust_any_certificate {
+            return Some(Caller { name: name.into(), scope: Scope::AnyUser });
+        }
+        self.clients.iter().find(|c| &*c.name == name).cloned()
+    }
+
+    /// Who sent a request: its bearer token if it has one, else its client
+    /// certificate's name.
+    pub fn authenticate(&self, authorization: Option<&[u8]>, certificate_name: Option<&str>) -> Result<Caller, Unauthenticated> {
+        if let Some(value) = authorization {
+            let token = value
+                .strip_prefix(b"Bearer ")
+                .or_else(|| value.strip_prefix(b"bearer "))
+                .ok_or(Unauthenticated::Malformed)?;
+            return self.by_token(token).cloned().ok_or(Unauthenticated::BadToken);
+        }
+        match certificate_name {
+            Some(name) => self.by_certificate(name).ok_or(Unauthenticated::UnknownCertificate),
+            None => Err(Unauthenticated::Missing),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"{
+        "tokens": [
+            {"token": "tok-billing-0123456789", "caller": "billing", "user_ids": ["*"]},
+            {"token": "tok-web-0123456789abc", "caller": "web", "user_ids": ["alice", "bob"]}
+        ]
+    }"#;
+
+    fn auth() -> Authenticator {
+        let (tokens, clients, listed) = Authenticator::parse(FILE).unwrap();
+        Authenticator { tokens, clients, trust_any_certificate: !listed, open_services: HashSet::new() }
+    }
+
+    #[test]
+    fn a_token_names_its_caller_and_scope() {
+        let a = auth();
+        let c = a.authenticate(Some(b"Bearer tok-web-0123456789abc"), None).unwrap();
+        assert_eq!(&*c.name, "web");
+        assert!(c.scope.allows("alice") && !c.scope.allows("mallory"));
+        let c = a.authenticate(Some(b"Bearer tok-billing-0123456789"), None).unwrap();
+        assert!(c.scope.allows("anyone"));
+    }
+
+    #[test]
+    fn missing_malformed_and_unknown_tokens_are_refused() {
+        let a = auth();
+        assert_eq!(a.authenticate(None, None), Err(Unauthenticated::Missing));
+        assert_eq!(a.authenticate(Some(b"Basic abc"), None), Err(Unauthenticated::Malformed));
+        assert_eq!(a.authenticate(Some(b"Bearer tok-web-0123456789abX"), None), Err(Unauthenticated::BadToken));
+        assert_eq!(a.authenticate(Some(b"Bearer tok-web"), None), Err(Unauthenticated::BadToken));
+    }
+
+    #[test]
+    fn a_bad_file_is_refused_without_quoting_its_tokens() {
+        let short = r#"{"tokens": [{"token": "short-secret", "caller": "x", "user_ids": ["*"]}]}"#;
+        let err = format!("{:#}", Authenticator::parse(short).unwrap_err());
+        assert!(err.contains("at least 16") && !err.contains("short-secret"), "{err}");
+        let broken = r#"{"tokens": [{"token": "a-very-secret-token-value", "caller": "x", "user_ids": ["*"]"#;
+        let err = format!("{:#}", Authenticator::parse(broken).unwrap_err());
+        assert!(!err.contains("a-very-secret"), "{err}");
+        let mixed = r#"{"tokens": [{"token": "a-very-secret-token-value", "caller": "x", "user_ids": ["*", "bob"]}]}"#;
+        assert!(Authenticator::parse(mixed).is_err());
+    }
+
+    #[test]
+    fn debug_output_never_shows_a_token() {
+        let a = auth();
+        let shown = format!("{a:?}");
+        assert!(shown.contains("billing") && !shown.contains("tok-billing"), "{shown}");
+    }
+
+    #[test]
+    fn listed_clients_restrict_certificates() {
+        let text = r#"{"clients": [{"name": "web.internal", "user_ids": ["alice"]}]}"#;
+        let (tokens, clients, listed) = Authenticator::parse(text).unwrap();
+        let a = Authenticator { tokens, clients, trust_any_certificate: !listed, open_services: HashSet::new() };
+        assert_eq!(&*a.authenticate(None, Some("web.internal")).unwrap().name, "web.internal");
+        assert_eq!(a.authenticate(None, Some("other")), Err(Unauthenticated::UnknownCertificate));
+    }
+}

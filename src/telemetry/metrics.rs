@@ -1,0 +1,137 @@
+//! Prometheus metrics: the names, and the few calls the turn engine makes.
+//!
+//! The recorder is the process-wide one of the `metrics` crate, installed on
+//! first use; [`render`] is what the admin port serves at `/metrics`.
+//!
+//! | metric | labels | what |
+//! | --- | --- | --- |
+//! | `grpc_server_started_total` | `grpc_service`, `grpc_method` | calls received |
+//! | `grpc_server_handled_total` | `grpc_service`, `grpc_method`, `grpc_code` | calls ended, by final status (a stream's status is its trailer) |
+//! | `grpc_server_handling_seconds` | `grpc_service`, `grpc_method`, `grpc_code` | histogram: call start to the end of its response stream |
+//! | `agentd_runs_in_flight` | | agent runs executing now |
+//! | `agentd_run_events` | `mode` | histogram: events sent per Run (`new`, `replay`, `attach`) |
+//! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown` |
+//! | `agentd_slow_consumer_terminations_total` | | Runs ended with RESOURCE_EXHAUSTED because the client stopped reading |
+//! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::turn::{Failure, Mode};
+
+pub const STARTED: &str = "grpc_server_started_total";
+pub const HANDLED: &str = "grpc_server_handled_total";
+pub const HANDLING_SECONDS: &str = "grpc_server_handling_seconds";
+pub const RUNS_IN_FLIGHT: &str = "agentd_runs_in_flight";
+pub const RUN_EVENTS: &str = "agentd_run_events";
+pub const CANCELLATIONS: &str = "agentd_run_cancellations_total";
+pub const SLOW_CONSUMER: &str = "agentd_slow_consumer_terminations_total";
+pub const DEDUP: &str = "agentd_dedup_total";
+
+/// Call durations from 1 ms to the longest run a server allows by default.
+const SECONDS_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Events per run: a tool-using turn is a handful, a streamed answer hundreds.
+const EVENTS_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 10000.0];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder (once) and returns its handle.
+pub fn handle() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(RUN_EVENTS.into()), EVENTS_BUCKETS))
+            .expect("bucket lists are non-empty");
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!("another metrics recorder is installed; /metrics will be empty");
+        }
+        describe();
+        handle
+    })
+}
+
+/// The Prometheus text exposition of every metric.
+pub fn render() -> String {
+    handle().render()
+}
+
+fn describe() {
+    metrics::describe_counter!(STARTED, "gRPC calls received");
+    metrics::describe_counter!(HANDLED, "gRPC calls ended, by final status (trailer status for streams)");
+    metrics::describe_histogram!(HANDLING_SECONDS, metrics::Unit::Seconds, "gRPC call duration to the end of the response stream");
+    metrics::describe_gauge!(RUNS_IN_FLIGHT, "agent runs executing now");
+    metrics::describe_histogram!(RUN_EVENTS, "events sent per Run");
+    metrics::describe_counter!(CANCELLATIONS, "agent runs cancelled, by cause");
+    metrics::describe_counter!(SLOW_CONSUMER, "Runs ended because the client stopped reading");
+    metrics::describe_counter!(DEDUP, "repeated request ids answered without running the agent");
+}
+
+/// Counts an agent run in flight for as long as it lives.
+pub struct RunInFlight(());
+
+impl RunInFlight {
+    pub fn enter() -> Self {
+        handle();
+        metrics::gauge!(RUNS_IN_FLIGHT).increment(1.0);
+        RunInFlight(())
+    }
+}
+
+impl Drop for RunInFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(RUNS_IN_FLIGHT).decrement(1.0);
+    }
+}
+
+/// A repeated request id was joined instead of run.
+pub fn dedup(mode: Mode) {
+    handle();
+    metrics::counter!(DEDUP, "mode" => mode.as_str()).increment(1);
+}
+
+/// A Run's stream ended: how many events it sent and why it stopped.
+pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) {
+    handle();
+    metrics::histogram!(RUN_EVENTS, "mode" => mode.as_str()).record(events_sent as f64);
+    let cause = match result {
+        Err(Failure::ClientGone) => "client",
+        Err(Failure::Deadline { .. }) => "deadline",
+        Err(Failure::Shutdown) => "shutdown",
+        Err(Failure::SlowConsumer) => {
+            metrics::counter!(SLOW_CONSUMER).increment(1);
+            return;
+        }
+        _ => return,
+    };
+    // Only a run of the agent is cancelled; a follower just stops reading.
+    if mode == Mode::New {
+        metrics::counter!(CANCELLATIONS, "cause" => cause).increment(1);
+    }
+}
+
+/// The name of a gRPC status code as the gRPC specification spells it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}

@@ -1,0 +1,123 @@
+//! W3C trace context in and out, and the spans agentd opens.
+//!
+//! An incoming call's `traceparent` (gRPC metadata is HTTP/2 headers) becomes
+//! the parent of its RPC span, so a caller's trace continues inside agentd.
+//! Outbound calls carry the current span's context: [`inject_headers`] for an
+//! HTTP client (a model server), [`inject_metadata`] for a gRPC one.
+
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::TraceContextExt;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tonic::codegen::http;
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+struct HeaderInjector<'a>(&'a mut http::HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(key.as_bytes()), http::HeaderValue::from_str(&value)) {
+            self.0.insert(k, v);
+        }
+    }
+}
+
+/// The trace context a caller sent (`traceparent`, `tracestate`); an empty
+/// context when there is none or it is malformed.
+pub fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
+    TraceContextPropagator::new().extract(&HeaderExtractor(headers))
+}
+
+/// Adds the current span's `traceparent` to an outbound HTTP request.
+pub fn inject_headers(headers: &mut http::HeaderMap) {
+    let cx = Span::current().context();
+    TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(headers));
+}
+
+/// Adds the current span's `traceparent` to an outbound gRPC request.
+pub fn inject_metadata(metadata: &mut tonic::metadata::MetadataMap) {
+    let mut headers = http::HeaderMap::new();
+    inject_headers(&mut headers);
+    for (k, v) in headers.iter() {
+        if let (Ok(k), Ok(v)) = (
+            tonic::metadata::MetadataKey::from_bytes(k.as_str().as_bytes()),
+            tonic::metadata::AsciiMetadataValue::try_from(v.as_bytes()),
+        ) {
+            metadata.insert(k, v);
+        }
+    }
+}
+
+/// The trace id of `span` as 32 hex digits, if it is part of a trace.
+pub fn trace_id(span: &Span) -> Option<String> {
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid().then(|| sc.trace_id().to_string())
+}
+
+/// The span of one agent run (or of a replay/attach of one), a child of the
+/// RPC span that started it.
+pub fn run_span(mode: &'static str, agent: &str, session: &dyn std::fmt::Display, request_id: &dyn std::fmt::Display) -> Span {
+    tracing::info_span!("run", otel.name = "run", mode, agent, session = %session, request_id = %request_id)
+}
+
+/// The span of one tool call, a child of the run's span.
+pub fn tool_span(tool: &str, call_id: &str) -> Span {
+    tracing::info_span!(
+        "tool",
+        otel.name = %format!("execute_tool {tool}"),
+        otel.kind = "internal",
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = tool,
+        gen_ai.tool.call.id = call_id,
+    )
+}
+
+/// The span of one call to a model server, a child of the run's span, named
+/// and attributed as OpenTelemetry's GenAI conventions say. Run the request
+/// inside it (`.instrument(span)`) and call [`inject_headers`] on the request
+/// so the model server's trace joins ours. Record the outcome with
+/// `span.record("gen_ai.response.model", ..)` and the token counts
+/// (`gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`); a failed call
+/// records `otel.status_code = "error"`.
+///
+/// ```no_run
+/// use tracing::Instrument;
+/// use agentd::telemetry::trace;
+/// # async fn example() {
+/// let span = trace::model_call_span("openai", "chat", "gpt-4o-mini");
+/// async {
+///     let mut headers = tonic::codegen::http::HeaderMap::new();
+///     trace::inject_headers(&mut headers); // traceparent: this model-call span
+///     // ... send the request with `headers`, read the answer ...
+///     tracing::Span::current().record("gen_ai.usage.input_tokens", 12);
+/// }
+/// .instrument(span)
+/// .await;
+/// # }
+/// ```
+pub fn model_call_span(system: &str, operation: &str, model: &str) -> Span {
+    tracing::info_span!(
+        "model",
+        otel.name = %format!("{operation} {model}"),
+        otel.kind = "client",
+        gen_ai.system = system,
+        gen_ai.operation.name = operation,
+        gen_ai.request.model = model,
+        gen_ai.response.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
+}

@@ -1,0 +1,136 @@
+//! The binary with TLS and tokens from files, as an operator configures it:
+//! `serve --tls-cert --tls-key --auth-tokens`, and the CLI's `--tls-ca` and
+//! `--token`; bad files fail start-up with one line that quotes no secret.
+
+mod secured;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use secured::Ca;
+
+const BIN: &str = env!("CARGO_BIN_EXE_agentd");
+const TOKEN: &str = "tok-cli-0123456789abcdef";
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_owned()
+}
+
+struct Served {
+    child: Child,
+    addr: String,
+}
+
+impl Served {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("server exited before listening").unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            if v["message"] == "agentd starting" {
+                assert_eq!(v["tls"], true, "{line}");
+                assert_eq!(v["auth"], true, "{line}");
+                break v["listen"].as_str().unwrap().to_owned();
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Self { child, addr }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let until = Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn the_cli_reaches_a_tls_server_with_its_ca_and_token_and_is_refused_without_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("cli ca");
+    let server_pem = ca.server();
+    let cert = write(dir.path(), "server.pem", &server_pem.cert);
+    let key = write(dir.path(), "server.key", &server_pem.key);
+    let ca_file = write(dir.path(), "ca.pem", &ca.pem);
+    let tokens = write(
+        dir.path(),
+        "tokens.json",
+        &format!(r#"{{"tokens": [{{"token": "{TOKEN}", "caller": "cli", "user_ids": ["alice"]}}]}}"#),
+    );
+    let served = Served::start(&["--tls-cert", &cert, "--tls-key", &key, "--auth-tokens", &tokens]);
+    let url = format!("https://{}", served.addr);
+    let cli = |args: &[&str], token: Option<&str>| -> Output {
+        let mut c = Command::new(BIN);
+        c.args(args).env("AGENTD_SERVER", &url).env("AGENTD_TLS_CA", &ca_file);
+        match token {
+            Some(t) => c.env("AGENTD_TOKEN", t),
+            None => c.env_remove("AGENTD_TOKEN"),
+        };
+        c.output().unwrap()
+    };
+
+    let out = cli(&["session", "create", "--user", "alice"], Some(TOKEN));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = text(&out.stdout).trim().to_owned();
+    let out = cli(&["run", "--user", "alice", "--session", &session, "Where is order 1187?"], Some(TOKEN));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("DHL"), "{}", text(&out.stdout));
+
+    let out = cli(&["session", "create", "--user", "alice"], None);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("Unauthenticated"), "{}", text(&out.stderr));
+    let out = cli(&["session", "create", "--user", "bob"], Some(TOKEN));
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("PermissionDenied"), "{}", text(&out.stderr));
+    // Health needs no token.
+    let out = cli(&["health"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = write(dir.path(), "short.json", r#"{"tokens": [{"token": "hunter2", "caller": "x", "user_ids": ["*"]}]}"#);
+    let out = Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--auth-tokens", &short]).output().unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--auth-tokens") && err.contains("at least 16"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+
+    let typo = write(dir.path(), "typo.json", r#"{"tokens": [{"token": "a-long-enough-secret-token", "caler": "x", "user_ids": ["*"]}]}"#);
+    let out = Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--auth-tokens", &typo]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(!text(&out.stderr).contains("a-long-enough"), "{}", text(&out.stderr));
+
+    let ca = Ca::new("ca");
+    let pem = ca.server();
+    let other = ca.server();
+    let cert = write(dir.path(), "c.pem", &pem.cert);
+    let wrong_key = write(dir.path(), "k.pem", &other.key);
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--tls-cert", &cert, "--tls-key", &wrong_key])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a key that does not match the certificate was accepted");
+    assert!(text(&out.stderr).contains("TLS"), "{}", text(&out.stderr));
+}

@@ -1,0 +1,76 @@
+//! The session and resume commands of the `agentd` binary against a real
+//! `agentd serve` on a fresh SQLite store.
+
+mod support;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use support::*;
+use tokio::io::AsyncBufReadExt;
+
+async fn cli(server: &std::net::SocketAddr, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+            .args(args)
+            .env("AGENTD_SERVER", format!("http://{server}"))
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the command exits")
+    .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown_by_session_get() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let server = Child::serve(&["--store", &db.url, "--tool-delay", "700ms"]).await;
+    let addr = server.addr;
+    let (ok, sid, _) = cli(&addr, &["session", "create", "--user", "alice"]).await;
+    assert!(ok);
+    let sid = sid.trim().to_owned();
+
+    // A run whose client goes away after the first event.
+    let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+        .args(["run", "--user", "alice", "--session", &sid, "--request-id", "r1", "--on-disconnect", "continue"])
+        .arg("Where is order 1187?")
+        .env("AGENTD_SERVER", format!("http://{addr}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(run.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.unwrap().unwrap().unwrap();
+    assert!(first.starts_with("[0] tool_call lookup_order"), "{first}");
+    run.kill().await.unwrap();
+
+    let (ok, out, err) = cli(&addr, &["attach", "--user", "alice", "--session", &sid, "--request-id", "r1", "--after-seq", "0"]).await;
+    assert!(ok, "{err}");
+    let printed: Vec<&str> = out.lines().collect();
+    assert_eq!(printed.len(), 2, "{out}");
+    assert!(printed[0].starts_with("[1] tool_result lookup_order"), "{out}");
+    assert!(printed[1].starts_with("[2] final_answer: Order 1187"), "{out}");
+
+    let (ok, out, err) = cli(&addr, &["session", "get", "--user", "alice", "--session", &sid]).await;
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["turns"][0]["request_id"], "r1");
+    assert_eq!(v["turns"][0]["state"], "completed");
+    assert_eq!(v["turns"][0]["status_code"], "Ok");
+
+    let (ok, out, _) = cli(&addr, &["session", "list", "--user", "alice"]).await;
+    assert!(ok);
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert!(out.contains(&sid));
+
+    let (ok, _, err) = cli(&addr, &["session", "delete", "--user", "alice", "--session", &sid]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&addr, &["session", "get", "--user", "alice", "--session", &sid]).await;
+    assert!(!ok);
+    assert!(err.contains("NotFound"), "{err}");
+    server.kill9().await;
+}

@@ -1,0 +1,197 @@
+//! OpenTelemetry traces through an in-process exporter: a caller's W3C
+//! `traceparent` continues inside agentd (RPC span, run span, tool span),
+//! the client sends its own, and log lines carry the trace id.
+
+mod common;
+mod secured;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use agentd::config::LogFormat;
+use common::run_request;
+use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use secured::{Ca, Secure, SecureServer};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The process's telemetry, as `agentd serve` sets it up, with spans kept
+/// in memory and JSON logs in a buffer.
+fn telemetry() -> &'static (InMemorySpanExporter, Logs) {
+    static T: OnceLock<(InMemorySpanExporter, Logs)> = OnceLock::new();
+    T.get_or_init(|| {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder().with_simple_exporter(exporter.clone()).build();
+        let logs = Logs::default();
+        let writer = logs.clone();
+        // Kept for the life of the test process.
+        std::mem::forget(agentd::telemetry::init_with(LogFormat::Json, move || writer.clone(), provider));
+        (exporter, logs)
+    })
+}
+
+/// The finished spans of trace `trace`, once `names` are all among them.
+async fn spans_of(trace: TraceId, names: &[&str]) -> Vec<SpanData> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let spans: Vec<SpanData> = telemetry()
+            .0
+            .get_finished_spans()
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.span_context.trace_id() == trace)
+            .collect();
+        if names.iter().all(|n| spans.iter().any(|s| s.name == *n)) {
+            return spans;
+        }
+        let have: Vec<_> = spans.iter().map(|s| s.name.to_string()).collect();
+        assert!(tokio::time::Instant::now() < deadline, "spans of {trace} so far: {have:?}, want {names:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
+    spans.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no span {name}"))
+}
+
+fn attr(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.to_string())
+}
+
+const RPC: &str = "agents.v1.AgentService/Run";
+const TOOL: &str = "execute_tool lookup_order";
+
+#[tokio::test]
+async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
+    telemetry();
+    let server = SecureServer::start(Ca::new("ca"), Secure::default()).await;
+    let mut c = server.client(None, None).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+
+    let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+    let caller_span = SpanId::from_hex("00f067aa0ba902b7").unwrap();
+    let mut req = tonic::Request::new(run_request("alice", &session, "r1", "Where is order 1187?"));
+    req.metadata_mut().insert("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap());
+    let mut stream = c.raw().run(req).await.unwrap().into_inner();
+    let mut n = 0;
+    while stream.message().await.unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 3);
+
+    let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
+    let rpc = named(&spans, RPC);
+    assert_eq!(rpc.parent_span_id, caller_span, "the RPC span continues the caller's span");
+    assert!(rpc.parent_span_is_remote);
+    assert_eq!(attr(rpc, "rpc.grpc.status_code").as_deref(), Some("0"));
+    assert_eq!(attr(rpc, "rpc.method").as_deref(), Some("Run"));
+    let run = named(&spans, "run");
+    assert_eq!(run.parent_span_id, rpc.span_context.span_id(), "the run is a child of the RPC");
+    let tool = named(&spans, TOOL);
+    assert_eq!(tool.parent_span_id, run.span_context.span_id(), "the tool call is a child of the run");
+    assert_eq!(attr(tool, "gen_ai.tool.name").as_deref(), Some("lookup_order"));
+
+    // The run's log line carries the trace id.
+    let logs = telemetry().1.text();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("run finished") && l.contains("\"request_id\":\"r1\"") && l.contains(&session))
+        .unwrap_or_else(|| panic!("no 'run finished' line in:\n{logs}"));
+    assert!(line.contains(&trace.to_string()), "{line}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_client_sends_the_current_trace_to_the_server() {
+    telemetry();
+    let server = SecureServer::start(Ca::new("ca"), Secure::default()).await;
+    let mut c = server.client(None, None).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+
+    let trace = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+    let remote = SpanContext::new(trace, SpanId::from_hex("b7ad6b7169203331").unwrap(), TraceFlags::SAMPLED, true, TraceState::default());
+    let span = tracing::info_span!("caller");
+    span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote)).unwrap();
+    let client_span_id = span.context().span().span_context().span_id();
+    let (_, end) = tracing::Instrument::instrument(c.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE), span.clone())
+        .await
+        .unwrap();
+    end.unwrap();
+    drop(span);
+
+    let spans = spans_of(trace, &[RPC, "run"]).await;
+    assert_eq!(named(&spans, RPC).parent_span_id, client_span_id, "the server's span is a child of the client's");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tokens_never_reach_the_logs() {
+    telemetry();
+    let good = "tok-good-0123456789abcdef";
+    let bad = "tok-bad-0123456789abcdef";
+    let tokens = format!(r#"{{"tokens": [{{"token": "{good}", "caller": "svc", "user_ids": ["alice"]}}]}}"#);
+    let server = SecureServer::start(Ca::new("ca"), Secure { tokens_json: Some(tokens), ..Secure::default() }).await;
+    let mut ok = server.client(None, Some(good)).await.unwrap();
+    let session = ok.create_session("alice").await.unwrap().session_id;
+    ok.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE).await.unwrap().1.unwrap();
+    assert!(ok.create_session("bob").await.is_err());
+    let mut wrong = server.client(None, Some(bad)).await.unwrap();
+    assert!(wrong.create_session("alice").await.is_err());
+    server.stop().await;
+
+    let logs = telemetry().1.text();
+    assert!(logs.contains("call refused"), "the refusals are logged:\n{logs}");
+    assert!(logs.contains("\"caller\":\"svc\""), "the caller's name is logged:\n{logs}");
+    assert!(!logs.contains(good) && !logs.contains(bad), "a token was logged:\n{logs}");
+}
+
+#[tokio::test]
+async fn a_streams_span_ends_with_the_status_of_its_trailers() {
+    telemetry();
+    let server = SecureServer::start(Ca::new("ca"), Secure { tool_delay: Duration::from_secs(20), ..Secure::default() }).await;
+    let mut c = server.client(None, None).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let mut req = tonic::Request::new(run_request("alice", &session, "r1", "Where is order 1187?"));
+    req.set_timeout(Duration::from_millis(150));
+    req.metadata_mut().insert("traceparent", "00-11111111111111111111111111111111-2222222222222222-01".parse().unwrap());
+    let mut stream = c.raw().run(req).await.unwrap().into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("the slow run finished inside its deadline"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+
+    let trace = TraceId::from_hex("11111111111111111111111111111111").unwrap();
+    let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
+    let rpc = named(&spans, RPC);
+    assert_eq!(attr(rpc, "rpc.grpc.status_code").as_deref(), Some("4"));
+    assert!(matches!(rpc.status, opentelemetry::trace::Status::Error { .. }), "{:?}", rpc.status);
+    let secs = rpc.end_time.duration_since(rpc.start_time).unwrap();
+    assert!(secs >= Duration::from_millis(150), "the span ended after {secs:?}, before the stream did");
+    server.stop().await;
+}
