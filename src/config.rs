@@ -299,9 +299,16 @@ fn default_replica_id() -> String {
 /// Where the client commands connect.
 #[derive(Debug, Args)]
 pub struct ClientArgs {
-    /// Server address, e.g. http://127.0.0.1:50051.
+    /// Server address: http://HOST:PORT for one server, or dns:///NAME:PORT
+    /// to balance over every A/AAAA record of NAME (e.g. a Kubernetes
+    /// headless Service), re-resolved every --resolve-interval.
     #[arg(long, env = "AGENTD_SERVER", default_value = "http://127.0.0.1:50051")]
     pub server: String,
+
+    /// How often a dns:/// server name is resolved again, so that new and
+    /// replaced replicas are used.
+    #[arg(long, env = "AGENTD_RESOLVE_INTERVAL", value_parser = duration, default_value = "10s")]
+    pub resolve_interval: Duration,
     /// Bearer token sent on every call (servers with --auth-tokens).
     #[arg(long, env = "AGENTD_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -317,6 +324,18 @@ pub struct ClientArgs {
 }
 
 impl ClientArgs {
+    pub fn client_config(&self) -> anyhow::Result<crate::client::ClientConfig> {
+        Ok(crate::client::ClientConfig {
+            resolve_interval: self.resolve_interval,
+            security: self.security()?,
+            ..Default::default()
+        })
+    }
+
+    pub async fn connect(&self) -> anyhow::Result<crate::client::AgentClient> {
+        crate::client::AgentClient::connect_config(&self.server, self.client_config()?).await
+    }
+
     /// Reads the TLS files and token into client settings.
     pub fn security(&self) -> anyhow::Result<crate::client::ClientSecurity> {
         use anyhow::Context as _;
@@ -333,10 +352,6 @@ impl ClientArgs {
             None => None,
         };
         Ok(crate::client::ClientSecurity { tls, token: self.token.clone() })
-    }
-
-    pub async fn connect(&self) -> anyhow::Result<crate::client::AgentClient> {
-        crate::client::AgentClient::connect_with(&self.server, &self.security()?).await
     }
 }
 
@@ -510,5 +525,19 @@ mod tests {
         let s = serve(&["--stall-timeout", "1500ms", "--drain-delay", "0s"]);
         assert_eq!(s.stall_timeout, Duration::from_millis(1500));
         assert_eq!(s.drain_delay, Duration::ZERO);
+    }
+
+    #[test]
+    fn client_commands_take_a_resolve_interval() {
+        let health = |args: &[&str]| {
+            let mut argv = vec!["agentd", "health"];
+            argv.extend_from_slice(args);
+            match Cli::try_parse_from(argv).unwrap().command {
+                Command::Health(h) => h.client.client_config().unwrap().resolve_interval,
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(health(&[]), Duration::from_secs(10));
+        assert_eq!(health(&["--resolve-interval", "250ms"]), Duration::from_millis(250));
     }
 }

@@ -169,3 +169,35 @@ async fn every_method_checks_the_user_id_against_the_token() {
     assert!(mine.is_ok(), "{mine:?}");
     server.stop().await;
 }
+
+/// A `dns:///` target over TLS: each address is dialled with the target's
+/// host as the certificate's name, and the token goes with every call.
+#[tokio::test]
+async fn a_balanced_client_over_tls_sends_its_token_to_the_replicas() {
+    use agentd::client::{AgentClient, ClientConfig, ClientSecurity, StaticResolver};
+    let server = server().await;
+    let resolver = std::sync::Arc::new(StaticResolver::new([server.addr]));
+    let config = |token: Option<&str>| ClientConfig {
+        security: ClientSecurity {
+            tls: Some(ClientSecurity::tls_from_pem(server.ca.pem.as_bytes(), None)),
+            token: token.map(str::to_owned),
+        },
+        ..ClientConfig::default()
+    };
+
+    let mut c = AgentClient::balanced("localhost", server.addr.port(), resolver.clone(), config(Some(TRUSTED))).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let (events, end) = c.run_to_end(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    end.unwrap();
+    assert!(events.last().is_some_and(|e| e.is_final && e.text.contains("DHL")), "{events:?}");
+
+    let mut anonymous = AgentClient::balanced("localhost", server.addr.port(), resolver.clone(), config(None)).await.unwrap();
+    let err = anonymous.create_session("alice").await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+
+    // The certificate is not valid for another name.
+    let mut wrong_name = AgentClient::balanced("agentd.example", server.addr.port(), resolver, config(Some(TRUSTED))).await.unwrap();
+    let err = wrong_name.create_session("alice").await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    server.stop().await;
+}

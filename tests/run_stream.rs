@@ -116,9 +116,28 @@ async fn an_unknown_agent_is_not_found_and_bad_agent_input_is_invalid_argument()
 async fn an_empty_request_id_is_generated_by_the_server_and_returned_in_a_header() {
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
-    let call = server.client.run(run_request("alice", &s, "", "hi"), DEADLINE).await.unwrap();
-    assert!(call.request_id.starts_with("gen-"), "{}", call.request_id);
+    // The generated client, as a caller other than AgentClient (which fills
+    // in a request_id of its own) sends it.
+    let resp = server.client.raw().run(run_request("alice", &s, "", "hi")).await.unwrap();
+    let header = |name: &str| resp.metadata().get(name).unwrap().to_str().unwrap().to_owned();
+    assert!(header("agentd-request-id").starts_with("gen-"), "{}", header("agentd-request-id"));
+    assert_eq!(header("agentd-turn-mode"), "new");
+    drop(resp);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_client_gives_a_run_without_request_id_one_of_its_own() {
+    let mut server = TestServer::in_process(Options::default()).await;
+    let s = server.session("alice").await;
+    let mut call = server.client.run(run_request("alice", &s, "", "hi"), DEADLINE).await.unwrap();
+    assert!(!call.request_id.is_empty() && !call.request_id.starts_with("gen-"), "{}", call.request_id);
     assert_eq!(call.mode, "new");
-    drop(call);
+    while call.events.message().await.unwrap().is_some() {}
+    // The turn is stored under that id, so sending it again replays it.
+    server.ended_turn(&s, &call.request_id).await;
+    let again = server.client.run(run_request("alice", &s, &call.request_id, "hi"), DEADLINE).await.unwrap();
+    assert_eq!(again.mode, "replay");
+    drop(again);
     server.stop().await;
 }

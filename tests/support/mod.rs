@@ -264,15 +264,21 @@ pub async fn run_on(client: &AgentClient, user: &str, session: &str, request_id:
     client.clone().run_to_end(run_request(user, session, request_id, text), Duration::from_secs(30)).await.unwrap()
 }
 
-pub async fn collect(stream: &mut tonic::Streaming<pb::AgentEvent>) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+/// Every event of a stream, then its status: a tonic `Streaming` or the
+/// client's `RunEvents`.
+pub async fn collect<S>(stream: &mut S) -> (Vec<pb::AgentEvent>, Result<(), Status>)
+where
+    S: futures::Stream<Item = Result<pb::AgentEvent, Status>> + Unpin,
+{
+    use futures::StreamExt as _;
     let mut events = Vec::new();
-    loop {
-        match stream.message().await {
-            Ok(Some(e)) => events.push(e),
-            Ok(None) => return (events, Ok(())),
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(e) => events.push(e),
             Err(s) => return (events, Err(s)),
         }
     }
+    (events, Ok(()))
 }
 
 pub fn seqs(events: &[pb::AgentEvent]) -> Vec<u64> {

@@ -1,0 +1,517 @@
+#!/usr/bin/env python3
+"""Checks every manifest under deploy/ offline, and exits non-zero on any fault.
+
+- Renders each kustomization (base, overlays/*, monitoring) with a small
+  renderer for the subset of Kustomize these manifests use (resources,
+  namespace, images, JSON 6902 patches with a target, `$patch: delete`); any
+  other Kustomize feature is an error here, never silently ignored.
+- Validates every Kubernetes object with kubernetes-validate --strict against
+  a pinned Kubernetes version (unknown fields fail), the Prometheus Operator
+  objects against the schemas in deploy/schemas (same strictness), and the
+  alert rules with `promtool check rules` and the unit tests in
+  monitoring/alerts.test.yaml (`promtool test rules`).
+- Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
+  preStop + drain delay + shutdown grace + the server's own flush time in
+  every workload, the maximum run duration is below the shutdown grace,
+  each workload names its store (SQLite on a volume with one replica,
+  PostgreSQL from a Secret),
+  every AGENTD_* variable is a flag the binary knows, the listen addresses,
+  the gRPC probes, the rollout strategy, the headless Service, the PDB, and
+  the Dockerfile's shape.
+- With --self-test, breaks the manifests in memory in each of those ways and
+  fails unless every break is caught.
+
+Usage: deploy/validate.py [--self-test]   (deploy/requirements.txt installed;
+promtool on PATH or in $PROMTOOL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import dockerfile
+import jsonpatch
+import jsonschema
+import kubernetes_validate
+import kubernetes_validate.utils
+import yaml
+
+# The Kubernetes version the manifests are validated against. Native gRPC
+# probes need 1.27+, the preStop sleep action 1.30+.
+KUBERNETES_VERSION = "1.34.0"
+
+DEPLOY = Path(__file__).resolve().parent
+ROOT = DEPLOY.parent
+KUSTOMIZATIONS = ["base", "overlays/postgres", "overlays/sqlite", "monitoring"]
+# Overlays are what gets applied: each must be complete.
+OVERLAYS = ["overlays/postgres", "overlays/sqlite"]
+PLAIN_FILES = ["examples/secrets.yaml"]
+
+# After SIGTERM: drain delay, then the shutdown grace, then up to 5 s for cut
+# runs to record their outcome and 5 s for connections to close
+# (CUT_FLUSH and CONNECTIONS_CLOSE in src/server.rs).
+SERVER_FLUSH_SECONDS = 10
+
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "schemas/prometheusrule.json",
+}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume", "StorageClass"}
+WORKLOADS = {"Deployment", "StatefulSet"}
+
+
+class RenderError(Exception):
+    pass
+
+
+# --- rendering ---------------------------------------------------------------
+
+
+def load_docs(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def render(directory: Path) -> list[dict]:
+    """The objects `kubectl kustomize directory` would print (for our subset)."""
+    kfile = directory / "kustomization.yaml"
+    if not kfile.exists():
+        raise RenderError(f"{directory}: no kustomization.yaml")
+    k = yaml.safe_load(kfile.read_text()) or {}
+    supported = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
+    unknown = set(k) - supported
+    if unknown:
+        raise RenderError(f"{kfile}: {sorted(unknown)} not supported by this renderer (supported: {sorted(supported)})")
+    docs: list[dict] = []
+    for res in k.get("resources", []):
+        p = (directory / res).resolve()
+        docs += render(p) if p.is_dir() else load_docs(p)
+    for patch in k.get("patches", []):
+        docs = apply_patch(directory, docs, patch)
+    for image in k.get("images", []):
+        set_image(docs, image)
+    if "namespace" in k:
+        for d in docs:
+            if d.get("kind") not in CLUSTER_SCOPED:
+                d.setdefault("metadata", {})["namespace"] = k["namespace"]
+    seen = set()
+    for d in docs:
+        key = (d.get("apiVersion"), d.get("kind"), d.get("metadata", {}).get("namespace"), d.get("metadata", {}).get("name"))
+        if key in seen:
+            raise RenderError(f"{directory}: {key[1]} {key[3]} is defined twice")
+        seen.add(key)
+    return docs
+
+
+def matches(doc: dict, target: dict) -> bool:
+    supported = {"kind", "name", "namespace"}
+    if set(target) - supported:
+        raise RenderError(f"patch target keys {sorted(set(target) - supported)} not supported (use {sorted(supported)})")
+    md = doc.get("metadata", {})
+    return all(
+        [
+            target.get("kind") in (None, doc.get("kind")),
+            target.get("name") in (None, md.get("name")),
+            target.get("namespace") in (None, md.get("namespace")),
+        ]
+    )
+
+
+def apply_patch(directory: Path, docs: list[dict], entry: dict) -> list[dict]:
+    if set(entry) - {"path", "patch", "target"}:
+        raise RenderError(f"{directory}: patch keys {sorted(set(entry) - {'path', 'patch', 'target'})} not supported")
+    text = (directory / entry["path"]).read_text() if "path" in entry else entry["patch"]
+    body = yaml.safe_load(text)
+    if isinstance(body, list):
+        if "target" not in entry:
+            raise RenderError(f"{directory}: a JSON 6902 patch needs a target")
+        hits = [i for i, d in enumerate(docs) if matches(d, entry["target"])]
+        if not hits:
+            raise RenderError(f"{directory}: patch target {entry['target']} matches nothing")
+        for i in hits:
+            docs[i] = jsonpatch.apply_patch(docs[i], body)
+        return docs
+    if isinstance(body, dict) and body.get("$patch") == "delete":
+        target = {"kind": body.get("kind"), "name": body.get("metadata", {}).get("name")}
+        kept = [d for d in docs if not matches(d, target)]
+        if len(kept) != len(docs) - 1:
+            raise RenderError(f"{directory}: $patch: delete of {target} must remove exactly one object")
+        return kept
+    raise RenderError(f"{directory}: only JSON 6902 patches and `$patch: delete` are supported by this renderer")
+
+
+def pod_spec(doc: dict) -> dict | None:
+    if doc.get("kind") in WORKLOADS:
+        return doc.get("spec", {}).get("template", {}).get("spec")
+    return None
+
+
+def set_image(docs: list[dict], image: dict) -> None:
+    if set(image) - {"name", "newName", "newTag"}:
+        raise RenderError(f"images: keys {sorted(set(image) - {'name', 'newName', 'newTag'})} not supported")
+    for d in docs:
+        spec = pod_spec(d)
+        for c in (spec or {}).get("containers", []) + (spec or {}).get("initContainers", []):
+            name, _, tag = c.get("image", "").partition(":")
+            if name == image["name"]:
+                c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+
+
+# --- schemas -------------------------------------------------------------------
+
+
+def schema_errors(doc: dict) -> list[str]:
+    what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+    crd = CRD_SCHEMAS.get((doc.get("apiVersion"), doc.get("kind")))
+    if crd:
+        schema = json.loads((DEPLOY / crd).read_text())
+        v = jsonschema.Draft7Validator(schema)
+        return [f"{what}: {'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}" for e in v.iter_errors(doc)]
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return [f"{what}: no schema for {doc.get('apiVersion')} {doc.get('kind')} (add one to deploy/schemas)"]
+    except kubernetes_validate.ValidationError as e:
+        return [f"{what}: {'/'.join(map(str, e.path)) or '(top)'}: {e.message}"]
+    return []
+
+
+# --- what the schemas cannot check ---------------------------------------------
+
+
+def duration_seconds(s: str) -> float:
+    """humantime-style durations as the binary takes them: 500ms, 30s, 2m, 1h30m."""
+    units = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "days": 86400}
+    parts = re.findall(r"(\d+)\s*([a-z]+)", s.strip())
+    if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", s.strip()):
+        raise ValueError(f"not a duration: {s!r}")
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def known_flags() -> dict[str, str | None]:
+    """AGENTD_* variables in src/config.rs, with their defaults."""
+    text = (ROOT / "src/config.rs").read_text()
+    flags: dict[str, str | None] = {}
+    for attr in re.findall(r"#\[arg\((.*?)\)\]", text, re.S):
+        env = re.search(r'env\s*=\s*"(AGENTD_[A-Z0-9_]+)"', attr)
+        if env:
+            default = re.search(r'default_value\s*=\s*"([^"]*)"', attr)
+            flags[env.group(1)] = default.group(1) if default else None
+    return flags
+
+
+def effective_env(container: dict, docs: list[dict], errors: list[str], what: str) -> dict[str, str | None]:
+    """The container's variables: envFrom ConfigMaps, then env (env wins). A
+    value from a Secret or a field is None."""
+    env: dict[str, str | None] = {}
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d.get("kind") == "ConfigMap"}
+    for src in container.get("envFrom", []):
+        ref = src.get("configMapRef")
+        if ref:
+            if ref["name"] not in configmaps:
+                if not ref.get("optional"):
+                    errors.append(f"{what}: envFrom ConfigMap {ref['name']} is not in the rendered set")
+                continue
+            env.update(configmaps[ref["name"]])
+    for e in container.get("env", []):
+        env[e["name"]] = e.get("value") if "valueFrom" not in e else None
+    return env
+
+
+def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) -> list[str]:
+    what = f"{doc['kind']}/{doc['metadata']['name']}"
+    errors: list[str] = []
+    spec = pod_spec(doc) or {}
+    containers = [c for c in spec.get("containers", []) if c.get("name") == "agentd"]
+    if len(containers) != 1:
+        return [f"{what}: expected one container named agentd"]
+    c = containers[0]
+    env = effective_env(c, docs, errors, what)
+
+    for name in env:
+        if name.startswith("AGENTD_") and name not in flags:
+            errors.append(f"{what}: {name} is not a flag of agentd (src/config.rs); the binary would ignore it")
+
+    def setting(name: str) -> float:
+        value = env.get(name, flags.get(name))
+        if value is None:
+            errors.append(f"{what}: {name} has no value and no default")
+            return 0.0
+        try:
+            return duration_seconds(value)
+        except ValueError as e:
+            errors.append(f"{what}: {name}: {e}")
+            return 0.0
+
+    drain, grace, max_run = setting("AGENTD_DRAIN_DELAY"), setting("AGENTD_SHUTDOWN_GRACE"), setting("AGENTD_MAX_RUN_DURATION")
+    pre_stop = c.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in pre_stop:
+        pre = float(pre_stop["sleep"]["seconds"])
+    elif pre_stop:
+        errors.append(f"{what}: preStop must be a sleep action (its length enters the grace arithmetic)")
+        pre = 0.0
+    else:
+        errors.append(f"{what}: no preStop: endpoints may still send calls after SIGTERM")
+        pre = 0.0
+    tgps = spec.get("terminationGracePeriodSeconds", 30)
+    needed = pre + drain + grace + SERVER_FLUSH_SECONDS
+    if not tgps > needed:
+        errors.append(
+            f"{what}: terminationGracePeriodSeconds {tgps} must exceed preStop {pre:g}s + drain delay {drain:g}s"
+            f" + shutdown grace {grace:g}s + {SERVER_FLUSH_SECONDS}s = {needed:g}s, or the kubelet kills runs the drain promised"
+        )
+    if not max_run < grace:
+        errors.append(f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) must be shorter than AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise")
+
+    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090")]:
+        if env.get(name) != want:
+            errors.append(f"{what}: {name} must be {want} in a container (is {env.get(name)!r})")
+
+    # The binary's default store is a file in the working directory, on a
+    # read-only root file system: every workload names its store.
+    if "AGENTD_STORE" not in env:
+        errors.append(f"{what}: AGENTD_STORE is not set (the default SQLite file would be on the read-only root file system)")
+    store = env.get("AGENTD_STORE") or ""
+    if store.startswith("sqlite://"):
+        directory = str(Path(store[len("sqlite://"):]).parent)
+        mounts = {m.get("mountPath") for m in c.get("volumeMounts", [])}
+        if directory not in mounts:
+            errors.append(f"{what}: the SQLite file {store} must be on a mounted volume (mounts: {sorted(mounts)})")
+        if doc["spec"].get("replicas", 1) != 1:
+            errors.append(f"{what}: a SQLite store serves exactly one replica")
+    if store.startswith("postgres"):
+        errors.append(f"{what}: a PostgreSQL URL carries a password: take AGENTD_STORE from a Secret")
+
+    ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
+    if ports.get("grpc") != 50051 or ports.get("admin") != 9090:
+        errors.append(f"{what}: container ports must be grpc=50051 and admin=9090 (are {ports})")
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
+        grpc = c.get(probe, {}).get("grpc")
+        if not grpc or grpc.get("port") != 50051:
+            errors.append(f"{what}: {probe} must be a gRPC probe (grpc.health.v1) on port 50051")
+    resources = c.get("resources", {})
+    for kind in ["requests", "limits"]:
+        if not {"cpu", "memory"} <= set(resources.get(kind, {})):
+            errors.append(f"{what}: resources.{kind} must set cpu and memory")
+    if not spec.get("securityContext", {}).get("runAsNonRoot"):
+        errors.append(f"{what}: the pod must run as non-root (securityContext.runAsNonRoot)")
+
+    if doc["kind"] == "Deployment":
+        rolling = doc["spec"].get("strategy", {}).get("rollingUpdate", {})
+        if doc["spec"].get("strategy", {}).get("type", "RollingUpdate") != "RollingUpdate" or str(rolling.get("maxUnavailable")) not in ("0", "0%"):
+            errors.append(f"{what}: the rollout must be RollingUpdate with maxUnavailable 0 (capacity never drops)")
+    return errors
+
+
+def check_overlay(name: str, docs: list[dict], flags: dict[str, str | None]) -> list[str]:
+    errors: list[str] = []
+    workloads = [d for d in docs if d.get("kind") in WORKLOADS]
+    if len(workloads) != 1:
+        errors.append(f"{name}: expected exactly one workload, found {[d['kind'] for d in workloads]}")
+    for w in workloads:
+        errors += [f"{name}: {e}" for e in check_workload(w, docs, flags)]
+    services = [d for d in docs if d.get("kind") == "Service"]
+    if len(services) != 1:
+        errors.append(f"{name}: expected one Service")
+    for s in services:
+        if s["spec"].get("clusterIP") != "None":
+            errors.append(f"{name}: Service/{s['metadata']['name']} must be headless (clusterIP: None) for per-call balancing")
+        for p in s["spec"].get("ports", []):
+            if p.get("appProtocol") != "kubernetes.io/h2c":
+                errors.append(f"{name}: Service port {p.get('name')} must declare appProtocol kubernetes.io/h2c")
+    for w in workloads:
+        labels = w["spec"]["template"]["metadata"].get("labels", {})
+        pdbs = [
+            d for d in docs
+            if d.get("kind") == "PodDisruptionBudget"
+            and d["spec"].get("selector", {}).get("matchLabels", {}).items() <= labels.items()
+        ]
+        if not pdbs:
+            errors.append(f"{name}: no PodDisruptionBudget selects {w['kind']}/{w['metadata']['name']}")
+        if w["kind"] == "StatefulSet" and w["spec"].get("serviceName") not in {s["metadata"]["name"] for s in services}:
+            errors.append(f"{name}: the StatefulSet's serviceName must be the headless Service")
+    return errors
+
+
+def promtool() -> str | None:
+    return os.environ.get("PROMTOOL") or shutil.which("promtool")
+
+
+def check_rules(docs: list[dict]) -> list[str]:
+    """promtool check rules and promtool test rules on every PrometheusRule."""
+    rules = [d for d in docs if d.get("kind") == "PrometheusRule"]
+    if not rules:
+        return ["monitoring: no PrometheusRule"]
+    tool = promtool()
+    if not tool:
+        return ["promtool not found (set PROMTOOL or put it on PATH; .ci/setup.d/deploy-manifests.sh installs it)"]
+    errors: list[str] = []
+    for r in rules:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "rules.yaml").write_text(yaml.safe_dump(r["spec"]))
+            shutil.copy(DEPLOY / "monitoring/alerts.test.yaml", Path(tmp) / "alerts.test.yaml")
+            for args in (["check", "rules", "rules.yaml"], ["test", "rules", "alerts.test.yaml"]):
+                p = subprocess.run([tool, *args], cwd=tmp, capture_output=True, text=True)
+                if p.returncode != 0:
+                    errors.append(f"PrometheusRule/{r['metadata']['name']}: promtool {' '.join(args[:2])} failed:\n{p.stdout}{p.stderr}")
+    return errors
+
+
+def check_dockerfile(path: Path) -> list[str]:
+    try:
+        cmds = dockerfile.parse_file(str(path))
+    except dockerfile.GoParseError as e:
+        return [f"{path.name}: {e}"]
+    errors: list[str] = []
+    stages = [i for i, c in enumerate(cmds) if c.cmd == "FROM"]
+    if len(stages) < 2:
+        errors.append(f"{path.name}: must be multi-stage (a build stage and a runtime stage)")
+    final = cmds[stages[-1]:] if stages else cmds
+    users = [c.value[0] for c in final if c.cmd == "USER"]
+    if not users or users[-1].split(":")[0] in ("root", "0"):
+        errors.append(f"{path.name}: the runtime stage must end with a non-root USER")
+    if not any(c.cmd == "ENTRYPOINT" for c in final):
+        errors.append(f"{path.name}: the runtime stage needs an ENTRYPOINT")
+    if not any(c.cmd == "RUN" and "cargo build --release --locked" in " ".join(c.value) for c in cmds):
+        errors.append(f"{path.name}: the build must be `cargo build --release --locked`")
+    if not any(c.cmd == "COPY" and "--from=build" in c.flags for c in final):
+        errors.append(f"{path.name}: the runtime stage must copy the binary from the build stage")
+    return errors
+
+
+# --- driver ----------------------------------------------------------------------
+
+
+def validate(rendered: dict[str, list[dict]], plain: dict[str, list[dict]], dockerfile_path: Path) -> list[str]:
+    errors: list[str] = []
+    flags = known_flags()
+    for name, docs in {**rendered, **plain}.items():
+        for d in docs:
+            errors += [f"{name}: {e}" for e in schema_errors(d)]
+    for name in OVERLAYS:
+        errors += check_overlay(name, rendered[name], flags)
+    errors += check_rules(rendered["monitoring"])
+    errors += check_dockerfile(dockerfile_path)
+    return errors
+
+
+def render_all() -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    rendered = {k: render(DEPLOY / k) for k in KUSTOMIZATIONS}
+    plain = {f: load_docs(DEPLOY / f) for f in PLAIN_FILES}
+    return rendered, plain
+
+
+def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> list[str]:
+    """Each break must be caught; returns the breaks that were not."""
+
+    def find(docs: list[dict], kind: str) -> dict:
+        return next(d for d in docs if d.get("kind") == kind)
+
+    def container(docs: list[dict], kind: str = "Deployment") -> dict:
+        return find(docs, kind)["spec"]["template"]["spec"]["containers"][0]
+
+    def env(docs: list[dict], name: str, value: str, kind: str = "Deployment") -> None:
+        for e in container(docs, kind)["env"]:
+            if e["name"] == name:
+                e["value"] = value
+
+    pg, sq, mon = "overlays/postgres", "overlays/sqlite", "monitoring"
+    # (what, where, the error it must cause, how to break it)
+    breaks: list[tuple[str, str, str, Callable[[list[dict]], None]]] = [
+        ("an unknown field in a Deployment", pg, "'replicaz' was unexpected", lambda d: find(d, "Deployment")["spec"].update(replicaz=3)),
+        ("an unknown field in a container", sq, "'imagePullPolice' was unexpected", lambda d: container(d, "StatefulSet").update(imagePullPolice="Always")),
+        ("a wrong type", pg, "replicas: 'three' is not of type 'integer'", lambda d: find(d, "Deployment")["spec"].update(replicas="three")),
+        ("an unknown field in a PodMonitor", mon, "'podMetricEndpoints' was unexpected", lambda d: find(d, "PodMonitor")["spec"].update(podMetricEndpoints=[])),
+        ("an unknown field in an alert rule", mon, "'fro' was unexpected", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(fro="5m")),
+        ("a grace period too short for the drain", pg, "terminationGracePeriodSeconds 140 must exceed", lambda d: find(d, "Deployment")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=140)),
+        ("a longer shutdown grace without a longer grace period", sq, "shutdown grace 180s", lambda d: env(d, "AGENTD_SHUTDOWN_GRACE", "3m", "StatefulSet")),
+        ("a run longer than the shutdown grace", pg, "AGENTD_MAX_RUN_DURATION (600s) must be shorter", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "10m")),
+        ("a misspelt AGENTD_ variable", pg, "AGENTD_DRAIN_DELEY is not a flag", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_DRAIN_DELEY="5s")),
+        ("the gRPC port on loopback", pg, "AGENTD_LISTEN must be 0.0.0.0:50051", lambda d: env(d, "AGENTD_LISTEN", "127.0.0.1:50051")),
+        ("an HTTP readiness probe", pg, "readinessProbe must be a gRPC probe", lambda d: container(d).update(readinessProbe={"httpGet": {"path": "/readyz", "port": 9090}})),
+        ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
+        ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
+        ("a Service port without h2c", pg, "appProtocol kubernetes.io/h2c", lambda d: find(d, "Service")["spec"]["ports"][0].pop("appProtocol")),
+        ("no store named", pg, "AGENTD_STORE is not set", lambda d: container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "AGENTD_STORE"))),
+        ("SQLite off its volume", sq, "must be on a mounted volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
+        ("SQLite with two replicas", sq, "exactly one replica", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2)),
+        ("no PodDisruptionBudget", pg, "no PodDisruptionBudget", lambda d: d.remove(find(d, "PodDisruptionBudget"))),
+        ("broken PromQL", mon, "promtool check rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="sum(rate(x[5m])")),
+        ("an alert its unit test disagrees with", mon, "promtool test rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="vector(0) > 1")),
+    ]
+    missed = []
+    for what, name, expected, mutate in breaks:
+        broken = copy.deepcopy(rendered)
+        mutate(broken[name])
+        errors = validate(broken, plain, DEPLOY / "Dockerfile")
+        if not any(expected in e for e in errors):
+            missed.append(f"{what} (errors: {errors})")
+        else:
+            print(f"self-test: caught {what}")
+    # The Dockerfile checks, on a single-stage image running as root.
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = Path(tmp) / "Dockerfile"
+        bad.write_text("FROM rust:1.95\nCOPY . .\nRUN cargo build\nENTRYPOINT [\"agentd\"]\n")
+        if not check_dockerfile(bad):
+            missed.append("a single-stage root Dockerfile")
+        else:
+            print("self-test: caught a single-stage root Dockerfile")
+    # The renderer refuses what it does not implement.
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
+        try:
+            render(Path(tmp))
+            missed.append("an unsupported Kustomize feature")
+        except RenderError:
+            print("self-test: caught an unsupported Kustomize feature")
+    return missed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--self-test", action="store_true", help="also check that broken manifests are caught")
+    ap.add_argument("--print", metavar="KUSTOMIZATION", help="print one rendered kustomization (e.g. overlays/postgres) and exit")
+    args = ap.parse_args()
+
+    if kubernetes_validate.utils.major_minor(KUBERNETES_VERSION) not in {
+        kubernetes_validate.utils.major_minor(v) for v in kubernetes_validate.utils.all_versions()
+    }:
+        print(f"kubernetes-validate {kubernetes_validate.__version__} has no schemas for {KUBERNETES_VERSION}", file=sys.stderr)
+        return 2
+    try:
+        rendered, plain = render_all()
+    except (RenderError, OSError, yaml.YAMLError, jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+        print(f"deploy/validate.py: cannot render: {e}", file=sys.stderr)
+        return 1
+    if args.print:
+        print(yaml.safe_dump_all(rendered[args.print], sort_keys=False), end="")
+        return 0
+    errors = validate(rendered, plain, DEPLOY / "Dockerfile")
+    for e in errors:
+        print(f"deploy/validate.py: {e}", file=sys.stderr)
+    if errors:
+        return 1
+    count = sum(len(d) for d in {**rendered, **plain}.values())
+    print(f"deploy/validate.py: {count} objects in {len(rendered)} kustomizations and {len(plain)} files valid against Kubernetes {KUBERNETES_VERSION}; grace arithmetic holds; alert rules pass their tests")
+    if args.self_test:
+        missed = self_test(rendered, plain)
+        if missed:
+            for m in missed:
+                print(f"deploy/validate.py: self-test: NOT caught: {m}", file=sys.stderr)
+            return 1
+        print("deploy/validate.py: self-test: every break was caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

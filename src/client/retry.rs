@@ -1,0 +1,132 @@
+//! When a call may be sent again, and how long to wait first.
+//!
+//! A retry is only safe where it cannot run anything twice:
+//! - a Run that failed with UNAVAILABLE before any event arrived, resent with
+//!   the same request_id: the server's dedup replays or attaches to the turn
+//!   if the first attempt got as far as claiming it;
+//! - any call whose connection could not be made (the request never left);
+//! - a health check (it only reads).
+
+use std::error::Error as _;
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+/// Bounded exponential backoff.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included; 1 disables retries.
+    pub max_attempts: u32,
+    /// Wait before the first retry.
+    pub initial_backoff: Duration,
+    /// No wait is longer than this.
+    pub max_backoff: Duration,
+    /// Growth of the wait per retry.
+    pub multiplier: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(2),
+            multiplier: 2.0,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait after `failed` attempts (1 for the first retry), jittered
+    /// into [½, 1] of the exponential value so that clients refused at the
+    /// same moment do not come back at the same moment.
+    pub fn backoff(&self, failed: u32) -> Duration {
+        let exp = self.multiplier.max(1.0).powi(failed.saturating_sub(1).min(30) as i32);
+        let full = self.initial_backoff.mul_f64(exp).min(self.max_backoff);
+        full.mul_f64(0.5 + fastrand::f64() / 2.0)
+    }
+}
+
+/// The server's `grpc-retry-pushback-ms`: wait at least that long.
+pub fn pushback(status: &Status) -> Option<Duration> {
+    let ms: u64 = status.metadata().get("grpc-retry-pushback-ms")?.to_str().ok()?.parse().ok()?;
+    Some(Duration::from_millis(ms))
+}
+
+/// The call never reached a server: connecting failed.
+pub fn is_connect_error(status: &Status) -> bool {
+    let mut source = status.source();
+    while let Some(e) = source {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// tonic reports its own header timeout as CANCELLED; to the caller it is
+/// the call's deadline passing.
+pub fn deadline_passed(status: Status) -> Status {
+    let mut source = status.source();
+    while let Some(e) = source {
+        if e.is::<tonic::TimeoutExpired>() {
+            return deadline_exceeded();
+        }
+        source = e.source();
+    }
+    status
+}
+
+pub fn deadline_exceeded() -> Status {
+    Status::deadline_exceeded("the call's deadline passed (client side)")
+}
+
+/// The server (or the way to it) is unavailable.
+pub fn is_unavailable(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+}
+
+/// A Run failure before any event that a resend with the same request_id
+/// may cure.
+pub fn run_is_retryable(status: &Status) -> bool {
+    is_unavailable(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_bounded() {
+        let p = RetryPolicy {
+            max_attempts: 10,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            multiplier: 2.0,
+        };
+        for _ in 0..100 {
+            let first = p.backoff(1);
+            assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100), "{first:?}");
+            let third = p.backoff(3);
+            assert!(third >= Duration::from_millis(200) && third <= Duration::from_millis(400), "{third:?}");
+            assert!(p.backoff(40) <= Duration::from_millis(1000));
+        }
+    }
+
+    #[test]
+    fn pushback_is_read_from_the_status() {
+        let mut s = Status::unavailable("busy");
+        assert_eq!(pushback(&s), None);
+        s.metadata_mut().insert("grpc-retry-pushback-ms", "250".parse().unwrap());
+        assert_eq!(pushback(&s), Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn only_unavailable_runs_are_retried() {
+        assert!(run_is_retryable(&Status::unavailable("x")));
+        for code in [Code::DeadlineExceeded, Code::ResourceExhausted, Code::Internal, Code::Cancelled, Code::NotFound] {
+            assert!(!run_is_retryable(&Status::new(code, "x")), "{code:?}");
+        }
+    }
+}
