@@ -108,12 +108,15 @@ pub struct AgentsFile {
     pub default: Option<String>,
 }
 
+/// Looks up an environment variable.
+pub type EnvLookup = Box<dyn Fn(&str) -> Option<String>>;
+
 /// What the loader needs from the process.
 pub struct LoadOptions {
     /// Simulated latency of the built-in `lookup_order`.
     pub tool_delay: Duration,
     /// Looks up `api_key_env` (the process environment in production).
-    pub env: Box<dyn Fn(&str) -> Option<String>>,
+    pub env: EnvLookup,
 }
 
 impl Default for LoadOptions {

@@ -134,10 +134,10 @@ impl Peer {
             if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("peer exited with {status}; log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
             }
-            if let Ok(r) = http.get(&url).timeout(Duration::from_secs(1)).send().await {
-                if r.status().is_success() {
-                    return;
-                }
+            if let Ok(r) = http.get(&url).timeout(Duration::from_secs(1)).send().await
+                && r.status().is_success()
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

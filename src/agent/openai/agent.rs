@@ -104,7 +104,6 @@ impl Agent for ModelAgent {
                 let call_deadline = bounded(ctx.deadline, cfg.call_timeout);
                 let id_prefix = format!("call_{}_{turn}", ctx.request_id);
                 let mut stream = within(call_deadline, &ctx, cfg.call_timeout, cfg.client.start(&req, &id_prefix)).await??;
-                drop(req);
                 let mut announced = 0usize;
                 let completion = loop {
                     match within(call_deadline, &ctx, cfg.call_timeout, next_step(&mut stream)).await?? {
