@@ -447,16 +447,16 @@ async fn retries_are_bounded_by_the_policy() {
 }
 
 #[tokio::test]
-async fn a_turn_that_failed_is_replayed_by_the_retry_not_run_again() {
+async fn a_recorded_turn_failure_is_not_retried_and_the_agent_runs_once() {
     let store = Arc::new(MemoryStore::new());
     let replicas = cluster(2, &store).await;
     let resolver = StaticResolver::new(addrs(&replicas));
     let mut client = connect(&resolver, client_config()).await;
     let session = client.create_session("u1").await.unwrap().session_id;
 
-    // The agent fails with UNAVAILABLE before any event: the client resends
-    // with the same request_id, and whichever replica gets it replays the
-    // stored failure instead of running the agent a second time.
+    // The agent fails with UNAVAILABLE before any event. That status is the
+    // turn's recorded outcome (a resend with the same request_id would only
+    // replay it), so the client returns it at once instead of retrying.
     let mut req = run_request(&session, "flaky-1");
     req.agent = "unavailable".into();
     let status = match client.run(req, Duration::from_secs(20)).await {
@@ -468,7 +468,8 @@ async fn a_turn_that_failed_is_replayed_by_the_retry_not_run_again() {
         },
     };
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(attempts_of(&status), Some(2), "one retry, which replayed the outcome: {status:?}");
+    assert_eq!(attempts_of(&status), Some(1), "a recorded outcome is final: {status:?}");
+    assert!(status.metadata().get("agentd-turn-outcome").is_some(), "{status:?}");
     let ran: usize = replicas.iter().map(|r| r.flaky_runs.load(Ordering::SeqCst)).sum();
     assert_eq!(ran, 1, "the agent ran once");
 }

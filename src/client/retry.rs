@@ -90,7 +90,7 @@ pub fn is_unavailable(status: &Status) -> bool {
 /// A Run failure before any event that a resend with the same request_id
 /// may cure.
 pub fn run_is_retryable(status: &Status) -> bool {
-    is_unavailable(status)
+    is_unavailable(status) && status.metadata().get(crate::grpc::status::TURN_OUTCOME_HEADER).is_none()
 }
 
 #[cfg(test)]

@@ -120,14 +120,24 @@ pub fn outcome(result: &Result<(), Failure>) -> TurnOutcome {
     TurnOutcome { state, code: code as i32, message }
 }
 
+/// Trailer on a status that is a turn's recorded outcome: a retry with the
+/// same request_id gets the same answer, so clients do not retry it.
+pub const TURN_OUTCOME_HEADER: &str = "agentd-turn-outcome";
+
 /// The status that ends a stream that failed with `f`.
 pub fn failure(f: Failure) -> Status {
     let retry_after = match &f {
         Failure::Agent(AgentError::Unavailable { retry_after, .. }) => *retry_after,
         _ => None,
     };
+    // The turn's own outcome: stored, so a resend with the same request_id
+    // replays it. A store failure while following is not, and may pass.
+    let recorded = !matches!(f, Failure::Store(_));
     let o = outcome(&Err(f));
     let mut status = Status::new(Code::from(o.code), o.message);
+    if recorded {
+        status.metadata_mut().insert(TURN_OUTCOME_HEADER, tonic::metadata::MetadataValue::from_static("recorded"));
+    }
     if let Some(after) = retry_after {
         // The standard gRPC retry pushback, honoured by retrying clients.
         if let Ok(v) = after.as_millis().to_string().parse() {
