@@ -116,7 +116,10 @@ def bound(r):
         return f"server CPU ({s:.2f})"
     if c >= 0.85:
         return f"client CPU ({c:.2f})"
-    return f"neither saturated (server {s:.2f}, client {c:.2f})"
+    m = r.get("machine_busy")
+    if m is not None and m >= 0.9:
+        return f"CPU contention: machine {m:.0%} busy, server got {s:.2f}, client {c:.2f}"
+    return f"round trips/pacing (server {s:.2f}, client {c:.2f})"
 
 
 def present(idx):

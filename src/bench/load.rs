@@ -93,6 +93,9 @@ pub struct Report {
     pub server_cpu: Option<f64>,
     /// Client CPU time / wall time over the window.
     pub client_cpu: Option<f64>,
+    /// Share of all the machine's CPU time that was busy over the window
+    /// (1.0 = every core; other processes count too).
+    pub machine_busy: Option<f64>,
     pub idle: Option<IdleReport>,
     /// /proc/loadavg at the end.
     pub load_average: String,
@@ -125,6 +128,9 @@ impl Report {
         }
         if let (Some(sc), Some(cc)) = (self.server_cpu, self.client_cpu) {
             s += &format!(", cpu server {sc:.2} client {cc:.2}");
+        }
+        if let Some(m) = self.machine_busy {
+            s += &format!(", machine busy {:.0}%", m * 100.0);
         }
         if self.errors > 0 {
             s += &format!(", {} errors (first: {})", self.errors, self.first_error.as_deref().unwrap_or("?"));
@@ -247,9 +253,11 @@ async fn timed(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) 
     let tasks: Vec<_> = targets.into_iter().map(|t| tokio::spawn(drive(t, measure_from, end))).collect();
 
     tokio::time::sleep_until(measure_from).await;
-    let before = usages(server);
+    let (before, machine_before, read_before) = (usages(server), process::machine_busy(), Instant::now());
     tokio::time::sleep_until(end).await;
-    let after = usages(server);
+    let (after, machine_after, read_after) = (usages(server), process::machine_busy(), Instant::now());
+    // A starved client reads late: divide CPU time by the time between readings.
+    let cpu_secs = (read_after - read_before).as_secs_f64();
 
     let mut total = StreamStats::new();
     for t in tasks {
@@ -258,8 +266,8 @@ async fn timed(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) 
     let secs = args.duration.as_secs_f64();
     let (server_cpu, client_cpu) = match (&before, &after) {
         (Ok((sb, cb)), Ok((sa, ca))) => (
-            sb.zip(*sa).map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / secs),
-            Some((ca.cpu_seconds - cb.cpu_seconds) / secs),
+            sb.zip(*sa).map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / cpu_secs),
+            Some((ca.cpu_seconds - cb.cpu_seconds) / cpu_secs),
         ),
         _ => (None, None),
     };
@@ -281,6 +289,10 @@ async fn timed(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) 
         server_rss_bytes: after.ok().and_then(|(s, _)| s.map(|s| s.rss_bytes)),
         server_cpu,
         client_cpu,
+        machine_busy: match (machine_before, machine_after) {
+            (Ok(b), Ok(a)) if a.1 > b.1 => Some((a.0 - b.0) as f64 / (a.1 - b.1) as f64),
+            _ => None,
+        },
         idle: None,
         load_average: String::new(),
     })
@@ -419,6 +431,7 @@ async fn idle(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) -
         server_rss_bytes: Some(rss_after),
         server_cpu: None,
         client_cpu: None,
+        machine_busy: None,
         idle: Some(IdleReport {
             opened: n,
             open_seconds,

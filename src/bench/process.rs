@@ -76,6 +76,17 @@ pub fn own_usage() -> anyhow::Result<Usage> {
     usage_of("/proc/self")
 }
 
+/// Busy and total jiffies of all CPUs since boot, from /proc/stat.
+pub fn machine_busy() -> anyhow::Result<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let line = stat.lines().find(|l| l.starts_with("cpu ")).context("no cpu line in /proc/stat")?;
+    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest is in user).
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    Ok((total - idle, total))
+}
+
 fn usage_of(proc_dir: &str) -> anyhow::Result<Usage> {
     let status = std::fs::read_to_string(format!("{proc_dir}/status")).context("reading /proc status")?;
     let rss_kb: u64 = status
