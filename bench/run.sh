@@ -7,7 +7,8 @@
 #   bench/run.sh                 # everything, a few minutes
 #   BENCH_DURATION=2s bench/run.sh   # shorter windows (noisier)
 #   BENCH_ONLY=agentd,tonic bench/run.sh   # a subset of the servers
-#   AGENTD_BENCH_STORE=sqlite:///tmp/b.db bench/run.sh  # add agentd rows with a durable store
+#   BENCH_STORES=0 bench/run.sh  # without the durable-store rows (SQLite, and
+#                                # PostgreSQL at AGENTD_BENCH_POSTGRES_URL when it answers)
 #
 # Each workload starts a fresh server (so RSS readings are its own), pinned
 # to core 0 with the client on core 1 when the machine has two or more
@@ -75,14 +76,17 @@ if [[ -n ${BENCH_AUTOGROUP_NICE:-} ]]; then
 fi
 echo "$pinning" > "$out/pinning.txt"
 
-agentd_serve=("$bin/agentd" serve --listen 127.0.0.1:50061 --default-agent stream
+agentd_serve=("$bin/agentd" serve --default-agent stream
   --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s)
-declare -A port=([agentd]=50061 [tonic]=50062 [grpc.aio]=50063 [agentd+store]=50064)
+declare -A port=([agentd]=50061 [tonic]=50062 [grpc.aio]=50063 [agentd+sqlite]=50064 [agentd+postgres]=50065)
+sqlite_db=$out/bench.db
+postgres_url=${AGENTD_BENCH_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 
 server_cmd() {
   case $1 in
-    agentd) echo "${agentd_serve[@]}" ;;
-    agentd+store) echo "${agentd_serve[@]/50061/50064}" --store "$AGENTD_BENCH_STORE" ;;
+    agentd) echo "${agentd_serve[@]}" --listen 127.0.0.1:50061 --store memory: ;;
+    agentd+sqlite) echo "${agentd_serve[@]}" --listen 127.0.0.1:50064 --store "sqlite://$sqlite_db" ;;
+    agentd+postgres) echo "${agentd_serve[@]}" --listen 127.0.0.1:50065 --store "$postgres_url" ;;
     tonic) echo "$bin/examples/raw_stream" 127.0.0.1:50062 ;;
     grpc.aio) echo "$venv/bin/python" bench/python/server.py 127.0.0.1:50063 "$out/py" ;;
   esac
@@ -92,11 +96,14 @@ servers=()
 for s in agentd tonic grpc.aio; do
   [[ ,$only, == *,$s,* ]] && servers+=("$s")
 done
-if [[ -n ${AGENTD_BENCH_STORE:-} ]]; then
-  if "$bin/agentd" serve --help | grep -q -- '--store'; then
-    servers+=("agentd+store")
+# The durable stores: what persistence costs, against agentd on memory.
+store_servers=()
+if [[ ,$only, == *,agentd,* && ${BENCH_STORES:-1} != 0 ]]; then
+  store_servers+=("agentd+sqlite")
+  if command -v pg_isready >/dev/null && pg_isready -q -d "$postgres_url" 2>/dev/null; then
+    store_servers+=("agentd+postgres")
   else
-    log "AGENTD_BENCH_STORE is set but this agentd has no --store flag; skipping the store rows"
+    log "no PostgreSQL at $postgres_url: skipping the PostgreSQL rows"
   fi
 fi
 
@@ -104,6 +111,7 @@ fi
 bench() {
   local name=$1 workload=$2 streams=$3 conns=$4
   shift 4
+  [[ $name == agentd+sqlite ]] && rm -f "$sqlite_db" "$sqlite_db-wal" "$sqlite_db-shm"
   # shellcheck disable=SC2046
   AGENTD_BENCH_SERVER_LOG=$out/servers.log "${client_pin[@]}" "$bin/agentd" --log-format text bench \
     --server-name "$name" --target "127.0.0.1:${port[$name]}" --workload "$workload" \
@@ -123,6 +131,15 @@ for s in "${servers[@]}"; do
   bench "$s" paced 64 8 --duration "$paced_duration" --rate 1000
   bench "$s" idle "$idle_streams" 16 --idle-wait 120s --settle 2s
 done
+
+for s in "${store_servers[@]}"; do
+  log "=== $s"
+  for n in 1 64; do bench "$s" bursty "$n" "$(conns_for "$n")" --duration "$duration"; done
+  for n in 1 64; do bench "$s" one-at-a-time "$n" "$(conns_for "$n")" --duration "$duration"; done
+  for n in 1 64; do bench "$s" short "$n" "$(conns_for "$n")" --duration "$duration"; done
+  bench "$s" paced 64 8 --duration "$paced_duration" --rate 1000
+done
+rm -f "$sqlite_db" "$sqlite_db-wal" "$sqlite_db-shm"
 
 log "writing BENCHMARKS.md and bench/streams.png"
 "$venv/bin/python" bench/report.py "$results" BENCHMARKS.md bench/streams.png \

@@ -24,6 +24,11 @@ use agentd::pb::agent_service_server::{AgentService, AgentServiceServer};
 
 struct Raw;
 
+/// The baseline serves only what the benchmark calls: CreateSession and Run.
+fn unimplemented() -> Status {
+    Status::unimplemented("the benchmark baseline serves CreateSession and Run only")
+}
+
 fn event(seq: u64, text: String, kind: pb::EventKind) -> pb::AgentEvent {
     pb::AgentEvent {
         seq,
@@ -41,6 +46,24 @@ impl AgentService for Raw {
     async fn create_session(&self, req: Request<pb::CreateSessionRequest>) -> Result<Response<pb::SessionRef>, Status> {
         let user_id = req.into_inner().user_id;
         Ok(Response::new(pb::SessionRef { user_id, session_id: uuid::Uuid::new_v4().to_string() }))
+    }
+
+    async fn get_session(&self, _: Request<pb::GetSessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+        Err(unimplemented())
+    }
+
+    async fn list_sessions(&self, _: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        Err(unimplemented())
+    }
+
+    async fn delete_session(&self, _: Request<pb::DeleteSessionRequest>) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        Err(unimplemented())
+    }
+
+    type AttachStream = Self::RunStream;
+
+    async fn attach(&self, _: Request<pb::AttachRequest>) -> Result<Response<Self::AttachStream>, Status> {
+        Err(unimplemented())
     }
 
     type RunStream = Pin<Box<dyn Stream<Item = Result<pb::AgentEvent, Status>> + Send + 'static>>;

@@ -189,6 +189,7 @@ impl Target {
             text: self.text.clone(),
             request_id: String::new(),
             agent: self.agent.clone(),
+            ..Default::default()
         });
         req.set_timeout(timeout);
         req
