@@ -42,6 +42,9 @@ pub enum Command {
     /// Print a turn's events after --after-seq, then follow it live until it
     /// ends (resume after a dropped stream). Never runs the agent.
     Attach(AttachArgs),
+    /// Load a server with Run streams and report events/s, latency and memory
+    /// (see BENCHMARKS.md; `bench/run.sh` runs the whole comparison).
+    Bench(Box<crate::bench::BenchArgs>),
 }
 
 #[derive(Debug, Args)]

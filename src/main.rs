@@ -54,6 +54,7 @@ fn main() -> ExitCode {
             Command::Attach(args) => attach(args).await,
             Command::Run(args) => run(args).await,
             Command::Health(args) => health(args).await,
+            Command::Bench(args) => agentd::bench::run(*args).await,
         }
     });
     match result {

@@ -60,7 +60,7 @@ struct Follower {
     key: TurnKey,
     /// The last seq delivered.
     cursor: Option<u64>,
-    tx: mpsc::Sender<pb::AgentEvent>,
+    tx: mpsc::Sender<Box<pb::AgentEvent>>,
     deadline: Deadline,
     cut: tokio_util::sync::CancellationToken,
 }
@@ -106,7 +106,7 @@ impl Follower {
             let full = page.len() == PAGE;
             for e in page {
                 self.cursor = Some(e.seq);
-                let wire = convert::to_wire(e.seq, &e.event);
+                let wire = Box::new(convert::to_wire(e.seq, &e.event));
                 tokio::select! {
                     biased;
                     _ = self.cut.cancelled() => return Err(Failure::Shutdown),

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use tracing::Instrument;
 use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
@@ -27,7 +26,8 @@ const WRITER_BATCH: usize = 512;
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
 enum ToWriter {
-    Event(SeqEvent),
+    /// Boxed for the same reason as the client channel's events.
+    Event(Box<SeqEvent>),
     Finish(TurnOutcome),
 }
 
@@ -87,7 +87,7 @@ struct Pump {
     cancel: CancellationToken,
     key: TurnKey,
     /// The client's channel; `None` once the client is gone.
-    client: Option<mpsc::Sender<pb::AgentEvent>>,
+    client: Option<mpsc::Sender<Box<pb::AgentEvent>>>,
     /// Whether a client going away cancels the run or leaves it running.
     on_disconnect: OnDisconnect,
     /// The writer's progress: the final status goes out once the outcome is
@@ -160,7 +160,7 @@ impl Pump {
                     self.client_gone()?;
                     continue;
                 }
-                item = self.events.next() => item,
+                item = next_event(&mut self.events) => item,
             };
             let event = match next {
                 None => return Err(Failure::NoFinalAnswer),
@@ -168,8 +168,8 @@ impl Pump {
                 Some(Ok(e)) => e,
             };
             let is_final = event.is_final();
-            let wire = convert::to_wire(seq, &event);
-            let stored = SeqEvent { seq, event };
+            let wire = Box::new(convert::to_wire(seq, &event));
+            let stored = Box::new(SeqEvent { seq, event });
             seq += 1;
             if self.stored.borrow().store_failed {
                 return Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored"))));
@@ -212,7 +212,7 @@ impl Pump {
 
 /// The client side of the pump, borrowed for one delivery.
 struct Sink<'a> {
-    client: Option<&'a mpsc::Sender<pb::AgentEvent>>,
+    client: Option<&'a mpsc::Sender<Box<pb::AgentEvent>>>,
     policy: SlowConsumer,
     stall_timeout: Duration,
     by_server: bool,
@@ -223,7 +223,7 @@ impl Sink<'_> {
     /// when there is no client any more (a run that continues without it).
     async fn deliver(
         &self,
-        wire: pb::AgentEvent,
+        wire: Box<pb::AgentEvent>,
         deadline: &mut std::pin::Pin<&mut tokio::time::Sleep>,
         cut: &mut std::pin::Pin<&mut tokio_util::sync::WaitForCancellationFuture<'_>>,
     ) -> Result<bool, Failure> {
@@ -249,7 +249,23 @@ impl Sink<'_> {
     }
 }
 
-async fn closed(tx: Option<&mpsc::Sender<pb::AgentEvent>>) {
+/// The agent's next event. A stream that answers Pending is polled once more
+/// at once, as hyper polls a response body again after taking a frame from
+/// it: an agent that only yields to the scheduler (`tokio::task::yield_now`)
+/// then hands over its next event in the same wake-up, so events reach the
+/// client in batches instead of costing one scheduler round trip and one
+/// socket write each. An agent really waiting (model, tool, timer) stays
+/// Pending at the cost of one extra poll.
+fn next_event(
+    events: &mut crate::agent::EventStream,
+) -> impl std::future::Future<Output = Option<Result<crate::agent::Event, crate::agent::AgentError>>> + '_ {
+    std::future::poll_fn(move |cx| match events.as_mut().poll_next(cx) {
+        std::task::Poll::Pending => events.as_mut().poll_next(cx),
+        ready => ready,
+    })
+}
+
+async fn closed(tx: Option<&mpsc::Sender<Box<pb::AgentEvent>>>) {
     match tx {
         Some(tx) => tx.closed().await,
         None => std::future::pending().await,
@@ -288,7 +304,7 @@ impl Writer {
             let mut finish = None;
             for msg in batch.drain(..) {
                 match msg {
-                    ToWriter::Event(e) => events.push(e),
+                    ToWriter::Event(e) => events.push(*e),
                     ToWriter::Finish(o) => finish = Some(o),
                 }
             }

@@ -40,13 +40,15 @@ impl End {
 /// then at most one `Err` with how the turn failed. Dropping it is how a
 /// client cancels: the producer sees the channel close.
 pub struct RunStream {
-    rx: mpsc::Receiver<pb::AgentEvent>,
+    /// Boxed: a channel allocates its slots in blocks of 32 up front, and a
+    /// pointer-sized slot keeps that small for each of thousands of idle runs.
+    rx: mpsc::Receiver<Box<pb::AgentEvent>>,
     end: Arc<End>,
     finished: bool,
 }
 
 impl RunStream {
-    pub(super) fn new(rx: mpsc::Receiver<pb::AgentEvent>, end: Arc<End>) -> Self {
+    pub(super) fn new(rx: mpsc::Receiver<Box<pb::AgentEvent>>, end: Arc<End>) -> Self {
         Self { rx, end, finished: false }
     }
 }
@@ -63,7 +65,7 @@ impl Stream for RunStream {
             return Poll::Ready(self.end.take().map(Err));
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(ev)) => Poll::Ready(Some(Ok(ev))),
+            Poll::Ready(Some(ev)) => Poll::Ready(Some(Ok(*ev))),
             Poll::Ready(None) => {
                 self.finished = true;
                 Poll::Ready(self.end.take().map(Err))
