@@ -175,6 +175,28 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_AUTH_OPEN_SERVICES", value_delimiter = ',',
           default_value = "grpc.health.v1.Health,grpc.reflection.v1.ServerReflection")]
     pub auth_open_services: Vec<String>,
+
+    /// Address of the A2A HTTP face: JSON-RPC with SSE streaming at `/`, the
+    /// agent card at /.well-known/agent-card.json (`off` disables it; A2A over
+    /// gRPC is always on --listen).
+    #[arg(long, env = "AGENTD_A2A_LISTEN", default_value = "127.0.0.1:8080", value_parser = listen_or_off)]
+    pub a2a_listen: ListenAddr,
+
+    /// Host name the agent card advertises for both A2A interfaces (default:
+    /// the listening IP, or the host name when listening on all interfaces).
+    #[arg(long, env = "AGENTD_A2A_ADVERTISE_HOST")]
+    pub a2a_advertise_host: Option<String>,
+}
+
+/// A listening address, or none (`off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr(pub Option<SocketAddr>);
+
+fn listen_or_off(s: &str) -> Result<ListenAddr, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(ListenAddr(None));
+    }
+    s.parse().map(|a| ListenAddr(Some(a))).map_err(|_| "expected host:port (e.g. 127.0.0.1:8080) or off".to_string())
 }
 
 /// Where the admin HTTP port listens, if anywhere.

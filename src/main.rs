@@ -84,8 +84,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let admin = spawn_admin(&args, opts.readiness.clone()).await?;
-    tracing::info!(listen = %listener.local_addr()?, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
-    let result = agentd::server::run(listener, turns, opts, shutdown_signal()).await;
+    let grpc_addr = listener.local_addr()?;
+    let a2a_http = match args.a2a_listen.0 {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--a2a-listen): {e}"))?;
+            let advertised = agentd::a2a::advertised(grpc_addr, l.local_addr()?, args.a2a_advertise_host.as_deref());
+            Some(agentd::server::A2aHttp { listener: l, advertised })
+        }
+        None => None,
+    };
+    let a2a_listen = match &a2a_http {
+        Some(h) => h.listener.local_addr()?.to_string(),
+        None => "off".to_owned(),
+    };
+    tracing::info!(listen = %grpc_addr, a2a_listen = %a2a_listen, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
+    let result = agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
     if let Some((stop, task)) = admin {
         let _ = stop.send(());
         let _ = task.await;
