@@ -42,6 +42,9 @@ pub enum Command {
     /// Print a turn's events after --after-seq, then follow it live until it
     /// ends (resume after a dropped stream). Never runs the agent.
     Attach(AttachArgs),
+    /// Send one message to an A2A agent (any A2A 1.0 server, agentd's too)
+    /// and print its answer; survives dropped streams.
+    A2a(A2aArgs),
 }
 
 #[derive(Debug, Args)]
@@ -452,6 +455,35 @@ pub struct RunArgs {
 pub enum OnDisconnectArg {
     Cancel,
     Continue,
+}
+
+#[derive(Debug, Args)]
+pub struct A2aArgs {
+    /// Base URL of the agent; its card is read from
+    /// <URL>/.well-known/agent-card.json.
+    #[arg(long, env = "AGENTD_A2A_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Binding to use (default: JSON-RPC if the card offers it, else gRPC).
+    #[arg(long, value_enum)]
+    pub binding: Option<crate::client::a2a::Binding>,
+    /// Sets message metadata "agent" (which of agentd's agents answers).
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// No event for this long counts as a lost stream: the client recovers
+    /// (task snapshot, then resubscribe).
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    pub idle_timeout: Duration,
+    /// Give up after this long and cancel the remote task.
+    #[arg(long, value_parser = duration, default_value = "120s")]
+    pub deadline: Duration,
+    /// Recoveries before giving up (and cancelling the remote task).
+    #[arg(long, default_value_t = 5)]
+    pub max_recoveries: u32,
+    /// Print the outcome as one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// The message.
+    pub text: String,
 }
 
 #[derive(Debug, Args)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
-use agentd::config::{AttachArgs, Cli, ClientArgs, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
+use agentd::config::{A2aArgs, AttachArgs, Cli, ClientArgs, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
 
@@ -53,6 +53,7 @@ fn main() -> ExitCode {
             Command::Attach(args) => attach(args).await,
             Command::Run(args) => run(args).await,
             Command::Health(args) => health(args).await,
+            Command::A2a(args) => a2a_call(args).await,
         }
     });
     match result {
@@ -277,5 +278,76 @@ async fn health(args: HealthArgs) -> anyhow::Result<()> {
         Ok(())
     } else {
         anyhow::bail!("not serving")
+    }
+}
+
+async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
+    use agentd::client::a2a::{A2aClient, CallError, CallOptions, Control, Outcome, parts_text};
+    let client = A2aClient::connect(&args.url, args.binding).await?;
+    let opts = CallOptions {
+        idle_timeout: args.idle_timeout,
+        deadline: args.deadline,
+        max_recoveries: args.max_recoveries,
+        ..CallOptions::default()
+    };
+    let metadata = args.agent.map(|a| [("agent".to_owned(), serde_json::Value::String(a))].into_iter().collect());
+    let json = args.json;
+    let mut progress = |ev: &a2a::StreamResponse, _: &agentd::client::a2a::CallState| {
+        if let a2a::StreamResponse::StatusUpdate(u) = ev {
+            if !json {
+                let text = u.status.message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
+                eprintln!("[{:?}] {text}", u.status.state);
+            }
+        }
+        Control::Continue
+    };
+    let result = client.send_text(&args.text, metadata, &opts, Some(&mut progress)).await;
+    let artifacts_json = |a: &[a2a::Artifact]| -> serde_json::Value {
+        a.iter().map(|a| serde_json::json!({"artifactId": a.artifact_id, "text": parts_text(&a.parts)})).collect()
+    };
+    match result {
+        Ok(Outcome::Completed { task_id, artifacts, incomplete, .. }) => {
+            if json {
+                println!("{}", serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)}));
+            } else {
+                for a in &artifacts {
+                    println!("{}", parts_text(&a.parts));
+                }
+            }
+            if incomplete {
+                anyhow::bail!("task {task_id} completed but chunks were lost in transit: the result above is incomplete");
+            }
+            Ok(())
+        }
+        Ok(Outcome::Message(m)) => {
+            if json {
+                println!("{}", serde_json::json!({"state": "message", "text": parts_text(&m.parts)}));
+            } else {
+                println!("{}", parts_text(&m.parts));
+            }
+            Ok(())
+        }
+        Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
+            let text = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
+            if json {
+                println!("{}", serde_json::json!({"state": format!("{state:?}"), "taskId": task_id, "contextId": context_id, "text": text}));
+            } else {
+                println!("{text}");
+                eprintln!("the agent waits ({state:?}); reply in task {task_id}, context {context_id}");
+            }
+            Ok(())
+        }
+        Ok(Outcome::Stopped { .. }) => Ok(()),
+        Err(e) => {
+            if json {
+                let task_id = match &e {
+                    CallError::Task { task_id, .. } | CallError::Unrecoverable { task_id, .. } => Some(task_id.clone()),
+                    CallError::Deadline { task_id, .. } => task_id.clone(),
+                    _ => None,
+                };
+                println!("{}", serde_json::json!({"state": "error", "taskId": task_id, "error": e.to_string()}));
+            }
+            Err(e.into())
+        }
     }
 }

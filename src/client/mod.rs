@@ -1,4 +1,7 @@
-//! The Rust client of `agents.v1`, used by the CLI and the tests.
+//! The Rust client of `agents.v1`, used by the CLI and the tests, and
+//! ([`a2a`]) the A2A streaming client.
+
+pub mod a2a;
 
 use std::time::Duration;
 

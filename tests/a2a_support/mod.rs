@@ -106,3 +106,34 @@ pub async fn run_json(python: &PathBuf, args: &[&str]) -> serde_json::Value {
     assert!(out.status.success(), "python {args:?} failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("bad JSON from {args:?}: {e}\n{stdout}"))
 }
+
+/// The Python test agent (tests/a2a_test_agent.py), killed on drop.
+pub struct PyAgent {
+    pub base_url: String,
+    _child: tokio::process::Child,
+}
+
+impl PyAgent {
+    pub async fn start(python: &PathBuf, bare_snapshots: bool) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let mut cmd = tokio::process::Command::new(python);
+        cmd.arg(script("a2a_test_agent.py"));
+        if bare_snapshots {
+            cmd.arg("--bare-snapshots");
+        }
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the Python agent did not start")
+            .unwrap()
+            .expect("the Python agent exited before listening");
+        let port = line.strip_prefix("LISTENING ").expect("unexpected first line").trim().to_owned();
+        Self { base_url: format!("http://127.0.0.1:{port}"), _child: child }
+    }
+}
