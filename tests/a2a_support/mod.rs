@@ -137,3 +137,37 @@ impl PyAgent {
         Self { base_url: format!("http://127.0.0.1:{port}"), _child: child }
     }
 }
+
+/// A server reached over an in-memory duplex pipe, and our A2A client on its
+/// gRPC face (tonic's mock-transport pattern).
+pub async fn in_process(tool_delay: Duration) -> (agentd::client::a2a::A2aClient, Arc<ToolStats>, oneshot::Sender<()>, JoinHandle<anyhow::Result<()>>) {
+    let helper = OrderHelper::new(tool_delay);
+    let tool = helper.stats();
+    let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
+    let registry = AgentRegistry::new(agents, "order_helper").unwrap();
+    let turns = Turns::new(Arc::new(MemoryStore::new()), registry, TurnConfig { replica_id: "test".into(), ..TurnConfig::default() });
+    let (client_io, server_io) = tokio::io::duplex(1 << 20);
+    let incoming = futures::StreamExt::chain(
+        tokio_stream::once(Ok::<_, std::io::Error>(server_io)),
+        futures::stream::pending(),
+    );
+    let opts = ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_secs(10), ..ServerOptions::default() };
+    let (tx, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(agentd::server::serve(incoming, turns, opts, async {
+        let _ = rx.await;
+    }));
+    let mut client_io = Some(client_io);
+    let channel = tonic::transport::Endpoint::try_from("http://in-process.invalid")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let io = client_io.take();
+            async move {
+                io.map(hyper_util::rt::TokioIo::new)
+                    .ok_or_else(|| std::io::Error::other("the in-process connection was already used"))
+            }
+        }))
+        .await
+        .unwrap();
+    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)));
+    (client, tool, tx, handle)
+}
