@@ -189,6 +189,17 @@ pub struct ServeArgs {
     /// the listening IP, or the host name when listening on all interfaces).
     #[arg(long, env = "AGENTD_A2A_ADVERTISE_HOST")]
     pub a2a_advertise_host: Option<String>,
+
+    /// Serve A2A's `conformance` agent: a message whose messageId starts with
+    /// `tck-` (or `test-resubscribe-`) gets the scripted answer conformance
+    /// suites expect; other messages reach the agents as usual.
+    #[arg(long, env = "AGENTD_A2A_CONFORMANCE")]
+    pub a2a_conformance: bool,
+
+    /// How long the conformance agent's `test-resubscribe-message-id` task
+    /// stays WORKING.
+    #[arg(long, env = "AGENTD_A2A_CONFORMANCE_WAIT", value_parser = duration, default_value = "5s")]
+    pub a2a_conformance_wait: Duration,
 }
 
 /// A listening address, or none (`off`).
@@ -301,6 +312,7 @@ impl ServeArgs {
             max_input_bytes: self.max_input_bytes,
             drain_delay: self.drain_delay,
             shutdown_grace: self.shutdown_grace,
+            a2a_conformance: self.a2a_conformance.then_some(self.a2a_conformance_wait),
             ..Default::default()
         }
     }

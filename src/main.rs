@@ -293,11 +293,11 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
     let metadata = args.agent.map(|a| [("agent".to_owned(), serde_json::Value::String(a))].into_iter().collect());
     let json = args.json;
     let mut progress = |ev: &a2a::StreamResponse, _: &agentd::client::a2a::CallState| {
-        if let a2a::StreamResponse::StatusUpdate(u) = ev {
-            if !json {
-                let text = u.status.message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
-                eprintln!("[{:?}] {text}", u.status.state);
-            }
+        if let a2a::StreamResponse::StatusUpdate(u) = ev
+            && !json
+        {
+            let text = u.status.message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
+            eprintln!("[{:?}] {text}", u.status.state);
         }
         Control::Continue
     };

@@ -51,6 +51,8 @@ pub struct Security {
     pub tls: Option<TlsFiles>,
     /// Check credentials on every call; `None` lets every call in.
     pub auth: Option<Arc<Authenticator>>,
+    /// Serve A2A's conformance agent, with this resubscription wait.
+    pub a2a_conformance: Option<Duration>,
 }
 
 impl Default for ServerOptions {
@@ -66,6 +68,7 @@ impl Default for ServerOptions {
             shutdown_grace: Duration::from_secs(130),
             security: Security::default(),
             readiness: Readiness::default(),
+            a2a_conformance: None,
         }
     }
 }
@@ -138,7 +141,7 @@ where
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
-    let a2a = crate::a2a::A2a::new(turns.clone(), opts.max_input_bytes);
+    let a2a = crate::a2a::A2a::new(turns.clone(), opts.max_input_bytes, opts.a2a_conformance);
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, &opts.readiness, ServingStatus::Serving).await;
     // Store upkeep (health checks, expired leases, retention), mirrored into

@@ -1,6 +1,6 @@
 """The official A2A Python SDK (1.x) as a client of agentd's A2A face.
 
-Usage: a2a_sdk_client.py BASE_URL JSONRPC|GRPC
+Usage: a2a_sdk_client.py BASE_URL JSONRPC|GRPC [conformance]
 
 Resolves the agent card at BASE_URL, connects over the named binding, runs
 every scenario below and prints one JSON object with what each observed.
@@ -203,11 +203,43 @@ async def make_client(base_url, binding, card, streaming=True):
     return ClientFactory(config).create(card)
 
 
+CONFORMANCE_IDS = [
+    "tck-complete-task", "tck-artifact-text", "tck-artifact-file", "tck-artifact-file-url",
+    "tck-artifact-data", "tck-message-response", "tck-input-required", "tck-reject-task",
+    "tck-stream-001", "tck-stream-002", "tck-stream-003", "tck-stream-ordering-001",
+    "tck-stream-artifact-text", "tck-stream-artifact-file", "tck-stream-artifact-chunked",
+    "test-resubscribe-message-id",
+]
+
+
+async def conformance(client):
+    """Each messageId prefix, streamed: the events it produced."""
+    out = {}
+    ctx = ClientCallContext(timeout=TIMEOUT)
+    for prefix in CONFORMANCE_IDS:
+        m = message("conformance")
+        m.message_id = f"{prefix}-{uuid.uuid4()}"
+        evs = await asyncio.wait_for(collect(client.send_message(SendMessageRequest(message=m), context=ctx)), TIMEOUT)
+        summary = []
+        for e in evs:
+            s = event_summary(e)
+            if e.HasField("artifact_update"):
+                s["parts"] = [MessageToDict(p) for p in e.artifact_update.artifact.parts]
+            if e.HasField("status_update") and e.status_update.status.HasField("message"):
+                s["text"] = "".join(p.text for p in e.status_update.status.message.parts)
+            summary.append(s)
+        out[prefix] = summary
+    return out
+
+
 async def main():
     base_url, binding = sys.argv[1], sys.argv[2]
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
         card = await A2ACardResolver(http, base_url).get_agent_card()
     client = await make_client(base_url, binding, card)
+    if sys.argv[3:] == ["conformance"]:
+        print(json.dumps(await conformance(client)))
+        return
     out = {
         "card": {
             "interfaces": [[i.protocol_binding, i.url, i.protocol_version] for i in card.supported_interfaces],

@@ -96,3 +96,59 @@ async fn the_python_sdk_sends_streams_gets_cancels_and_subscribes_over_json_rpc(
 async fn the_python_sdk_sends_streams_gets_cancels_and_subscribes_over_grpc() {
     sdk_client_against_our_server("GRPC").await;
 }
+
+/// The last event of a conformance run, and the parts of its artifacts.
+fn ends(out: &Value, prefix: &str) -> (String, Vec<Value>) {
+    let events = out[prefix].as_array().unwrap_or_else(|| panic!("{prefix}: {out}"));
+    let last = events.last().unwrap();
+    let end = match last["kind"].as_str().unwrap() {
+        "message" => format!("message:{}", last["text"].as_str().unwrap()),
+        _ => last["state"].as_str().unwrap().to_owned(),
+    };
+    let parts = events.iter().filter(|e| e["kind"] == "artifact").flat_map(|e| e["parts"].as_array().unwrap().clone()).collect();
+    (end, parts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_conformance_agent_answers_each_message_id_prefix_as_suites_expect() {
+    let Some(py) = python() else { return };
+    let server = A2aServer::start_with(Duration::ZERO, Some(Duration::from_millis(200))).await;
+    let script = script("a2a_sdk_client.py");
+    let out = run_json(&py, &[script.to_str().unwrap(), &server.base_url(), "JSONRPC", "conformance"]).await;
+    eprintln!("{out:#}");
+    let completed = "TASK_STATE_COMPLETED";
+    let (end, _) = ends(&out, "tck-complete-task");
+    assert_eq!(end, completed);
+    assert_eq!(out["tck-complete-task"].as_array().unwrap().last().unwrap()["text"], "Hello from TCK");
+    assert_eq!(ends(&out, "tck-artifact-text"), (completed.into(), vec![serde_json::json!({"text": "Generated text content"})]));
+    let (_, file) = ends(&out, "tck-artifact-file");
+    assert_eq!((file[0]["filename"].as_str(), file[0]["mediaType"].as_str()), (Some("output.txt"), Some("text/plain")), "{file:?}");
+    let (_, url) = ends(&out, "tck-artifact-file-url");
+    assert_eq!(url[0]["url"], "https://example.com/output.txt");
+    assert_eq!(url[0]["filename"], "output.txt");
+    let (_, data) = ends(&out, "tck-artifact-data");
+    // protobuf's Struct holds numbers as doubles, so Python reads 42.0.
+    assert_eq!((data[0]["data"]["key"].as_str(), data[0]["data"]["count"].as_f64()), (Some("value"), Some(42.0)), "{data:?}");
+    assert_eq!(ends(&out, "tck-message-response").0, "message:Direct message response");
+    assert_eq!(ends(&out, "tck-input-required").0, "TASK_STATE_INPUT_REQUIRED");
+    assert_eq!(ends(&out, "tck-reject-task").0, "TASK_STATE_REJECTED");
+    assert_eq!(out["tck-reject-task"].as_array().unwrap().last().unwrap()["text"], "rejected");
+    for (prefix, text) in [
+        ("tck-stream-001", "Stream hello from TCK"),
+        ("tck-stream-003", "Stream task lifecycle"),
+        ("tck-stream-ordering-001", "Ordered output"),
+        ("tck-stream-artifact-text", "Streamed text content"),
+    ] {
+        let states: Vec<&str> = out[prefix].as_array().unwrap().iter().filter_map(|e| e["state"].as_str()).collect();
+        assert_eq!(states, ["TASK_STATE_SUBMITTED", "TASK_STATE_WORKING", completed], "{prefix}");
+        assert_eq!(ends(&out, prefix), (completed.into(), vec![serde_json::json!({"text": text})]), "{prefix}");
+    }
+    assert_eq!(ends(&out, "tck-stream-artifact-file").1[0]["filename"], "output.txt");
+    let only: Vec<&str> = out["tck-stream-002"].as_array().unwrap().iter().filter(|e| e["kind"] == "status").filter_map(|e| e["state"].as_str()).collect();
+    assert_eq!(only, [completed]);
+    let chunked: Vec<&Value> = out["tck-stream-artifact-chunked"].as_array().unwrap().iter().filter(|e| e["kind"] == "artifact").collect();
+    assert_eq!(chunked.iter().map(|c| (c["text"].as_str().unwrap(), c["append"].as_bool().unwrap(), c["last_chunk"].as_bool().unwrap())).collect::<Vec<_>>(),
+        [("chunk-1 ", false, false), ("chunk-2", true, true)]);
+    assert_eq!(ends(&out, "test-resubscribe-message-id").0, completed);
+    server.stop().await;
+}

@@ -8,6 +8,7 @@
 //! agents.v1 on the same port (see `server`); JSON-RPC, SSE and the card are
 //! served on their own HTTP listener.
 
+pub mod conformance;
 pub mod executor;
 pub mod version;
 
@@ -41,9 +42,15 @@ pub struct A2a {
 }
 
 impl A2a {
-    pub fn new(turns: Arc<Turns>, max_input_bytes: usize) -> Self {
+    /// `conformance`: serve the conformance agent's scripted tasks, with
+    /// this resubscription wait (see [`conformance`]).
+    pub fn new(turns: Arc<Turns>, max_input_bytes: usize, conformance: Option<std::time::Duration>) -> Self {
         let executor = TurnExecutor::new(turns, max_input_bytes);
-        let handler = DefaultRequestHandler::new(executor, InMemoryTaskStore::new())
+        let handler = match conformance {
+            Some(wait) => DefaultRequestHandler::new(conformance::ConformanceExecutor::new(executor, wait), InMemoryTaskStore::new()),
+            None => DefaultRequestHandler::new(executor, InMemoryTaskStore::new()),
+        };
+        let handler = handler
             .with_capabilities(capabilities())
             .with_default_input_modes(INPUT_MODES.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .with_authorizer(version::VersionCheck);

@@ -363,7 +363,7 @@ impl A2aClient {
         loop {
             let cause = match stream.as_mut() {
                 Some(s) => match self.follow(s, &mut st, opts, deadline, &mut listener).await {
-                    Step::Done(r) => return r,
+                    Step::Done(r) => return *r,
                     Step::Deadline => return Err(self.abandon_at_deadline(&st).await),
                     Step::Dropped(cause) => cause,
                 },
@@ -430,13 +430,13 @@ impl A2aClient {
                 match l.on_event(&next, st) {
                     Control::Continue => {}
                     Control::StopWithResponse(text) => {
-                        return Step::Done(Ok(stopped(st, Some(text))));
+                        return Step::Done(Box::new(Ok(stopped(st, Some(text)))));
                     }
-                    Control::StopWithArtifacts => return Step::Done(Ok(stopped(st, None))),
+                    Control::StopWithArtifacts => return Step::Done(Box::new(Ok(stopped(st, None)))),
                 }
             }
             if let Some(end) = end_of(st, Some(&next)) {
-                return Step::Done(end);
+                return Step::Done(Box::new(end));
             }
         }
     }
@@ -471,7 +471,7 @@ impl A2aClient {
 }
 
 enum Step {
-    Done(Result<Outcome, CallError>),
+    Done(Box<Result<Outcome, CallError>>),
     Deadline,
     Dropped(String),
 }

@@ -30,6 +30,11 @@ pub struct A2aServer {
 
 impl A2aServer {
     pub async fn start(tool_delay: Duration) -> Self {
+        Self::start_with(tool_delay, None).await
+    }
+
+    /// `conformance`: serve the conformance agent with this resubscribe wait.
+    pub async fn start_with(tool_delay: Duration, conformance: Option<Duration>) -> Self {
         let helper = OrderHelper::new(tool_delay);
         let tool = helper.stats();
         let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
@@ -43,7 +48,12 @@ impl A2aServer {
         let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (grpc, http) = (grpc_listener.local_addr().unwrap(), http_listener.local_addr().unwrap());
         let a2a = A2aHttp { listener: http_listener, advertised: agentd::a2a::advertised(grpc, http, None) };
-        let opts = ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_secs(10), ..ServerOptions::default() };
+        let opts = ServerOptions {
+            drain_delay: Duration::ZERO,
+            shutdown_grace: Duration::from_secs(10),
+            a2a_conformance: conformance,
+            ..ServerOptions::default()
+        };
         let (tx, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(agentd::server::run_with_a2a(grpc_listener, Some(a2a), turns.clone(), opts, async {
             let _ = rx.await;
