@@ -261,7 +261,7 @@ pub enum CallError {
     #[error("the remote task ended {state:?}: {message}")]
     Task { state: TaskState, task_id: String, message: String, artifacts: Vec<Artifact> },
     /// The deadline passed; the remote task was cancelled.
-    #[error("the deadline passed; the remote task was cancelled (it had reached {last_state:?})")]
+    #[error("the deadline passed; the remote task was cancelled (last state: {})", state_name(last_state))]
     Deadline { task_id: Option<String>, last_state: Option<TaskState>, artifacts: Vec<Artifact> },
     /// The stream was lost before the task had an id; not resent, since
     /// that would start a second task.
@@ -269,7 +269,7 @@ pub enum CallError {
     LostBeforeTask { cause: String },
     /// Recovery gave up (the agent stayed silent or unreachable); the remote
     /// task was cancelled.
-    #[error("the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled")]
+    #[error("the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})", state_name(last_state))]
     Unrecoverable {
         task_id: String,
         last_state: Option<TaskState>,
@@ -280,6 +280,10 @@ pub enum CallError {
     /// The remote agent refused the request.
     #[error("the remote agent refused the call: {0}")]
     Refused(A2AError),
+}
+
+fn state_name(s: &Option<TaskState>) -> String {
+    s.as_ref().map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
 }
 
 /// A client of one remote A2A agent.
