@@ -26,7 +26,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::{RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
+use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
 use crate::grpc::status;
 use crate::pb;
 use crate::turn::{Failure, RunError, Turns};
@@ -299,6 +299,8 @@ impl Shared {
                 generated_request_id: false,
                 text,
                 agent,
+                // CancelTask drops the stream: that must cancel the run.
+                on_disconnect: OnDisconnect::Cancel,
             };
             let cancel = CancellationToken::new();
             self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(job.task_id.clone(), cancel.clone());
@@ -367,8 +369,10 @@ fn valid_agent(agent: Option<String>) -> Option<Option<String>> {
 /// How a refused run ends the task, with the agents.v1 table's message.
 fn refusal(e: RunError, turns: &Turns) -> (TaskState, String) {
     let state = match e {
-        RunError::UnknownAgent | RunError::RequestIdReused | RunError::SessionNotFound => TaskState::Rejected,
-        RunError::Busy { .. } | RunError::ShuttingDown | RunError::Store(_) => TaskState::Failed,
+        RunError::UnknownAgent | RunError::RequestIdReused | RunError::SessionNotFound | RunError::TurnNotFound => {
+            TaskState::Rejected
+        }
+        RunError::Busy { .. } | RunError::ShuttingDown | RunError::SessionBusy | RunError::Store(_) => TaskState::Failed,
     };
     (state, status::run_error(e, turns.agents()).message().to_owned())
 }
