@@ -83,8 +83,9 @@ async fn chunks_lost_in_a_drop_that_no_snapshot_restores_are_flagged_incomplete(
     let out = client.send_text("chunks=8 drop=2 delay=0.05", None, &opts(), None).await.unwrap();
     let Outcome::Completed { artifacts, incomplete, .. } = out else { panic!("{out:?}") };
     assert!(incomplete, "a truncated result must say so: {artifacts:?}");
+    // c2 went out while the connection was cut and no snapshot has it.
     let text = parts_text(&artifacts[0].parts);
-    assert!(text.starts_with("c0 c1 ") && text.ends_with("c7 "), "{text}");
+    assert!(text.starts_with("c0 c1 ") && !text.contains("c2 "), "{text}");
 }
 
 #[tokio::test]
@@ -92,14 +93,14 @@ async fn the_idle_watchdog_catches_a_silent_stall_and_cancels_the_task() {
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let o = CallOptions { idle_timeout: Duration::from_millis(300), max_recoveries: 2, ..opts() };
+    let o = CallOptions { idle_timeout: Duration::from_secs(1), max_recoveries: 2, ..opts() };
     let started = tokio::time::Instant::now();
     let err = client.send_text("chunks=5 stall=2", None, &o, None).await.unwrap_err();
     let CallError::Unrecoverable { task_id, recoveries, cause, artifacts, .. } = err else { panic!("{err:?}") };
     assert_eq!(recoveries, 2);
     assert!(cause.contains("idle"), "{cause}");
     assert_eq!(texts(&artifacts), [("a1".into(), "c0 c1 ".into())]);
-    assert!(started.elapsed() < Duration::from_secs(15), "the stall was not caught promptly");
+    assert!(started.elapsed() < Duration::from_secs(20), "the stall was not caught promptly");
     assert_eq!(remote_state(&client, &task_id, TaskState::Canceled).await, TaskState::Canceled);
 }
 
@@ -108,7 +109,7 @@ async fn a_deadline_cancels_the_remote_task() {
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let o = CallOptions { deadline: Duration::from_millis(800), ..opts() };
+    let o = CallOptions { deadline: Duration::from_secs(3), ..opts() };
     let err = client.send_text("chunks=5 stall=1", None, &o, None).await.unwrap_err();
     let CallError::Deadline { task_id: Some(task_id), last_state, .. } = err else { panic!("{err:?}") };
     assert_eq!(last_state, Some(TaskState::Working));

@@ -49,7 +49,7 @@ async fn our_client_gets_the_worked_trace_from_our_server_as_a2a() {
 #[tokio::test]
 async fn a_client_deadline_cancels_our_run_through_the_drop_path() {
     let (client, tool, stop, handle) = a2a_support::in_process(Duration::from_secs(30)).await;
-    let o = CallOptions { deadline: Duration::from_millis(300), ..opts() };
+    let o = CallOptions { deadline: Duration::from_secs(1), ..opts() };
     let err = client.send_text("Where is order 1187?", None, &o, None).await.unwrap_err();
     let CallError::Deadline { task_id: Some(task_id), .. } = err else { panic!("{err:?}") };
     let until = tokio::time::Instant::now() + Duration::from_secs(10);

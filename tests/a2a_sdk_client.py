@@ -136,7 +136,7 @@ async def scenarios(client, binding, base_url, card):
 
     # subscribe: leave a running stream, resubscribe, follow it to the end.
     run = client.send_message(
-        SendMessageRequest(message=message("n=20 size=4 rate=40", agent="stream")), context=ctx)
+        SendMessageRequest(message=message("n=60 size=4 rate=20", agent="stream")), context=ctx)
     sub_id = None
     async for ev in run:
         if ev.HasField("task"):

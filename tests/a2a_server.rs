@@ -64,7 +64,7 @@ async fn sdk_client_against_our_server(binding: &str) {
     let events = sub["events"].as_array().unwrap();
     assert_eq!(events.last().unwrap()["state"], "TASK_STATE_COMPLETED", "{sub}");
     assert_eq!(sub["final"]["state"], "TASK_STATE_COMPLETED");
-    assert!(sub["final"]["artifacts"]["answer"].as_str().unwrap().ends_with("sent 20 events"), "{sub}");
+    assert!(sub["final"]["artifacts"]["answer"].as_str().unwrap().ends_with("sent 60 events"), "{sub}");
 
     // Errors, as the SDK maps them (and, over gRPC, the 1.0 status codes).
     let e = &out["errors"];
