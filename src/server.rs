@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub security: Security,
     /// Mirrors the health entries for the admin port's `/readyz`.
     pub readiness: Readiness,
+    /// Serve A2A's conformance agent, with this resubscription wait.
+    pub a2a_conformance: Option<Duration>,
 }
 
 /// TLS and authentication of the gRPC port.
@@ -51,8 +53,6 @@ pub struct Security {
     pub tls: Option<TlsFiles>,
     /// Check credentials on every call; `None` lets every call in.
     pub auth: Option<Arc<Authenticator>>,
-    /// Serve A2A's conformance agent, with this resubscription wait.
-    pub a2a_conformance: Option<Duration>,
 }
 
 impl Default for ServerOptions {
