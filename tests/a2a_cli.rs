@@ -15,7 +15,7 @@ struct Served {
 impl Served {
     fn start() -> Self {
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--a2a-listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--a2a-listen", "127.0.0.1:0", "--admin-listen", "off", "--drain-delay", "0s"])
             .env("AGENTD_STORE", "memory:")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
