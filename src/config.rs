@@ -45,6 +45,9 @@ pub enum Command {
     /// Load a server with Run streams and report events/s, latency and memory
     /// (see BENCHMARKS.md; `bench/run.sh` runs the whole comparison).
     Bench(Box<crate::bench::BenchArgs>),
+    /// Send one message to an A2A agent (any A2A 1.0 server, agentd's too)
+    /// and print its answer; survives dropped streams.
+    A2a(A2aArgs),
 }
 
 #[derive(Debug, Args)]
@@ -184,6 +187,39 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_AUTH_OPEN_SERVICES", value_delimiter = ',',
           default_value = "grpc.health.v1.Health,grpc.reflection.v1.ServerReflection")]
     pub auth_open_services: Vec<String>,
+
+    /// Address of the A2A HTTP face: JSON-RPC with SSE streaming at `/`, the
+    /// agent card at /.well-known/agent-card.json (`off` disables it; A2A over
+    /// gRPC is always on --listen).
+    #[arg(long, env = "AGENTD_A2A_LISTEN", default_value = "127.0.0.1:8080", value_parser = listen_or_off)]
+    pub a2a_listen: ListenAddr,
+
+    /// Host name the agent card advertises for both A2A interfaces (default:
+    /// the listening IP, or the host name when listening on all interfaces).
+    #[arg(long, env = "AGENTD_A2A_ADVERTISE_HOST")]
+    pub a2a_advertise_host: Option<String>,
+
+    /// Serve A2A's `conformance` agent: a message whose messageId starts with
+    /// `tck-` (or `test-resubscribe-`) gets the scripted answer conformance
+    /// suites expect; other messages reach the agents as usual.
+    #[arg(long, env = "AGENTD_A2A_CONFORMANCE")]
+    pub a2a_conformance: bool,
+
+    /// How long the conformance agent's `test-resubscribe-message-id` task
+    /// stays WORKING.
+    #[arg(long, env = "AGENTD_A2A_CONFORMANCE_WAIT", value_parser = duration, default_value = "5s")]
+    pub a2a_conformance_wait: Duration,
+}
+
+/// A listening address, or none (`off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr(pub Option<SocketAddr>);
+
+fn listen_or_off(s: &str) -> Result<ListenAddr, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(ListenAddr(None));
+    }
+    s.parse().map(|a| ListenAddr(Some(a))).map_err(|_| "expected host:port (e.g. 127.0.0.1:8080) or off".to_string())
 }
 
 /// Where the admin HTTP port listens, if anywhere.
@@ -285,6 +321,7 @@ impl ServeArgs {
             max_input_bytes: self.max_input_bytes,
             drain_delay: self.drain_delay,
             shutdown_grace: self.shutdown_grace,
+            a2a_conformance: self.a2a_conformance.then_some(self.a2a_conformance_wait),
             ..Default::default()
         }
     }
@@ -454,6 +491,35 @@ pub struct RunArgs {
 pub enum OnDisconnectArg {
     Cancel,
     Continue,
+}
+
+#[derive(Debug, Args)]
+pub struct A2aArgs {
+    /// Base URL of the agent; its card is read from
+    /// <URL>/.well-known/agent-card.json.
+    #[arg(long, env = "AGENTD_A2A_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Binding to use (default: JSON-RPC if the card offers it, else gRPC).
+    #[arg(long, value_enum)]
+    pub binding: Option<crate::client::a2a::Binding>,
+    /// Sets message metadata "agent" (which of agentd's agents answers).
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// No event for this long counts as a lost stream: the client recovers
+    /// (task snapshot, then resubscribe).
+    #[arg(long, value_parser = duration, default_value = "30s")]
+    pub idle_timeout: Duration,
+    /// Give up after this long and cancel the remote task.
+    #[arg(long, value_parser = duration, default_value = "120s")]
+    pub deadline: Duration,
+    /// Recoveries before giving up (and cancelling the remote task).
+    #[arg(long, default_value_t = 5)]
+    pub max_recoveries: u32,
+    /// Print the outcome as one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// The message.
+    pub text: String,
 }
 
 #[derive(Debug, Args)]

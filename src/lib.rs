@@ -5,6 +5,7 @@
 //! [`agent`] and pumps its events through a bounded channel into the response
 //! stream. [`server`] assembles the services, health, reflection and shutdown.
 
+pub mod a2a;
 pub mod agent;
 pub mod auth;
 pub mod bench;

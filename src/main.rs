@@ -9,7 +9,7 @@ use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
 use agentd::client::AgentClient;
-use agentd::config::{AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
+use agentd::config::{A2aArgs, AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
 use agentd::pb;
 use agentd::turn::Turns;
 
@@ -55,6 +55,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run(args).await,
             Command::Health(args) => health(args).await,
             Command::Bench(args) => agentd::bench::run(*args).await,
+            Command::A2a(args) => a2a_call(args).await,
         }
     });
     match result {
@@ -94,8 +95,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let admin = spawn_admin(&args, opts.readiness.clone()).await?;
-    tracing::info!(listen = %listener.local_addr()?, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
-    let result = agentd::server::run(listener, turns, opts, shutdown_signal()).await;
+    let grpc_addr = listener.local_addr()?;
+    let a2a_http = match args.a2a_listen.0 {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--a2a-listen): {e}"))?;
+            let advertised = agentd::a2a::advertised(grpc_addr, l.local_addr()?, args.a2a_advertise_host.as_deref());
+            Some(agentd::server::A2aHttp { listener: l, advertised })
+        }
+        None => None,
+    };
+    let a2a_listen = match &a2a_http {
+        Some(h) => h.listener.local_addr()?.to_string(),
+        None => "off".to_owned(),
+    };
+    tracing::info!(listen = %grpc_addr, a2a_listen = %a2a_listen, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
+    let result = agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
     if let Some((stop, task)) = admin {
         let _ = stop.send(());
         let _ = task.await;
@@ -271,5 +287,76 @@ async fn health(args: HealthArgs) -> anyhow::Result<()> {
         Ok(())
     } else {
         anyhow::bail!("not serving")
+    }
+}
+
+async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
+    use agentd::client::a2a::{A2aClient, CallError, CallOptions, Control, Outcome, parts_text};
+    let client = A2aClient::connect(&args.url, args.binding).await?;
+    let opts = CallOptions {
+        idle_timeout: args.idle_timeout,
+        deadline: args.deadline,
+        max_recoveries: args.max_recoveries,
+        ..CallOptions::default()
+    };
+    let metadata = args.agent.map(|a| [("agent".to_owned(), serde_json::Value::String(a))].into_iter().collect());
+    let json = args.json;
+    let mut progress = |ev: &a2a::StreamResponse, _: &agentd::client::a2a::CallState| {
+        if let a2a::StreamResponse::StatusUpdate(u) = ev
+            && !json
+        {
+            let text = u.status.message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
+            eprintln!("[{:?}] {text}", u.status.state);
+        }
+        Control::Continue
+    };
+    let result = client.send_text(&args.text, metadata, &opts, Some(&mut progress)).await;
+    let artifacts_json = |a: &[a2a::Artifact]| -> serde_json::Value {
+        a.iter().map(|a| serde_json::json!({"artifactId": a.artifact_id, "text": parts_text(&a.parts)})).collect()
+    };
+    match result {
+        Ok(Outcome::Completed { task_id, artifacts, incomplete, .. }) => {
+            if json {
+                println!("{}", serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)}));
+            } else {
+                for a in &artifacts {
+                    println!("{}", parts_text(&a.parts));
+                }
+            }
+            if incomplete {
+                anyhow::bail!("task {task_id} completed but chunks were lost in transit: the result above is incomplete");
+            }
+            Ok(())
+        }
+        Ok(Outcome::Message(m)) => {
+            if json {
+                println!("{}", serde_json::json!({"state": "message", "text": parts_text(&m.parts)}));
+            } else {
+                println!("{}", parts_text(&m.parts));
+            }
+            Ok(())
+        }
+        Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
+            let text = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
+            if json {
+                println!("{}", serde_json::json!({"state": format!("{state:?}"), "taskId": task_id, "contextId": context_id, "text": text}));
+            } else {
+                println!("{text}");
+                eprintln!("the agent waits ({state:?}); reply in task {task_id}, context {context_id}");
+            }
+            Ok(())
+        }
+        Ok(Outcome::Stopped { .. }) => Ok(()),
+        Err(e) => {
+            if json {
+                let task_id = match &e {
+                    CallError::Task { task_id, .. } | CallError::Unrecoverable { task_id, .. } => Some(task_id.clone()),
+                    CallError::Deadline { task_id, .. } => task_id.clone(),
+                    _ => None,
+                };
+                println!("{}", serde_json::json!({"state": "error", "taskId": task_id, "error": e.to_string()}));
+            }
+            Err(e.into())
+        }
     }
 }

@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub security: Security,
     /// Mirrors the health entries for the admin port's `/readyz`.
     pub readiness: Readiness,
+    /// Serve A2A's conformance agent, with this resubscription wait.
+    pub a2a_conformance: Option<Duration>,
 }
 
 /// TLS and authentication of the gRPC port.
@@ -66,6 +68,7 @@ impl Default for ServerOptions {
             shutdown_grace: Duration::from_secs(130),
             security: Security::default(),
             readiness: Readiness::default(),
+            a2a_conformance: None,
         }
     }
 }
@@ -89,6 +92,26 @@ pub async fn run(
     serve(incoming, turns, opts, shutdown).await
 }
 
+/// The A2A HTTP face (JSON-RPC, SSE, agent card) of a server.
+pub struct A2aHttp {
+    pub listener: tokio::net::TcpListener,
+    /// Where the card says the two bindings are.
+    pub advertised: crate::a2a::Advertised,
+}
+
+/// [`run`], plus A2A's JSON-RPC face on its own listener; both stop
+/// accepting at the same moment of the shutdown sequence.
+pub async fn run_with_a2a(
+    listener: tokio::net::TcpListener,
+    a2a_http: Option<A2aHttp>,
+    turns: Arc<Turns>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    serve_with_a2a(incoming, a2a_http, turns, opts, shutdown).await
+}
+
 /// Serves connections from `incoming` (TCP, or in-memory in tests).
 pub async fn serve<I, IO, IE>(
     incoming: I,
@@ -101,6 +124,24 @@ where
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
+    serve_with_a2a(incoming, None, turns, opts, shutdown).await
+}
+
+/// [`serve`], plus the A2A HTTP face when `a2a_http` is given. The A2A gRPC
+/// service is always on the gRPC port.
+pub async fn serve_with_a2a<I, IO, IE>(
+    incoming: I,
+    a2a_http: Option<A2aHttp>,
+    turns: Arc<Turns>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()>
+where
+    I: Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    let a2a = crate::a2a::A2a::new(turns.clone(), opts.max_input_bytes, opts.a2a_conformance);
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, &opts.readiness, ServingStatus::Serving).await;
     // Store upkeep (health checks, expired leases, retention), mirrored into
@@ -148,12 +189,20 @@ where
         .layer(AuthLayer::new(opts.security.auth.clone()))
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(agents);
+        .add_service(agents)
+        .add_service(a2a.grpc_service(opts.max_message_bytes));
 
     let (stop_accepting, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut serving = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
         let _ = stop_rx.await;
     }));
+    let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut a2a_serving = a2a_http.map(|h| {
+        let card = crate::a2a::agent_card(turns.agents(), &h.advertised);
+        tokio::spawn(crate::a2a::serve_http(h.listener, a2a.http_router(card), async {
+            let _ = stop_a2a_rx.await;
+        }))
+    });
     tracing::info!(agents = ?turns.agents().names().collect::<Vec<_>>(), default = turns.agents().default_name(), "serving");
 
     tokio::select! {
@@ -161,6 +210,15 @@ where
         r = &mut serving => {
             r??;
             anyhow::bail!("the gRPC server stopped by itself");
+        }
+        r = async {
+            match a2a_serving.as_mut() {
+                Some(h) => h.await,
+                None => std::future::pending().await,
+            }
+        } => {
+            r??;
+            anyhow::bail!("the A2A HTTP server stopped by itself");
         }
     }
     upkeep.abort();
@@ -171,6 +229,7 @@ where
 
     turns.begin_drain();
     let _ = stop_accepting.send(());
+    let _ = stop_a2a.send(());
     tracing::info!(in_flight = turns.in_flight(), grace = ?opts.shutdown_grace, "shutdown: stopped accepting; waiting for in-flight runs");
     if tokio::time::timeout(opts.shutdown_grace, turns.wait_idle()).await.is_err() {
         tracing::warn!(cut = turns.in_flight(), "shutdown: grace passed; cutting the runs still in flight (they end with UNAVAILABLE)");
@@ -184,6 +243,15 @@ where
         Err(_) => {
             tracing::warn!("shutdown: connections still open; closing them");
             serving.abort();
+        }
+    }
+    if let Some(a2a_serving) = a2a_serving.as_mut() {
+        match tokio::time::timeout(CONNECTIONS_CLOSE, &mut *a2a_serving).await {
+            Ok(r) => r??,
+            Err(_) => {
+                tracing::warn!("shutdown: A2A HTTP connections still open; closing them");
+                a2a_serving.abort();
+            }
         }
     }
     tracing::info!("shutdown complete");
@@ -207,6 +275,7 @@ async fn set_health(health: &HealthReporter, readiness: &Readiness, status: Serv
     readiness.set(status == ServingStatus::Serving);
     health.set_service_status("", status).await;
     health.set_service_status(AGENT_SERVICE_NAME, status).await;
+    health.set_service_status(crate::a2a::A2A_SERVICE_NAME, status).await;
 }
 
 /// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE

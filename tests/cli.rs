@@ -18,7 +18,7 @@ impl Served {
     fn start(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--a2a-listen", "127.0.0.1:0", "--drain-delay", "0s"])
             .env("AGENTD_STORE", format!("sqlite://{}", dir.path().join("agentd.db").display()))
             .args(extra)
             .stdout(Stdio::null())

@@ -1,4 +1,5 @@
-//! The Rust client of `agents.v1`, used by the CLI and the tests.
+//! The Rust client of `agents.v1`, used by the CLI and the tests, and
+//! ([`a2a`]) the A2A streaming client.
 //!
 //! - Targets: `http://host:port` (one server) or `dns:///host:port` (every
 //!   A/AAAA record of the name, balanced by tonic's balancer, re-resolved
@@ -8,6 +9,8 @@
 //! - Retries only where the server's dedup makes them safe (see [`retry`]):
 //!   a Run without a request_id gets one here, so that its retries are the
 //!   same turn; a retry never changes the request_id.
+
+pub mod a2a;
 
 pub mod resolve;
 pub mod retry;

@@ -1,0 +1,462 @@
+//! The A2A face of our agents: an [`AgentExecutor`] that runs a task as one
+//! turn of the turn engine and maps the turn's events to A2A updates.
+//!
+//! ```text
+//! A2A task ─▶ Turns::start (session per contextId, request id from the task id)
+//!           ─▶ RunStream ─▶ map: tool call/result → WORKING status messages (text + data part)
+//!                               partial text      → artifact chunks (append, last_chunk)
+//!                               final answer      → the last chunk, then COMPLETED
+//!                               failure           → FAILED with the sanitised message
+//! CancelTask ─▶ token ─▶ the RunStream is dropped (the agents.v1 drop path) ─▶ CANCELED
+//! ```
+//!
+//! Going through the turn engine, not `Agent::run` directly, gives A2A
+//! tasks what every run has: the concurrency cap, the server's maximum run
+//! duration, the drain and cut of shutdown, and a turn record in the store.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use a2a::{
+    A2AError, Artifact, Message, Part, PartContent, Role, StreamResponse, Task, TaskArtifactUpdateEvent,
+    TaskState, TaskStatus, TaskStatusUpdateEvent,
+};
+use a2a_server::{AgentExecutor, ExecutorContext};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
+use crate::grpc::status;
+use crate::pb;
+use crate::turn::{Failure, RunError, Turns};
+
+/// The id of the artifact that carries an agent's answer.
+pub const ANSWER_ARTIFACT_ID: &str = "answer";
+/// Message or request metadata key naming the agent to run.
+pub const AGENT_METADATA_KEY: &str = "agent";
+/// The user an unauthenticated A2A caller runs as.
+pub const ANONYMOUS_USER: &str = "a2a-anonymous";
+/// Contexts whose session this process remembers; the oldest is forgotten
+/// past it (a later task in that context starts a fresh session).
+const MAX_REMEMBERED_CONTEXTS: usize = 10_000;
+
+/// Runs A2A tasks on the turn engine.
+#[derive(Clone)]
+pub struct TurnExecutor {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    turns: Arc<Turns>,
+    /// Longest accepted message text, as for agents.v1.
+    max_input_bytes: usize,
+    /// Session of each A2A context, so turns of one context share memory.
+    sessions: Mutex<Sessions>,
+    /// Cancellation of each task running here, fired by CancelTask.
+    running: Arc<Mutex<HashMap<String, CancellationToken>>>,
+}
+
+#[derive(Default)]
+struct Sessions {
+    by_context: HashMap<(String, String), SessionId>,
+    order: VecDeque<(String, String)>,
+}
+
+impl TurnExecutor {
+    pub fn new(turns: Arc<Turns>, max_input_bytes: usize) -> Self {
+        let shared = Shared { turns, max_input_bytes, sessions: Mutex::default(), running: Arc::default() };
+        Self { shared: Arc::new(shared) }
+    }
+}
+
+impl Shared {
+
+    /// The session of (`user`, `context`), created on first use.
+    async fn session(&self, user: &UserId, context: &str) -> Result<SessionId, RunError> {
+        let key = (user.as_str().to_owned(), context.to_owned());
+        if let Some(id) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).by_context.get(&key) {
+            return Ok(*id);
+        }
+        let session = self.turns.store().create_session(user).await?;
+        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let id = *s.by_context.entry(key.clone()).or_insert(session.id);
+        if s.order.len() < s.by_context.len() {
+            s.order.push_back(key);
+        }
+        while s.order.len() > MAX_REMEMBERED_CONTEXTS {
+            if let Some(old) = s.order.pop_front() {
+                s.by_context.remove(&old);
+            }
+        }
+        Ok(id)
+    }
+}
+
+/// Everything one execution needs, taken from the executor context.
+struct Job {
+    task_id: String,
+    context_id: String,
+    message: Message,
+    user: UserId,
+    agent: Option<String>,
+    /// Distinguishes the turns of one task (a task may take several messages).
+    turn_index: usize,
+    /// The task starts with this message (not a reply to INPUT_REQUIRED).
+    is_new: bool,
+}
+
+impl Job {
+    fn from_ctx(ctx: ExecutorContext) -> Result<Self, A2AError> {
+        let message = ctx.message.ok_or_else(|| A2AError::invalid_params("a message is required"))?;
+        let agent = agent_name(&message).or_else(|| {
+            ctx.metadata.as_ref().and_then(|m| m.get(AGENT_METADATA_KEY)).and_then(|v| v.as_str()).map(str::to_owned)
+        });
+        let user = ctx
+            .user
+            .as_ref()
+            .filter(|u| u.authenticated)
+            .and_then(|u| UserId::parse(u.name.clone()).ok())
+            .unwrap_or_else(|| UserId::parse(ANONYMOUS_USER).expect("a valid id"));
+        let turn_index = ctx.stored_task.as_ref().and_then(|t| t.history.as_ref()).map_or(0, Vec::len);
+        let is_new = ctx.stored_task.as_ref().is_none_or(|t| t.status.state == TaskState::Submitted);
+        Ok(Job { task_id: ctx.task_id, context_id: ctx.context_id, message, user, agent, turn_index, is_new })
+    }
+
+    fn status(&self, state: TaskState, message: Option<Message>) -> StreamResponse {
+        StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+            task_id: self.task_id.clone(),
+            context_id: self.context_id.clone(),
+            status: TaskStatus { state, message, timestamp: Some(chrono::Utc::now()) },
+            metadata: None,
+        })
+    }
+
+    fn agent_message(&self, parts: Vec<Part>) -> Message {
+        Message {
+            context_id: Some(self.context_id.clone()),
+            task_id: Some(self.task_id.clone()),
+            ..Message::new(Role::Agent, parts)
+        }
+    }
+
+    fn chunk(&self, text: String, append: bool, last: bool) -> StreamResponse {
+        StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+            task_id: self.task_id.clone(),
+            context_id: self.context_id.clone(),
+            artifact: Artifact {
+                artifact_id: ANSWER_ARTIFACT_ID.into(),
+                name: Some("answer".into()),
+                description: None,
+                parts: vec![Part::text(text)],
+                metadata: None,
+                extensions: None,
+            },
+            append: Some(append),
+            last_chunk: Some(last),
+            metadata: None,
+        })
+    }
+
+    /// The task as it is when its run starts; for a reply to a waiting
+    /// task, WORKING (a task snapshot would replace its history).
+    fn submitted(&self) -> StreamResponse {
+        if !self.is_new {
+            return self.status(TaskState::Working, None);
+        }
+        StreamResponse::Task(Task {
+            id: self.task_id.clone(),
+            context_id: self.context_id.clone(),
+            status: TaskStatus { state: TaskState::Submitted, message: None, timestamp: Some(chrono::Utc::now()) },
+            artifacts: None,
+            history: Some(vec![self.message.clone()]),
+            metadata: None,
+        })
+    }
+
+    /// The task ends without running: REJECTED for a request we will not
+    /// serve, FAILED for one we cannot serve now.
+    fn refused(&self, state: TaskState, why: &str) -> Vec<StreamResponse> {
+        vec![self.submitted(), self.status(state, Some(self.agent_message(vec![Part::text(why)])))]
+    }
+}
+
+fn agent_name(message: &Message) -> Option<String> {
+    message.metadata.as_ref()?.get(AGENT_METADATA_KEY)?.as_str().map(str::to_owned)
+}
+
+/// The message's text: its text parts, joined by newlines. `None` when it has
+/// no text part (only files or data, which our agents do not read).
+fn message_text(message: &Message) -> Option<String> {
+    let texts: Vec<&str> = message
+        .parts
+        .iter()
+        .filter_map(|p| match &p.content {
+            PartContent::Text(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    (!texts.is_empty()).then(|| texts.join("\n"))
+}
+
+/// Maps the turn's events to A2A updates, one agents.v1 event at a time.
+struct Mapper {
+    /// Text already sent as chunks of the answer artifact.
+    streamed: String,
+    /// An answer chunk was sent, so the next one appends.
+    started: bool,
+    /// The final answer went out as the last chunk.
+    answered: bool,
+}
+
+impl Mapper {
+    fn new() -> Self {
+        Self { streamed: String::new(), started: false, answered: false }
+    }
+
+    fn map(&mut self, job: &Job, e: pb::AgentEvent) -> Vec<StreamResponse> {
+        match e.kind() {
+            pb::EventKind::ToolCall | pb::EventKind::ToolResult => {
+                let key = if e.kind() == pb::EventKind::ToolCall { "toolCall" } else { "toolResult" };
+                let payload: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or(serde_json::Value::Null);
+                let field = if e.kind() == pb::EventKind::ToolCall { "arguments" } else { "result" };
+                let data = serde_json::json!({ key: { "name": e.tool_name, "id": e.tool_call_id, field: payload } });
+                let mut parts = vec![];
+                if !e.text.is_empty() {
+                    parts.push(Part::text(e.text));
+                }
+                parts.push(Part::data(data).with_media_type("application/json"));
+                vec![job.status(TaskState::Working, Some(job.agent_message(parts)))]
+            }
+            pb::EventKind::PartialText => {
+                let append = std::mem::replace(&mut self.started, true);
+                self.streamed.push_str(&e.text);
+                vec![job.chunk(e.text, append, false)]
+            }
+            pb::EventKind::FinalAnswer | pb::EventKind::Unspecified => {
+                self.answered = true;
+                if !self.started {
+                    return vec![job.chunk(e.text, false, true)];
+                }
+                // A final answer that repeats the streamed text only adds its
+                // rest; otherwise it follows what was streamed.
+                let rest = e.text.strip_prefix(self.streamed.as_str()).map(str::to_owned).unwrap_or(e.text);
+                vec![job.chunk(rest, true, true)]
+            }
+        }
+    }
+}
+
+/// Removes a task's token when its run ends, however it ends.
+struct Running {
+    tasks: Arc<Mutex<HashMap<String, CancellationToken>>>,
+    task_id: String,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.task_id);
+    }
+}
+
+impl Shared {
+    fn run(self: Arc<Self>, job: Job) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+        Box::pin(async_stream::stream! {
+            let Some(text) = message_text(&job.message) else {
+                for e in job.refused(TaskState::Rejected, "the message has no text part; this agent reads text only") {
+                    yield Ok(e);
+                }
+                return;
+            };
+            let text = match UserText::parse(text, self.max_input_bytes) {
+                Ok(t) => t,
+                Err(e) => {
+                    for e in job.refused(TaskState::Rejected, &e.to_string()) {
+                        yield Ok(e);
+                    }
+                    return;
+                }
+            };
+            let request_id = RequestId::parse(format!("{}.{}", job.task_id, job.turn_index));
+            let (Ok(request_id), Some(agent)) = (request_id, valid_agent(job.agent.clone())) else {
+                for e in job.refused(TaskState::Rejected, "the task id or the agent name is malformed") {
+                    yield Ok(e);
+                }
+                return;
+            };
+            let session_id = match self.session(&job.user, &job.context_id).await {
+                Ok(s) => s,
+                Err(e) => {
+                    for e in job.refused(TaskState::Failed, refusal(e, &self.turns).1.as_str()) {
+                        yield Ok(e);
+                    }
+                    return;
+                }
+            };
+            let input = RunInput {
+                user_id: job.user.clone(),
+                key: TurnKey { session_id, request_id },
+                generated_request_id: false,
+                text,
+                agent,
+                // CancelTask drops the stream: that must cancel the run.
+                on_disconnect: OnDisconnect::Cancel,
+            };
+            let cancel = CancellationToken::new();
+            self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(job.task_id.clone(), cancel.clone());
+            let _running = Running { tasks: self.running.clone(), task_id: job.task_id.clone() };
+            let mut events = match self.turns.start(input, None).await {
+                Ok(started) => started.stream,
+                Err(e) => {
+                    let (state, why) = refusal(e, &self.turns);
+                    for e in job.refused(state, &why) {
+                        yield Ok(e);
+                    }
+                    return;
+                }
+            };
+            yield Ok(job.submitted());
+            yield Ok(job.status(TaskState::Working, None));
+            let mut mapper = Mapper::new();
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => {
+                        // Dropping the stream is the agents.v1 cancel path: the
+                        // pump sees the channel close and cancels the agent.
+                        // CancelTask reports CANCELED itself.
+                        tracing::info!(task = %job.task_id, "a2a: task cancelled; run dropped");
+                        return;
+                    }
+                    next = events.next() => next,
+                };
+                match next {
+                    Some(Ok(e)) => {
+                        for update in mapper.map(&job, e) {
+                            yield Ok(update);
+                        }
+                    }
+                    Some(Err(f)) => {
+                        let state = if matches!(f, Failure::ClientGone) { TaskState::Canceled } else { TaskState::Failed };
+                        let why = status::failure(f).message().to_owned();
+                        yield Ok(job.status(state, Some(job.agent_message(vec![Part::text(why)]))));
+                        return;
+                    }
+                    None => break,
+                }
+            }
+            if mapper.answered {
+                yield Ok(job.status(TaskState::Completed, None));
+            } else {
+                let why = status::failure(Failure::NoFinalAnswer).message().to_owned();
+                yield Ok(job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)]))));
+            }
+        })
+    }
+}
+
+/// Agent names follow the agents.v1 rule; `None` inside means the default.
+fn valid_agent(agent: Option<String>) -> Option<Option<String>> {
+    match agent {
+        None => Some(None),
+        Some(a) if !a.is_empty() && a.len() <= 64 && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {
+            Some(Some(a))
+        }
+        Some(_) => None,
+    }
+}
+
+/// How a refused run ends the task, with the agents.v1 table's message.
+fn refusal(e: RunError, turns: &Turns) -> (TaskState, String) {
+    let state = match e {
+        RunError::UnknownAgent | RunError::RequestIdReused | RunError::SessionNotFound | RunError::TurnNotFound => {
+            TaskState::Rejected
+        }
+        RunError::Busy { .. } | RunError::ShuttingDown | RunError::SessionBusy | RunError::Store(_) => TaskState::Failed,
+    };
+    (state, status::run_error(e, turns.agents()).message().to_owned())
+}
+
+impl AgentExecutor for TurnExecutor {
+    fn execute(&self, ctx: ExecutorContext) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+        match Job::from_ctx(ctx) {
+            Ok(job) => self.shared.clone().run(job),
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        }
+    }
+
+    fn cancel(&self, ctx: ExecutorContext) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+        if let Some(token) = self.shared.running.lock().unwrap_or_else(|e| e.into_inner()).get(&ctx.task_id) {
+            token.cancel();
+        }
+        let update = StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+            task_id: ctx.task_id,
+            context_id: ctx.context_id,
+            status: TaskStatus { state: TaskState::Canceled, message: None, timestamp: Some(chrono::Utc::now()) },
+            metadata: None,
+        });
+        Box::pin(futures::stream::once(async move { Ok(update) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            message: Message::new(Role::User, vec![Part::text("hi")]),
+            user: UserId::parse("u").unwrap(),
+            agent: None,
+            turn_index: 0,
+            is_new: true,
+        }
+    }
+
+    fn event(kind: pb::EventKind, text: &str) -> pb::AgentEvent {
+        pb::AgentEvent { kind: kind as i32, text: text.into(), ..Default::default() }
+    }
+
+    fn chunk(u: &StreamResponse) -> (String, bool, bool) {
+        match u {
+            StreamResponse::ArtifactUpdate(a) => {
+                (a.artifact.parts[0].as_text().unwrap().to_owned(), a.append.unwrap(), a.last_chunk.unwrap())
+            }
+            other => panic!("not a chunk: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn partial_text_becomes_appended_chunks_and_the_final_answer_the_last_one() {
+        let (j, mut m) = (job(), Mapper::new());
+        let a = m.map(&j, event(pb::EventKind::PartialText, "Hel"));
+        let b = m.map(&j, event(pb::EventKind::PartialText, "lo"));
+        let c = m.map(&j, event(pb::EventKind::FinalAnswer, "Hello world"));
+        assert_eq!(chunk(&a[0]), ("Hel".into(), false, false));
+        assert_eq!(chunk(&b[0]), ("lo".into(), true, false));
+        assert_eq!(chunk(&c[0]), (" world".into(), true, true));
+    }
+
+    #[test]
+    fn a_final_answer_alone_is_one_complete_chunk() {
+        let (j, mut m) = (job(), Mapper::new());
+        assert_eq!(chunk(&m.map(&j, event(pb::EventKind::FinalAnswer, "done"))[0]), ("done".into(), false, true));
+    }
+
+    #[test]
+    fn tool_calls_are_working_status_messages_with_a_data_part() {
+        let (j, mut m) = (job(), Mapper::new());
+        let mut e = event(pb::EventKind::ToolCall, "calling lookup_order");
+        e.tool_name = "lookup_order".into();
+        e.payload_json = r#"{"order_id":"1187"}"#.into();
+        let StreamResponse::StatusUpdate(s) = &m.map(&j, e)[0] else { panic!("not a status") };
+        assert_eq!(s.status.state, TaskState::Working);
+        let parts = &s.status.message.as_ref().unwrap().parts;
+        assert_eq!(parts[0].as_text(), Some("calling lookup_order"));
+        let PartContent::Data(d) = &parts[1].content else { panic!("not data") };
+        assert_eq!(d["toolCall"]["name"], "lookup_order");
+        assert_eq!(d["toolCall"]["arguments"]["order_id"], "1187");
+    }
+}

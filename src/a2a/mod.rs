@@ -1,0 +1,157 @@
+//! A2A 1.0 (`lf.a2a.v1`), the second face of our agents.
+//!
+//! The protocol is the official crates': `a2a-lf` types, `a2a-server-lf`'s
+//! `DefaultRequestHandler` (task lifecycle, SSE, JSON-RPC over axum),
+//! `a2a-grpc`'s tonic binding. What is ours: the executor that runs a task on
+//! the turn engine ([`executor`]), the agent card, the version check the gRPC
+//! binding lacks ([`version`]), and the assembly below. The gRPC service joins
+//! agents.v1 on the same port (see `server`); JSON-RPC, SSE and the card are
+//! served on their own HTTP listener.
+
+pub mod conformance;
+pub mod executor;
+pub mod version;
+
+use std::sync::Arc;
+
+use a2a::{AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TRANSPORT_PROTOCOL_GRPC, TRANSPORT_PROTOCOL_JSONRPC};
+use a2a_pb::proto::a2a_service_server::A2aServiceServer;
+use a2a_server::{DefaultRequestHandler, InMemoryTaskStore, StaticAgentCard};
+
+use crate::agent::AgentRegistry;
+use crate::turn::Turns;
+
+pub use executor::TurnExecutor;
+
+/// The gRPC service name, as health reports it.
+pub const A2A_SERVICE_NAME: &str = "lf.a2a.v1.A2AService";
+/// Media types an incoming part may declare; others are
+/// ContentTypeNotSupported.
+pub const INPUT_MODES: &[&str] = &["text/plain"];
+/// What our agents produce: text answers, JSON tool calls and results.
+pub const OUTPUT_MODES: &[&str] = &["text/plain", "application/json"];
+
+/// The request handler both bindings share, so a task started over one is
+/// visible over the other.
+pub type Handler = DefaultRequestHandler;
+
+/// The A2A face of one server.
+#[derive(Clone)]
+pub struct A2a {
+    handler: Arc<Handler>,
+}
+
+impl A2a {
+    /// `conformance`: serve the conformance agent's scripted tasks, with
+    /// this resubscription wait (see [`conformance`]).
+    pub fn new(turns: Arc<Turns>, max_input_bytes: usize, conformance: Option<std::time::Duration>) -> Self {
+        let executor = TurnExecutor::new(turns, max_input_bytes);
+        let handler = match conformance {
+            Some(wait) => DefaultRequestHandler::new(conformance::ConformanceExecutor::new(executor, wait), InMemoryTaskStore::new()),
+            None => DefaultRequestHandler::new(executor, InMemoryTaskStore::new()),
+        };
+        let handler = handler
+            .with_capabilities(capabilities())
+            .with_default_input_modes(INPUT_MODES.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .with_authorizer(version::VersionCheck);
+        Self { handler: Arc::new(handler) }
+    }
+
+    pub fn handler(&self) -> &Arc<Handler> {
+        &self.handler
+    }
+
+    /// `lf.a2a.v1.A2AService` for the tonic router.
+    pub fn grpc_service(&self, max_message_bytes: usize) -> A2aServiceServer<a2a_grpc::GrpcHandler<Handler>> {
+        A2aServiceServer::new(a2a_grpc::GrpcHandler::new(self.handler.clone())).max_decoding_message_size(max_message_bytes)
+    }
+
+    /// JSON-RPC (with SSE streaming) at `/` and the card at
+    /// `/.well-known/agent-card.json`.
+    pub fn http_router(&self, card: AgentCard) -> axum::Router {
+        a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
+            .merge(a2a_server::agent_card::agent_card_router(Arc::new(StaticAgentCard::new(card))))
+    }
+}
+
+fn capabilities() -> AgentCapabilities {
+    AgentCapabilities { streaming: Some(true), push_notifications: Some(false), extensions: None, extended_agent_card: None }
+}
+
+/// Where clients reach the two bindings, as the card advertises them.
+#[derive(Debug, Clone)]
+pub struct Advertised {
+    /// The JSON-RPC endpoint, e.g. `http://agents.internal:8080/`.
+    pub jsonrpc_url: String,
+    /// The gRPC endpoint as `host:port` (A2A's form for gRPC interfaces).
+    pub grpc_host_port: String,
+}
+
+/// The public agent card: both interfaces, streaming, one skill per agent.
+pub fn agent_card(agents: &AgentRegistry, at: &Advertised) -> AgentCard {
+    let skills = agents
+        .names()
+        .filter_map(|name| agents.get(Some(name)))
+        .map(|a| AgentSkill {
+            id: a.name().to_owned(),
+            name: a.name().to_owned(),
+            description: a.description().to_owned(),
+            tags: vec![a.name().to_owned()],
+            examples: None,
+            input_modes: None,
+            output_modes: None,
+            security_requirements: None,
+        })
+        .collect();
+    AgentCard {
+        name: "agentd".into(),
+        description: format!(
+            "Serves AI agents. Pick one with the message metadata key \"{}\" (default: {}).",
+            executor::AGENT_METADATA_KEY,
+            agents.default_name()
+        ),
+        version: env!("CARGO_PKG_VERSION").into(),
+        supported_interfaces: vec![
+            AgentInterface::new(at.jsonrpc_url.clone(), TRANSPORT_PROTOCOL_JSONRPC),
+            AgentInterface::new(at.grpc_host_port.clone(), TRANSPORT_PROTOCOL_GRPC),
+        ],
+        capabilities: capabilities(),
+        default_input_modes: INPUT_MODES.iter().map(|s| s.to_string()).collect(),
+        default_output_modes: OUTPUT_MODES.iter().map(|s| s.to_string()).collect(),
+        skills,
+        provider: None,
+        documentation_url: None,
+        icon_url: None,
+        security_schemes: None,
+        security_requirements: None,
+        signatures: None,
+    }
+}
+
+/// Serves the HTTP face on `listener` until `stop` resolves.
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(stop).await
+}
+
+/// The card's addresses for servers bound to `grpc` and `http`: `host` when
+/// given, else the bound IP, or the machine's name for an unspecified IP.
+pub fn advertised(grpc: std::net::SocketAddr, http: std::net::SocketAddr, host: Option<&str>) -> Advertised {
+    let at = |addr: std::net::SocketAddr| match host {
+        Some(h) => format!("{h}:{}", addr.port()),
+        None if addr.ip().is_unspecified() => format!("{}:{}", machine_name(), addr.port()),
+        None => addr.to_string(),
+    };
+    Advertised { jsonrpc_url: format!("http://{}/", at(http)), grpc_host_port: at(grpc) }
+}
+
+fn machine_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}

@@ -1,0 +1,589 @@
+//! A2A 1.0 streaming client that survives drops: one [`A2aClient`] per
+//! remote agent (reused across calls), one [`CallState`] per call.
+//!
+//! The recipe:
+//! - The task and context ids are captured from the first event that has
+//!   them. Artifacts are buffered by `artifactId`: `append` extends, anything
+//!   else replaces; `lastChunk` marks one ready. One source only: a task
+//!   snapshot's artifacts *replace* the buffer, they are never appended to it.
+//! - A call ends on a direct Message, a terminal state, or INPUT_REQUIRED /
+//!   AUTH_REQUIRED (the agent waits; the outcome has the ids to reply with).
+//!   FAILED, REJECTED and CANCELED are errors, never an empty success.
+//! - A dropped stream (an error, an end without a final state, or no event
+//!   for longer than the idle timeout) is recovered: with no task id yet the
+//!   call fails (resending would start a second task); otherwise GetTask
+//!   gives the authoritative snapshot and, if the task is still running,
+//!   SubscribeToTask resumes it, with bounded exponential backoff. When
+//!   chunks may have been lost and the snapshot cannot restore them, the
+//!   result is flagged `incomplete` rather than silently truncated.
+//! - Past the deadline, or when recovery gives up, the remote task is
+//!   cancelled (CancelTask) and the state it reached is logged.
+//! - A [`Listener`] sees every update and may stop the call early, with a
+//!   response of its own or the artifacts so far. Stopping only ends *our*
+//!   stream: the remote task goes on (cancel it with [`A2aClient::cancel`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a::{
+    A2AError, Artifact, CancelTaskRequest, GetTaskRequest, Message, Part, PartContent, Role, SendMessageRequest,
+    StreamResponse, SubscribeToTaskRequest, Task, TaskState,
+};
+use a2a_client::{A2AClient, A2AClientFactory, Transport};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use thiserror::Error;
+use tokio::time::Instant;
+
+type Stream = BoxStream<'static, Result<StreamResponse, A2AError>>;
+
+/// Which A2A binding to speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Binding {
+    Jsonrpc,
+    Grpc,
+}
+
+impl Binding {
+    fn protocol(self) -> &'static str {
+        match self {
+            Binding::Jsonrpc => a2a::TRANSPORT_PROTOCOL_JSONRPC,
+            Binding::Grpc => a2a::TRANSPORT_PROTOCOL_GRPC,
+        }
+    }
+}
+
+/// Per-call limits.
+#[derive(Debug, Clone)]
+pub struct CallOptions {
+    /// No event for this long counts as a drop.
+    pub idle_timeout: Duration,
+    /// The whole call, recoveries included; past it the task is cancelled.
+    pub deadline: Duration,
+    /// Recoveries (snapshot + resubscribe) before giving up.
+    pub max_recoveries: u32,
+    /// First backoff before a recovery; doubles each time up to `max_backoff`.
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for CallOptions {
+    fn default() -> Self {
+        Self {
+            idle_timeout: Duration::from_secs(30),
+            deadline: Duration::from_secs(120),
+            max_recoveries: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One artifact as buffered so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BufferedArtifact {
+    pub artifact: Artifact,
+    /// Its last chunk arrived (or it came whole, from a task snapshot).
+    pub ready: bool,
+}
+
+impl BufferedArtifact {
+    /// The artifact's text parts, concatenated.
+    pub fn text(&self) -> String {
+        parts_text(&self.artifact.parts)
+    }
+}
+
+/// The text parts of `parts`, concatenated.
+pub fn parts_text(parts: &[Part]) -> String {
+    parts
+        .iter()
+        .filter_map(|p| match &p.content {
+            PartContent::Text(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What one call knows about its task.
+#[derive(Debug, Clone)]
+pub struct CallState {
+    pub task_id: Option<String>,
+    pub context_id: Option<String>,
+    /// Artifacts by id, in the order they first appeared.
+    pub artifacts: Vec<BufferedArtifact>,
+    pub last_state: Option<TaskState>,
+    /// The latest status message (e.g. why a task failed).
+    pub status_message: Option<Message>,
+    pub last_event_at: Instant,
+    /// Chunks may have been lost and no snapshot restored them.
+    pub incomplete: bool,
+    /// Recoveries so far.
+    pub recoveries: u32,
+}
+
+impl CallState {
+    fn new() -> Self {
+        Self {
+            task_id: None,
+            context_id: None,
+            artifacts: Vec::new(),
+            last_state: None,
+            status_message: None,
+            last_event_at: Instant::now(),
+            incomplete: false,
+            recoveries: 0,
+        }
+    }
+
+    fn ids(&mut self, task_id: &str, context_id: &str) {
+        if self.task_id.is_none() && !task_id.is_empty() {
+            self.task_id = Some(task_id.to_owned());
+        }
+        if self.context_id.is_none() && !context_id.is_empty() {
+            self.context_id = Some(context_id.to_owned());
+        }
+    }
+
+    /// Applies a task snapshot: its state, and its artifacts, which are
+    /// authoritative and replace the buffer. A snapshot without artifacts
+    /// leaves the buffer alone.
+    fn apply_task(&mut self, task: &Task) {
+        self.ids(&task.id, &task.context_id);
+        self.last_state = Some(task.status.state.clone());
+        if task.status.message.is_some() {
+            self.status_message = task.status.message.clone();
+        }
+        if let Some(artifacts) = task.artifacts.as_ref().filter(|a| !a.is_empty()) {
+            self.artifacts =
+                artifacts.iter().map(|a| BufferedArtifact { artifact: a.clone(), ready: true }).collect();
+            self.incomplete = false;
+        }
+    }
+
+    fn apply(&mut self, event: &StreamResponse) {
+        self.last_event_at = Instant::now();
+        match event {
+            StreamResponse::Task(task) => self.apply_task(task),
+            StreamResponse::StatusUpdate(u) => {
+                self.ids(&u.task_id, &u.context_id);
+                self.last_state = Some(u.status.state.clone());
+                if u.status.message.is_some() {
+                    self.status_message = u.status.message.clone();
+                }
+            }
+            StreamResponse::ArtifactUpdate(u) => {
+                self.ids(&u.task_id, &u.context_id);
+                let ready = u.last_chunk.unwrap_or(false);
+                let existing = self.artifacts.iter_mut().find(|b| b.artifact.artifact_id == u.artifact.artifact_id);
+                match (existing, u.append.unwrap_or(false)) {
+                    (Some(b), true) => {
+                        b.artifact.parts.extend(u.artifact.parts.iter().cloned());
+                        b.ready = ready;
+                    }
+                    (Some(b), false) => *b = BufferedArtifact { artifact: u.artifact.clone(), ready },
+                    (None, append) => {
+                        // An append to an artifact we never saw: its start
+                        // was lost.
+                        if append {
+                            self.incomplete = true;
+                        }
+                        self.artifacts.push(BufferedArtifact { artifact: u.artifact.clone(), ready });
+                    }
+                }
+            }
+            StreamResponse::Message(m) => {
+                let (t, c) = (m.task_id.clone().unwrap_or_default(), m.context_id.clone().unwrap_or_default());
+                self.ids(&t, &c);
+            }
+        }
+    }
+
+    /// After a gap in the stream: artifacts still being streamed may have
+    /// lost chunks unless a snapshot restores them.
+    fn mark_gap(&mut self) {
+        if self.artifacts.iter().any(|a| !a.ready) {
+            self.incomplete = true;
+        }
+    }
+
+    fn artifacts(&self) -> Vec<Artifact> {
+        self.artifacts.iter().map(|b| b.artifact.clone()).collect()
+    }
+}
+
+/// What a listener wants after an update.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Control {
+    Continue,
+    /// End the call now with this response text.
+    StopWithResponse(String),
+    /// End the call now with the artifacts buffered so far.
+    StopWithArtifacts,
+}
+
+/// Sees every update of a call, after it is applied to the state.
+pub trait Listener: Send {
+    fn on_event(&mut self, event: &StreamResponse, state: &CallState) -> Control;
+}
+
+impl<F: FnMut(&StreamResponse, &CallState) -> Control + Send> Listener for F {
+    fn on_event(&mut self, event: &StreamResponse, state: &CallState) -> Control {
+        self(event, state)
+    }
+}
+
+/// How a call ended well (or at least on purpose).
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// The task completed. Every artifact it produced is here.
+    Completed { task_id: String, context_id: String, artifacts: Vec<Artifact>, incomplete: bool },
+    /// The agent answered with a message instead of a task.
+    Message(Message),
+    /// The agent waits for the caller (INPUT_REQUIRED or AUTH_REQUIRED):
+    /// reply with a message carrying these ids.
+    Waiting {
+        state: TaskState,
+        task_id: String,
+        context_id: String,
+        message: Option<Message>,
+        artifacts: Vec<Artifact>,
+    },
+    /// A listener stopped the call; the remote task was left running.
+    Stopped { task_id: Option<String>, response: Option<String>, artifacts: Vec<Artifact>, incomplete: bool },
+}
+
+/// How a call failed.
+#[derive(Debug, Error)]
+pub enum CallError {
+    /// The task ended FAILED or REJECTED (or was CANCELED remotely).
+    #[error("the remote task ended {state:?}: {message}")]
+    Task { state: TaskState, task_id: String, message: String, artifacts: Vec<Artifact> },
+    /// The deadline passed; the remote task was cancelled.
+    #[error("the deadline passed; the remote task was cancelled (last state: {})", state_name(last_state))]
+    Deadline { task_id: Option<String>, last_state: Option<TaskState>, artifacts: Vec<Artifact> },
+    /// The stream was lost before the task had an id; not resent, since
+    /// that would start a second task.
+    #[error("the stream was lost before the task had an id; not resent: {cause}")]
+    LostBeforeTask { cause: String },
+    /// Recovery gave up (the agent stayed silent or unreachable); the remote
+    /// task was cancelled.
+    #[error("the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})", state_name(last_state))]
+    Unrecoverable {
+        task_id: String,
+        last_state: Option<TaskState>,
+        recoveries: u32,
+        cause: String,
+        artifacts: Vec<Artifact>,
+    },
+    /// The remote agent refused the request.
+    #[error("the remote agent refused the call: {0}")]
+    Refused(A2AError),
+}
+
+fn state_name(s: &Option<TaskState>) -> String {
+    s.as_ref().map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
+}
+
+/// A client of one remote A2A agent.
+pub struct A2aClient {
+    inner: Arc<A2AClient<Box<dyn Transport>>>,
+}
+
+impl A2aClient {
+    /// Resolves the agent card at `base_url` and connects over `binding`
+    /// (or the card's first binding this client speaks).
+    pub async fn connect(base_url: &str, binding: Option<Binding>) -> anyhow::Result<Self> {
+        let card = a2a_client::agent_card::AgentCardResolver::new(None)
+            .resolve(base_url)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot read the agent card at {base_url}: {}", e.message))?;
+        let mut preferred = vec![a2a::TRANSPORT_PROTOCOL_JSONRPC.to_owned(), a2a::TRANSPORT_PROTOCOL_GRPC.to_owned()];
+        if let Some(b) = binding {
+            preferred.retain(|p| p == b.protocol());
+            if !card.supported_interfaces.iter().any(|i| i.protocol_binding.eq_ignore_ascii_case(b.protocol())) {
+                anyhow::bail!("the agent card at {base_url} offers no {} interface", b.protocol());
+            }
+        }
+        let factory = A2AClientFactory::builder()
+            .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
+            .preferred_bindings(preferred)
+            .build();
+        let client = factory
+            .create_from_card(&card)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot connect to the agent at {base_url}: {}", e.message))?;
+        Ok(Self { inner: Arc::new(client) })
+    }
+
+    /// A client over an existing transport (e.g. gRPC on an in-process channel).
+    pub fn from_transport(transport: Box<dyn Transport>) -> Self {
+        Self { inner: Arc::new(A2AClient::new(transport)) }
+    }
+
+    /// The underlying SDK client, for calls this wrapper does not cover.
+    pub fn raw(&self) -> &A2AClient<Box<dyn Transport>> {
+        &self.inner
+    }
+
+    pub async fn get_task(&self, task_id: &str) -> Result<Task, A2AError> {
+        self.inner.get_task(&GetTaskRequest { id: task_id.to_owned(), history_length: Some(0), tenant: None }).await
+    }
+
+    pub async fn cancel(&self, task_id: &str) -> Result<Task, A2AError> {
+        self.inner.cancel_task(&CancelTaskRequest { id: task_id.to_owned(), metadata: None, tenant: None }).await
+    }
+
+    /// Sends `text` (with optional message metadata) and follows the task to
+    /// its end. See the module docs for the rules.
+    pub async fn send_text(
+        &self,
+        text: &str,
+        metadata: Option<HashMap<String, serde_json::Value>>,
+        opts: &CallOptions,
+        listener: Option<&mut dyn Listener>,
+    ) -> Result<Outcome, CallError> {
+        let message = Message { metadata, ..Message::new(Role::User, vec![Part::text(text)]) };
+        self.send(message, opts, listener).await
+    }
+
+    /// Sends `message` and follows the task to its end.
+    pub async fn send(
+        &self,
+        message: Message,
+        opts: &CallOptions,
+        mut listener: Option<&mut dyn Listener>,
+    ) -> Result<Outcome, CallError> {
+        let deadline = Instant::now() + opts.deadline;
+        let mut st = CallState::new();
+        let req = SendMessageRequest { message, configuration: None, metadata: None, tenant: None };
+        let mut stream = match tokio::time::timeout_at(deadline, self.inner.send_streaming_message(&req)).await {
+            Ok(Ok(s)) => Some(s),
+            Ok(Err(e)) => return Err(CallError::Refused(e)),
+            Err(_) => return Err(CallError::Deadline { task_id: None, last_state: None, artifacts: vec![] }),
+        };
+        let mut backoff = opts.initial_backoff;
+        loop {
+            let cause = match stream.as_mut() {
+                Some(s) => match self.follow(s, &mut st, opts, deadline, &mut listener).await {
+                    Step::Done(r) => return *r,
+                    Step::Deadline => return Err(self.abandon_at_deadline(&st).await),
+                    Step::Dropped(cause) => cause,
+                },
+                None => "resubscribe failed".to_owned(),
+            };
+            stream = None;
+            let Some(task_id) = st.task_id.clone() else {
+                return Err(CallError::LostBeforeTask { cause });
+            };
+            st.mark_gap();
+            if st.recoveries >= opts.max_recoveries {
+                return Err(self.give_up(&st, task_id, cause).await);
+            }
+            st.recoveries += 1;
+            tracing::warn!(task = %task_id, attempt = st.recoveries, %cause, "a2a: stream lost; recovering from a snapshot");
+            if tokio::time::timeout_at(deadline, tokio::time::sleep(backoff)).await.is_err() {
+                return Err(self.abandon_at_deadline(&st).await);
+            }
+            backoff = (backoff * 2).min(opts.max_backoff);
+            match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                Ok(Err(e)) => {
+                    tracing::warn!(task = %task_id, error = %e.message, "a2a: GetTask failed during recovery");
+                    continue;
+                }
+                Ok(Ok(task)) => {
+                    st.apply_task(&task);
+                    st.last_event_at = Instant::now();
+                    if let Some(end) = end_of(&st, None) {
+                        return end;
+                    }
+                }
+            }
+            let sub = SubscribeToTaskRequest { id: task_id.clone(), tenant: None };
+            match tokio::time::timeout_at(deadline, self.inner.subscribe_to_task(&sub)).await {
+                Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                Ok(Ok(s)) => stream = Some(s),
+                Ok(Err(e)) => tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed"),
+            }
+        }
+    }
+
+    /// Reads `stream` until the call ends, the deadline passes or the stream
+    /// is lost.
+    async fn follow(
+        &self,
+        stream: &mut Stream,
+        st: &mut CallState,
+        opts: &CallOptions,
+        deadline: Instant,
+        listener: &mut Option<&mut dyn Listener>,
+    ) -> Step {
+        loop {
+            let idle_at = (Instant::now() + opts.idle_timeout).min(deadline);
+            let next = match tokio::time::timeout_at(idle_at, stream.next()).await {
+                Err(_) if Instant::now() >= deadline => return Step::Deadline,
+                Err(_) => return Step::Dropped(format!("no event for {:?} (idle timeout)", opts.idle_timeout)),
+                Ok(None) => return Step::Dropped("the stream ended before the task did".into()),
+                Ok(Some(Err(e))) => return Step::Dropped(format!("stream error: {}", e.message)),
+                Ok(Some(Ok(ev))) => ev,
+            };
+            st.apply(&next);
+            if let Some(l) = listener.as_deref_mut() {
+                match l.on_event(&next, st) {
+                    Control::Continue => {}
+                    Control::StopWithResponse(text) => {
+                        return Step::Done(Box::new(Ok(stopped(st, Some(text)))));
+                    }
+                    Control::StopWithArtifacts => return Step::Done(Box::new(Ok(stopped(st, None)))),
+                }
+            }
+            if let Some(end) = end_of(st, Some(&next)) {
+                return Step::Done(Box::new(end));
+            }
+        }
+    }
+
+    async fn abandon_at_deadline(&self, st: &CallState) -> CallError {
+        if let Some(id) = &st.task_id {
+            self.cancel_logged(id, st, "deadline").await;
+        }
+        CallError::Deadline { task_id: st.task_id.clone(), last_state: st.last_state.clone(), artifacts: st.artifacts() }
+    }
+
+    async fn give_up(&self, st: &CallState, task_id: String, cause: String) -> CallError {
+        self.cancel_logged(&task_id, st, "recovery gave up").await;
+        CallError::Unrecoverable {
+            task_id,
+            last_state: st.last_state.clone(),
+            recoveries: st.recoveries,
+            cause,
+            artifacts: st.artifacts(),
+        }
+    }
+
+    async fn cancel_logged(&self, task_id: &str, st: &CallState, why: &str) {
+        let result = tokio::time::timeout(Duration::from_secs(10), self.cancel(task_id)).await;
+        let outcome = match &result {
+            Ok(Ok(t)) => format!("{:?}", t.status.state),
+            Ok(Err(e)) => format!("cancel failed: {}", e.message),
+            Err(_) => "cancel timed out".into(),
+        };
+        tracing::warn!(task = %task_id, reached = ?st.last_state, artifacts = st.artifacts.len(), %outcome, "a2a: cancelled the remote task ({why})");
+    }
+}
+
+enum Step {
+    Done(Box<Result<Outcome, CallError>>),
+    Deadline,
+    Dropped(String),
+}
+
+fn stopped(st: &CallState, response: Option<String>) -> Outcome {
+    Outcome::Stopped { task_id: st.task_id.clone(), response, artifacts: st.artifacts(), incomplete: st.incomplete }
+}
+
+/// Whether the call ends here, and how. `event` is the update just applied
+/// (`None` after a snapshot).
+fn end_of(st: &CallState, event: Option<&StreamResponse>) -> Option<Result<Outcome, CallError>> {
+    if let Some(StreamResponse::Message(m)) = event {
+        return Some(Ok(Outcome::Message(m.clone())));
+    }
+    let state = st.last_state.clone()?;
+    let ids = || (st.task_id.clone().unwrap_or_default(), st.context_id.clone().unwrap_or_default());
+    match state {
+        TaskState::Completed => {
+            let (task_id, context_id) = ids();
+            Some(Ok(Outcome::Completed { task_id, context_id, artifacts: st.artifacts(), incomplete: st.incomplete }))
+        }
+        TaskState::Failed | TaskState::Rejected | TaskState::Canceled => {
+            let message = st.status_message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
+            Some(Err(CallError::Task { state, task_id: ids().0, message, artifacts: st.artifacts() }))
+        }
+        TaskState::InputRequired | TaskState::AuthRequired => {
+            let (task_id, context_id) = ids();
+            Some(Ok(Outcome::Waiting { state, task_id, context_id, message: st.status_message.clone(), artifacts: st.artifacts() }))
+        }
+        TaskState::Submitted | TaskState::Working | TaskState::Unspecified => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use a2a::TaskArtifactUpdateEvent;
+
+    fn chunk(id: &str, text: &str, append: bool, last: bool) -> StreamResponse {
+        StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            artifact: Artifact {
+                artifact_id: id.into(),
+                name: None,
+                description: None,
+                parts: vec![Part::text(text)],
+                metadata: None,
+                extensions: None,
+            },
+            append: Some(append),
+            last_chunk: Some(last),
+            metadata: None,
+        })
+    }
+
+    #[test]
+    fn appends_extend_and_a_non_append_replaces_per_artifact_id() {
+        let mut st = CallState::new();
+        for e in [chunk("a", "1", false, false), chunk("b", "x", false, true), chunk("a", "2", true, true)] {
+            st.apply(&e);
+        }
+        assert_eq!(st.task_id.as_deref(), Some("t"));
+        assert_eq!(st.artifacts.iter().map(|b| (b.text(), b.ready)).collect::<Vec<_>>(), [("12".into(), true), ("x".into(), true)]);
+        st.apply(&chunk("a", "new", false, true));
+        assert_eq!(st.artifacts[0].text(), "new");
+        assert!(!st.incomplete);
+    }
+
+    #[test]
+    fn an_append_without_its_start_and_a_gap_mid_artifact_mark_the_result_incomplete() {
+        let mut st = CallState::new();
+        st.apply(&chunk("a", "2", true, false));
+        assert!(st.incomplete);
+        let mut st = CallState::new();
+        st.apply(&chunk("a", "1", false, false));
+        st.mark_gap();
+        assert!(st.incomplete, "a gap while an artifact streams may lose chunks");
+        let mut task = Task {
+            id: "t".into(),
+            context_id: "c".into(),
+            status: a2a::TaskStatus { state: TaskState::Working, message: None, timestamp: None },
+            artifacts: None,
+            history: None,
+            metadata: None,
+        };
+        st.apply_task(&task);
+        assert!(st.incomplete, "a snapshot without artifacts restores nothing");
+        task.artifacts = Some(vec![Artifact { parts: vec![Part::text("1"), Part::text("2")], ..match chunk("a", "", false, false) {
+            StreamResponse::ArtifactUpdate(u) => u.artifact,
+            _ => unreachable!(),
+        } }]);
+        st.apply_task(&task);
+        assert!(!st.incomplete, "the snapshot's artifacts are authoritative");
+        assert_eq!(st.artifacts[0].text(), "12");
+    }
+
+    #[test]
+    fn failed_and_rejected_are_errors_and_input_required_waits() {
+        let mut st = CallState::new();
+        st.task_id = Some("t".into());
+        st.last_state = Some(TaskState::Rejected);
+        assert!(matches!(end_of(&st, None), Some(Err(CallError::Task { state: TaskState::Rejected, .. }))));
+        st.last_state = Some(TaskState::Failed);
+        assert!(matches!(end_of(&st, None), Some(Err(CallError::Task { state: TaskState::Failed, .. }))));
+        st.last_state = Some(TaskState::InputRequired);
+        assert!(matches!(end_of(&st, None), Some(Ok(Outcome::Waiting { .. }))));
+        st.last_state = Some(TaskState::Working);
+        assert!(end_of(&st, None).is_none());
+    }
+}
