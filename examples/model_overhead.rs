@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentd::agent::file::{self, LoadOptions};
+use agentd::agent::openai::client::Step;
 use agentd::agent::openai::wire::{ChatRequest, Message, Sampling, StreamOptions};
 use agentd::agent::openai::{ChatClient, Endpoint, http_client};
-use agentd::agent::openai::client::Step;
 use agentd::agent::{Agent, AgentRegistry};
 use agentd::client::AgentClient;
 use agentd::pb;
@@ -38,9 +38,15 @@ struct Params {
 }
 
 fn params() -> anyhow::Result<Params> {
-    let mut p = Params { tokens: 256, concurrency: 64, rounds: 5 };
+    let mut p = Params {
+        tokens: 256,
+        concurrency: 64,
+        rounds: 5,
+    };
     for a in std::env::args().skip(1) {
-        let (k, v) = a.split_once('=').ok_or_else(|| anyhow::anyhow!("expected key=value, got {a:?}"))?;
+        let (k, v) = a
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("expected key=value, got {a:?}"))?;
         let v: usize = v.parse()?;
         match k {
             "tokens" => p.tokens = v,
@@ -58,9 +64,13 @@ async fn fake_model(tokens: usize) -> String {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(tokens + 3);
     chunks.push(Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"));
     for i in 0..tokens {
-        chunks.push(Bytes::from(format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}}}}]}}\n\n")));
+        chunks.push(Bytes::from(format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}}}}]}}\n\n"
+        )));
     }
-    chunks.push(Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"));
+    chunks.push(Bytes::from_static(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    ));
     chunks.push(Bytes::from_static(b"data: [DONE]\n\n"));
     let chunks = Arc::new(chunks);
     let app = axum::Router::new().route(
@@ -68,8 +78,13 @@ async fn fake_model(tokens: usize) -> String {
         post(move || {
             let chunks = chunks.clone();
             async move {
-                let body = futures::stream::iter((0..chunks.len()).map(move |i| Ok::<_, Infallible>(chunks[i].clone())));
-                Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(body)).unwrap()
+                let body = futures::stream::iter(
+                    (0..chunks.len()).map(move |i| Ok::<_, Infallible>(chunks[i].clone())),
+                );
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(body))
+                    .unwrap()
             }
         }),
     );
@@ -92,13 +107,17 @@ fn text_len(tokens: usize) -> usize {
 type Sample = (Duration, Duration);
 
 async fn direct_once(client: &ChatClient, tokens: usize) -> anyhow::Result<Sample> {
-    let messages = [Message::User { content: "go".into() }];
+    let messages = [Message::User {
+        content: "go".into(),
+    }];
     let sampling = Sampling::default();
     let req = ChatRequest {
         model: "fake",
         messages: &messages,
         stream: true,
-        stream_options: StreamOptions { include_usage: true },
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
         tools: &[],
         tool_choice: None,
         sampling: &sampling,
@@ -117,11 +136,19 @@ async fn direct_once(client: &ChatClient, tokens: usize) -> anyhow::Result<Sampl
             Step::Done(_) => break,
         }
     }
-    anyhow::ensure!(n == text_len(tokens), "read {n} bytes of text, expected {}", text_len(tokens));
+    anyhow::ensure!(
+        n == text_len(tokens),
+        "read {n} bytes of text, expected {}",
+        text_len(tokens)
+    );
     Ok((first.unwrap_or_default(), t0.elapsed()))
 }
 
-async fn agentd_once(mut client: AgentClient, session: String, tokens: usize) -> anyhow::Result<Sample> {
+async fn agentd_once(
+    mut client: AgentClient,
+    session: String,
+    tokens: usize,
+) -> anyhow::Result<Sample> {
     let req = pb::RunRequest {
         user_id: "bench".into(),
         session_id: session,
@@ -141,7 +168,11 @@ async fn agentd_once(mut client: AgentClient, session: String, tokens: usize) ->
             EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
-    anyhow::ensure!(n == text_len(tokens), "read {n} bytes of text, expected {}", text_len(tokens));
+    anyhow::ensure!(
+        n == text_len(tokens),
+        "read {n} bytes of text, expected {}",
+        text_len(tokens)
+    );
     Ok((first.unwrap_or_default(), t0.elapsed()))
 }
 
@@ -164,7 +195,12 @@ struct Summary {
 fn summarise(samples: &[Sample]) -> Summary {
     let mut ft: Vec<_> = samples.iter().map(|s| s.0).collect();
     let mut lt: Vec<_> = samples.iter().map(|s| s.1).collect();
-    Summary { ttft_p50: pct(&mut ft, 0.5), ttft_p99: pct(&mut ft, 0.99), ttlt_p50: pct(&mut lt, 0.5), ttlt_p99: pct(&mut lt, 0.99) }
+    Summary {
+        ttft_p50: pct(&mut ft, 0.5),
+        ttft_p99: pct(&mut ft, 0.99),
+        ttlt_p50: pct(&mut lt, 0.5),
+        ttlt_p99: pct(&mut lt, 0.99),
+    }
 }
 
 #[tokio::main]
@@ -175,18 +211,32 @@ async fn main() -> anyhow::Result<()> {
     // (a) Direct: the chat client reading the model's stream.
     let direct_client = ChatClient::new(http_client()?, Endpoint::new(&url), "bench");
     // (b) Through agentd: an agent from an agents file, served on 127.0.0.1.
-    let toml = format!("[agents.fake]\ncall_timeout = \"60s\"\n[agents.fake.model]\nbase_url = \"{url}\"\nmodel = \"fake\"\n");
+    let toml = format!(
+        "[agents.fake]\ncall_timeout = \"60s\"\n[agents.fake.model]\nbase_url = \"{url}\"\nmodel = \"fake\"\n"
+    );
     let f = file::parse(&toml, Path::new("bench.toml"), &LoadOptions::default())?;
     let agents: Vec<Arc<dyn Agent>> = f.agents;
     let registry = AgentRegistry::new(agents, "fake")?;
-    let cfg = TurnConfig { max_concurrent_runs: 4096, history_turns: 0, ..TurnConfig::default() };
+    let cfg = TurnConfig {
+        max_concurrent_runs: 4096,
+        history_turns: 0,
+        ..TurnConfig::default()
+    };
     let turns = Turns::new(Arc::new(MemoryStore::new()), registry, cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(agentd::server::run(listener, turns, ServerOptions { drain_delay: Duration::ZERO, ..Default::default() }, async {
-        let _ = stop_rx.await;
-    }));
+    let server = tokio::spawn(agentd::server::run(
+        listener,
+        turns,
+        ServerOptions {
+            drain_delay: Duration::ZERO,
+            ..Default::default()
+        },
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
     let client = AgentClient::connect(&format!("http://{addr}")).await?;
     let mut sessions = Vec::new();
     for _ in 0..p.concurrency {
@@ -203,7 +253,9 @@ async fn main() -> anyhow::Result<()> {
         }
         let runs = (0..p.concurrency).map(|_| direct_once(&direct_client, p.tokens));
         let d: Vec<Sample> = futures::future::try_join_all(runs).await?;
-        let runs = sessions.iter().map(|s| agentd_once(client.clone(), s.clone(), p.tokens));
+        let runs = sessions
+            .iter()
+            .map(|s| agentd_once(client.clone(), s.clone(), p.tokens));
         let a: Vec<Sample> = futures::future::try_join_all(runs).await?;
         if round > 0 {
             direct.extend(d);
@@ -221,8 +273,17 @@ async fn main() -> anyhow::Result<()> {
     );
     println!("| path | TTFT p50 ms | TTFT p99 ms | TTLT p50 ms | TTLT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: |");
-    for (name, s) in [("direct (chat client)", &d), ("through agentd (gRPC Run)", &a)] {
-        println!("| {name} | {:.3} | {:.3} | {:.3} | {:.3} |", ms(s.ttft_p50), ms(s.ttft_p99), ms(s.ttlt_p50), ms(s.ttlt_p99));
+    for (name, s) in [
+        ("direct (chat client)", &d),
+        ("through agentd (gRPC Run)", &a),
+    ] {
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            ms(s.ttft_p50),
+            ms(s.ttft_p99),
+            ms(s.ttlt_p50),
+            ms(s.ttlt_p99)
+        );
     }
     let ttlt_ratio = a.ttlt_p50.as_secs_f64() / d.ttlt_p50.as_secs_f64();
     let ttft_added = ms(a.ttft_p50) - ms(d.ttft_p50);

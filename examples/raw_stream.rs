@@ -43,26 +43,44 @@ fn event(seq: u64, text: String, kind: pb::EventKind) -> pb::AgentEvent {
 
 #[tonic::async_trait]
 impl AgentService for Raw {
-    async fn create_session(&self, req: Request<pb::CreateSessionRequest>) -> Result<Response<pb::SessionRef>, Status> {
+    async fn create_session(
+        &self,
+        req: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::SessionRef>, Status> {
         let user_id = req.into_inner().user_id;
-        Ok(Response::new(pb::SessionRef { user_id, session_id: uuid::Uuid::new_v4().to_string() }))
+        Ok(Response::new(pb::SessionRef {
+            user_id,
+            session_id: uuid::Uuid::new_v4().to_string(),
+        }))
     }
 
-    async fn get_session(&self, _: Request<pb::GetSessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+    async fn get_session(
+        &self,
+        _: Request<pb::GetSessionRequest>,
+    ) -> Result<Response<pb::SessionInfo>, Status> {
         Err(unimplemented())
     }
 
-    async fn list_sessions(&self, _: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
+    async fn list_sessions(
+        &self,
+        _: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         Err(unimplemented())
     }
 
-    async fn delete_session(&self, _: Request<pb::DeleteSessionRequest>) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+    async fn delete_session(
+        &self,
+        _: Request<pb::DeleteSessionRequest>,
+    ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
         Err(unimplemented())
     }
 
     type AttachStream = Self::RunStream;
 
-    async fn attach(&self, _: Request<pb::AttachRequest>) -> Result<Response<Self::AttachStream>, Status> {
+    async fn attach(
+        &self,
+        _: Request<pb::AttachRequest>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
         Err(unimplemented())
     }
 
@@ -95,7 +113,11 @@ impl AgentService for Raw {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let addr: SocketAddr = std::env::args().nth(1).as_deref().unwrap_or("127.0.0.1:50062").parse()?;
+    let addr: SocketAddr = std::env::args()
+        .nth(1)
+        .as_deref()
+        .unwrap_or("127.0.0.1:50062")
+        .parse()?;
     eprintln!("raw_stream: serving agents.v1.AgentService on {addr}");
     // The same transport settings agentd uses, so only the bridge differs.
     tonic::transport::Server::builder()

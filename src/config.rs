@@ -13,7 +13,11 @@ fn duration(s: &str) -> Result<Duration, String> {
 }
 
 #[derive(Debug, Parser)]
-#[command(name = "agentd", version, about = "Serves AI agents to other services over gRPC (agents.v1.AgentService).")]
+#[command(
+    name = "agentd",
+    version,
+    about = "Serves AI agents to other services over gRPC (agents.v1.AgentService)."
+)]
 pub struct Cli {
     /// Log format: human-readable text, or one JSON object per line.
     #[arg(long, env = "AGENTD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -184,8 +188,12 @@ pub struct ServeArgs {
 
     /// Services callable without credentials when authentication is on
     /// (comma-separated; empty: none).
-    #[arg(long, env = "AGENTD_AUTH_OPEN_SERVICES", value_delimiter = ',',
-          default_value = "grpc.health.v1.Health,grpc.reflection.v1.ServerReflection")]
+    #[arg(
+        long,
+        env = "AGENTD_AUTH_OPEN_SERVICES",
+        value_delimiter = ',',
+        default_value = "grpc.health.v1.Health,grpc.reflection.v1.ServerReflection"
+    )]
     pub auth_open_services: Vec<String>,
 
     /// Address of the A2A HTTP face: JSON-RPC with SSE streaming at `/`, the
@@ -219,7 +227,9 @@ fn listen_or_off(s: &str) -> Result<ListenAddr, String> {
     if s.eq_ignore_ascii_case("off") {
         return Ok(ListenAddr(None));
     }
-    s.parse().map(|a| ListenAddr(Some(a))).map_err(|_| "expected host:port (e.g. 127.0.0.1:8080) or off".to_string())
+    s.parse()
+        .map(|a| ListenAddr(Some(a)))
+        .map_err(|_| "expected host:port (e.g. 127.0.0.1:8080) or off".to_string())
 }
 
 /// Where the admin HTTP port listens, if anywhere.
@@ -230,7 +240,9 @@ fn admin_listen(s: &str) -> Result<AdminListen, String> {
     if s == "off" || s.is_empty() {
         return Ok(AdminListen(None));
     }
-    s.parse().map(|a| AdminListen(Some(a))).map_err(|e| format!("{e} (use HOST:PORT, or off)"))
+    s.parse()
+        .map(|a| AdminListen(Some(a)))
+        .map_err(|e| format!("{e} (use HOST:PORT, or off)"))
 }
 
 impl ServeArgs {
@@ -266,7 +278,11 @@ impl ServeArgs {
         if self.max_input_bytes > self.max_message_bytes {
             return Err("--max-input-bytes cannot exceed --max-message-bytes".into());
         }
-        let scheme = self.store.split_once(':').map(|(s, _)| s).unwrap_or_default();
+        let scheme = self
+            .store
+            .split_once(':')
+            .map(|(s, _)| s)
+            .unwrap_or_default();
         if !matches!(scheme, "sqlite" | "postgres" | "postgresql" | "memory") {
             return Err("--store must be sqlite://PATH, postgres://... or memory:".into());
         }
@@ -294,7 +310,11 @@ impl ServeArgs {
     /// Reads and checks the TLS and token files (start-up errors are one line).
     pub fn security(&self) -> anyhow::Result<crate::server::Security> {
         let tls = match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => Some(crate::auth::tls::TlsFiles::load(cert, key, self.tls_client_ca.as_ref())?),
+            (Some(cert), Some(key)) => Some(crate::auth::tls::TlsFiles::load(
+                cert,
+                key,
+                self.tls_client_ca.as_ref(),
+            )?),
             _ => None,
         };
         let mtls = tls.as_ref().is_some_and(|t| t.mtls());
@@ -331,7 +351,11 @@ fn default_replica_id() -> String {
     std::env::var("HOSTNAME")
         .ok()
         .filter(|h| !h.is_empty())
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|s| s.trim().to_owned())
+        })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| format!("agentd-{}", std::process::id()))
 }
@@ -379,7 +403,9 @@ impl ClientArgs {
     /// Reads the TLS files and token into client settings.
     pub fn security(&self) -> anyhow::Result<crate::client::ClientSecurity> {
         use anyhow::Context as _;
-        let read = |p: &std::path::Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))
+        };
         let tls = match &self.tls_ca {
             Some(ca) => {
                 let identity = match (&self.tls_client_cert, &self.tls_client_key) {
@@ -387,11 +413,17 @@ impl ClientArgs {
                     _ => None,
                 };
                 let ca = read(ca)?;
-                Some(crate::client::ClientSecurity::tls_from_pem(&ca, identity.as_ref().map(|(c, k)| (&c[..], &k[..]))))
+                Some(crate::client::ClientSecurity::tls_from_pem(
+                    &ca,
+                    identity.as_ref().map(|(c, k)| (&c[..], &k[..])),
+                ))
             }
             None => None,
         };
-        Ok(crate::client::ClientSecurity { tls, token: self.token.clone() })
+        Ok(crate::client::ClientSecurity {
+            tls,
+            token: self.token.clone(),
+        })
     }
 }
 
@@ -552,7 +584,9 @@ mod tests {
 
     #[test]
     fn a_run_longer_than_the_shutdown_grace_is_refused() {
-        let err = serve(&["--max-run-duration", "10m", "--shutdown-grace", "60s"]).validate().unwrap_err();
+        let err = serve(&["--max-run-duration", "10m", "--shutdown-grace", "60s"])
+            .validate()
+            .unwrap_err();
         assert!(err.contains("--max-run-duration"), "{err}");
     }
 
@@ -567,20 +601,37 @@ mod tests {
         let err = serve(&["--store", "mysql://x"]).validate().unwrap_err();
         assert!(err.contains("--store"), "{err}");
         serve(&["--store", "postgres://u@h/db"]).validate().unwrap();
-        assert_eq!(serve(&["--retain-turns", "0s"]).turn_config().retain_turns, None);
+        assert_eq!(
+            serve(&["--retain-turns", "0s"]).turn_config().retain_turns,
+            None
+        );
     }
 
     #[test]
     fn the_admin_port_can_be_turned_off() {
-        assert_eq!(serve(&[]).admin_listen, AdminListen(Some("127.0.0.1:9090".parse().unwrap())));
-        assert_eq!(serve(&["--admin-listen", "off"]).admin_listen, AdminListen(None));
+        assert_eq!(
+            serve(&[]).admin_listen,
+            AdminListen(Some("127.0.0.1:9090".parse().unwrap()))
+        );
+        assert_eq!(
+            serve(&["--admin-listen", "off"]).admin_listen,
+            AdminListen(None)
+        );
         assert!(Cli::try_parse_from(["agentd", "serve", "--admin-listen", "nowhere"]).is_err());
     }
 
     #[test]
     fn by_default_health_and_reflection_are_open() {
-        assert_eq!(serve(&[]).auth_open_services, crate::auth::DEFAULT_OPEN_SERVICES);
-        assert_eq!(serve(&["--auth-open-services", ""]).auth_open_services.concat(), "");
+        assert_eq!(
+            serve(&[]).auth_open_services,
+            crate::auth::DEFAULT_OPEN_SERVICES
+        );
+        assert_eq!(
+            serve(&["--auth-open-services", ""])
+                .auth_open_services
+                .concat(),
+            ""
+        );
     }
 
     #[test]
@@ -607,6 +658,9 @@ mod tests {
             }
         };
         assert_eq!(health(&[]), Duration::from_secs(10));
-        assert_eq!(health(&["--resolve-interval", "250ms"]), Duration::from_millis(250));
+        assert_eq!(
+            health(&["--resolve-interval", "250ms"]),
+            Duration::from_millis(250)
+        );
     }
 }

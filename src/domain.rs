@@ -13,9 +13,16 @@ pub enum InvalidInput {
     #[error("{field} is required")]
     Missing { field: &'static str },
     #[error("{field} must be {rule}")]
-    Malformed { field: &'static str, rule: &'static str },
+    Malformed {
+        field: &'static str,
+        rule: &'static str,
+    },
     #[error("{field} is {len} bytes; the limit is {max}")]
-    TooLong { field: &'static str, len: usize, max: usize },
+    TooLong {
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
 }
 
 const ID_RULE: &str = "1-128 characters of [A-Za-z0-9._:@-]";
@@ -29,7 +36,10 @@ fn check_id(field: &'static str, value: &str) -> Result<(), InvalidInput> {
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'@' | b'-'));
     if value.len() > MAX_ID_LEN || !ok_chars {
-        return Err(InvalidInput::Malformed { field, rule: ID_RULE });
+        return Err(InvalidInput::Malformed {
+            field,
+            rule: ID_RULE,
+        });
     }
     Ok(())
 }
@@ -88,11 +98,16 @@ impl SessionId {
     }
     pub fn parse(value: &str) -> Result<Self, InvalidInput> {
         if value.is_empty() {
-            return Err(InvalidInput::Missing { field: "session_id" });
+            return Err(InvalidInput::Missing {
+                field: "session_id",
+            });
         }
         uuid::Uuid::try_parse(value)
             .map(Self)
-            .map_err(|_| InvalidInput::Malformed { field: "session_id", rule: "a UUID" })
+            .map_err(|_| InvalidInput::Malformed {
+                field: "session_id",
+                rule: "a UUID",
+            })
     }
     pub fn as_uuid(&self) -> uuid::Uuid {
         self.0
@@ -128,7 +143,11 @@ impl UserText {
             return Err(InvalidInput::Missing { field: "text" });
         }
         if value.len() > max_bytes {
-            return Err(InvalidInput::TooLong { field: "text", len: value.len(), max: max_bytes });
+            return Err(InvalidInput::TooLong {
+                field: "text",
+                len: value.len(),
+                max: max_bytes,
+            });
         }
         Ok(Self(value))
     }
@@ -172,9 +191,18 @@ mod tests {
     fn ids_accept_the_documented_alphabet_and_reject_the_rest() {
         assert!(UserId::parse("alice@example.com").is_ok());
         assert!(UserId::parse("svc:billing-01_a.b").is_ok());
-        assert_eq!(UserId::parse(""), Err(InvalidInput::Missing { field: "user_id" }));
-        assert!(matches!(UserId::parse("a b"), Err(InvalidInput::Malformed { .. })));
-        assert!(matches!(UserId::parse("x".repeat(129)), Err(InvalidInput::Malformed { .. })));
+        assert_eq!(
+            UserId::parse(""),
+            Err(InvalidInput::Missing { field: "user_id" })
+        );
+        assert!(matches!(
+            UserId::parse("a b"),
+            Err(InvalidInput::Malformed { .. })
+        ));
+        assert!(matches!(
+            UserId::parse("x".repeat(129)),
+            Err(InvalidInput::Malformed { .. })
+        ));
         assert!(UserId::parse("x".repeat(128)).is_ok());
     }
 
@@ -182,7 +210,10 @@ mod tests {
     fn session_ids_must_be_uuids() {
         let id = SessionId::generate();
         assert_eq!(SessionId::parse(&id.to_string()), Ok(id));
-        assert!(matches!(SessionId::parse("1234"), Err(InvalidInput::Malformed { .. })));
+        assert!(matches!(
+            SessionId::parse("1234"),
+            Err(InvalidInput::Malformed { .. })
+        ));
     }
 
     #[test]
@@ -190,14 +221,23 @@ mod tests {
         assert!(UserText::parse("  \n".into(), 10).is_err());
         assert!(matches!(
             UserText::parse("x".repeat(11), 10),
-            Err(InvalidInput::TooLong { len: 11, max: 10, .. })
+            Err(InvalidInput::TooLong {
+                len: 11,
+                max: 10,
+                ..
+            })
         ));
-        assert_eq!(UserText::parse("hello".into(), 10).unwrap().as_str(), "hello");
+        assert_eq!(
+            UserText::parse("hello".into(), 10).unwrap().as_str(),
+            "hello"
+        );
     }
 
     #[test]
     fn error_messages_never_echo_the_value() {
-        let err = UserId::parse("secret value with spaces").unwrap_err().to_string();
+        let err = UserId::parse("secret value with spaces")
+            .unwrap_err()
+            .to_string();
         assert!(!err.contains("secret"), "{err}");
     }
 }

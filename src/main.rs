@@ -9,13 +9,19 @@ use clap::Parser;
 
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
 use agentd::client::AgentClient;
-use agentd::config::{A2aArgs, AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs, SessionCommand};
+use agentd::config::{
+    A2aArgs, AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs,
+    SessionCommand,
+};
 use agentd::pb;
 use agentd::turn::Turns;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -37,18 +43,42 @@ fn main() -> ExitCode {
                 println!("{}", s.session_id);
                 Ok(())
             }
-            Command::Session(SessionCommand::Get { client, user, session }) => {
+            Command::Session(SessionCommand::Get {
+                client,
+                user,
+                session,
+            }) => {
                 let c = client.connect().await?;
-                let req = pb::GetSessionRequest { user_id: user, session_id: session };
-                let s = c.raw().get_session(with_timeout(&c, req)).await.map_err(status_error)?.into_inner();
+                let req = pb::GetSessionRequest {
+                    user_id: user,
+                    session_id: session,
+                };
+                let s = c
+                    .raw()
+                    .get_session(with_timeout(&c, req))
+                    .await
+                    .map_err(status_error)?
+                    .into_inner();
                 println!("{}", session_json(&s));
                 Ok(())
             }
-            Command::Session(SessionCommand::List { client, user }) => list_sessions(&client, user).await,
-            Command::Session(SessionCommand::Delete { client, user, session }) => {
+            Command::Session(SessionCommand::List { client, user }) => {
+                list_sessions(&client, user).await
+            }
+            Command::Session(SessionCommand::Delete {
+                client,
+                user,
+                session,
+            }) => {
                 let c = client.connect().await?;
-                let req = pb::DeleteSessionRequest { user_id: user, session_id: session };
-                c.raw().delete_session(with_timeout(&c, req)).await.map_err(status_error)?;
+                let req = pb::DeleteSessionRequest {
+                    user_id: user,
+                    session_id: session,
+                };
+                c.raw()
+                    .delete_session(with_timeout(&c, req))
+                    .await
+                    .map_err(status_error)?;
                 Ok(())
             }
             Command::Attach(args) => attach(args).await,
@@ -80,12 +110,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     ];
     let mut default = None;
     if let Some(path) = &args.agents {
-        let opts = agentd::agent::file::LoadOptions { tool_delay: args.tool_delay, ..Default::default() };
+        let opts = agentd::agent::file::LoadOptions {
+            tool_delay: args.tool_delay,
+            ..Default::default()
+        };
         let file = agentd::agent::file::load(path, &opts)?;
         agents.extend(file.agents);
         default = file.default;
     }
-    let default = args.default_agent.clone().or(default).unwrap_or_else(|| demo::NAME.to_owned());
+    let default = args
+        .default_agent
+        .clone()
+        .or(default)
+        .unwrap_or_else(|| demo::NAME.to_owned());
     let registry = AgentRegistry::new(agents, &default)?;
     let store = agentd::store::open(&args.store).await?;
     let turns = Turns::new(store, registry, args.turn_config());
@@ -101,8 +138,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--a2a-listen): {e}"))?;
-            let advertised = agentd::a2a::advertised(grpc_addr, l.local_addr()?, args.a2a_advertise_host.as_deref());
-            Some(agentd::server::A2aHttp { listener: l, advertised })
+            let advertised = agentd::a2a::advertised(
+                grpc_addr,
+                l.local_addr()?,
+                args.a2a_advertise_host.as_deref(),
+            );
+            Some(agentd::server::A2aHttp {
+                listener: l,
+                advertised,
+            })
         }
         None => None,
     };
@@ -111,7 +155,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => "off".to_owned(),
     };
     tracing::info!(listen = %grpc_addr, a2a_listen = %a2a_listen, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
-    let result = agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
+    let result =
+        agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
     if let Some((stop, task)) = admin {
         let _ = stop.send(());
         let _ = task.await;
@@ -123,8 +168,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 async fn spawn_admin(
     args: &ServeArgs,
     readiness: agentd::telemetry::admin::Readiness,
-) -> anyhow::Result<Option<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)>> {
-    let Some(addr) = args.admin_listen.0 else { return Ok(None) };
+) -> anyhow::Result<
+    Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )>,
+> {
+    let Some(addr) = args.admin_listen.0 else {
+        return Ok(None);
+    };
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--admin-listen): {e}"))?;
@@ -146,7 +198,9 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the server");
@@ -220,12 +274,23 @@ async fn list_sessions(client: &agentd::config::ClientArgs, user: String) -> any
     let mut c = client.raw();
     let mut page_token = String::new();
     loop {
-        let req = pb::ListSessionsRequest { user_id: user.clone(), page_size: 0, page_token };
-        let page = c.list_sessions(with_timeout(&client, req)).await.map_err(status_error)?.into_inner();
+        let req = pb::ListSessionsRequest {
+            user_id: user.clone(),
+            page_size: 0,
+            page_token,
+        };
+        let page = c
+            .list_sessions(with_timeout(&client, req))
+            .await
+            .map_err(status_error)?
+            .into_inner();
         for s in &page.sessions {
             let v = session_json(s);
-            println!("{}", serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
-                "created_unix_micros": v["created_unix_micros"], "updated_unix_micros": v["updated_unix_micros"] }));
+            println!(
+                "{}",
+                serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
+                "created_unix_micros": v["created_unix_micros"], "updated_unix_micros": v["updated_unix_micros"] })
+            );
         }
         if page.next_page_token.is_empty() {
             return Ok(());
@@ -263,7 +328,8 @@ fn print_event(e: &pb::AgentEvent, json: bool) {
         pb::EventKind::Unspecified => "unspecified",
     };
     if json {
-        let payload: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or(serde_json::Value::Null);
+        let payload: serde_json::Value =
+            serde_json::from_str(&e.payload_json).unwrap_or(serde_json::Value::Null);
         let v = serde_json::json!({
             "seq": e.seq, "kind": kind, "author": e.author, "text": e.text, "is_final": e.is_final,
             "tool_name": e.tool_name, "tool_call_id": e.tool_call_id, "payload": payload,
@@ -299,50 +365,87 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         max_recoveries: args.max_recoveries,
         ..CallOptions::default()
     };
-    let metadata = args.agent.map(|a| [("agent".to_owned(), serde_json::Value::String(a))].into_iter().collect());
+    let metadata = args.agent.map(|a| {
+        [("agent".to_owned(), serde_json::Value::String(a))]
+            .into_iter()
+            .collect()
+    });
     let json = args.json;
     let mut progress = |ev: &a2a::StreamResponse, _: &agentd::client::a2a::CallState| {
         if let a2a::StreamResponse::StatusUpdate(u) = ev
             && !json
         {
-            let text = u.status.message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
+            let text = u
+                .status
+                .message
+                .as_ref()
+                .map(|m| parts_text(&m.parts))
+                .unwrap_or_default();
             eprintln!("[{:?}] {text}", u.status.state);
         }
         Control::Continue
     };
-    let result = client.send_text(&args.text, metadata, &opts, Some(&mut progress)).await;
+    let result = client
+        .send_text(&args.text, metadata, &opts, Some(&mut progress))
+        .await;
     let artifacts_json = |a: &[a2a::Artifact]| -> serde_json::Value {
-        a.iter().map(|a| serde_json::json!({"artifactId": a.artifact_id, "text": parts_text(&a.parts)})).collect()
+        a.iter()
+            .map(|a| serde_json::json!({"artifactId": a.artifact_id, "text": parts_text(&a.parts)}))
+            .collect()
     };
     match result {
-        Ok(Outcome::Completed { task_id, artifacts, incomplete, .. }) => {
+        Ok(Outcome::Completed {
+            task_id,
+            artifacts,
+            incomplete,
+            ..
+        }) => {
             if json {
-                println!("{}", serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)}));
+                println!(
+                    "{}",
+                    serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)})
+                );
             } else {
                 for a in &artifacts {
                     println!("{}", parts_text(&a.parts));
                 }
             }
             if incomplete {
-                anyhow::bail!("task {task_id} completed but chunks were lost in transit: the result above is incomplete");
+                anyhow::bail!(
+                    "task {task_id} completed but chunks were lost in transit: the result above is incomplete"
+                );
             }
             Ok(())
         }
         Ok(Outcome::Message(m)) => {
             if json {
-                println!("{}", serde_json::json!({"state": "message", "text": parts_text(&m.parts)}));
+                println!(
+                    "{}",
+                    serde_json::json!({"state": "message", "text": parts_text(&m.parts)})
+                );
             } else {
                 println!("{}", parts_text(&m.parts));
             }
             Ok(())
         }
-        Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
+        Ok(Outcome::Waiting {
+            state,
+            task_id,
+            context_id,
+            message,
+            ..
+        }) => {
             let text = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
             if json {
-                println!("{}", serde_json::json!({"state": format!("{state:?}"), "taskId": task_id, "contextId": context_id, "text": text}));
+                println!(
+                    "{}",
+                    serde_json::json!({"state": format!("{state:?}"), "taskId": task_id, "contextId": context_id, "text": text})
+                );
             } else {
                 println!("{text}");
-                eprintln!("the agent waits ({state:?}); reply in task {task_id}, context {context_id}");
+                eprintln!(
+                    "the agent waits ({state:?}); reply in task {task_id}, context {context_id}"
+                );
             }
             Ok(())
         }
@@ -350,11 +453,16 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         Err(e) => {
             if json {
                 let task_id = match &e {
-                    CallError::Task { task_id, .. } | CallError::Unrecoverable { task_id, .. } => Some(task_id.clone()),
+                    CallError::Task { task_id, .. } | CallError::Unrecoverable { task_id, .. } => {
+                        Some(task_id.clone())
+                    }
                     CallError::Deadline { task_id, .. } => task_id.clone(),
                     _ => None,
                 };
-                println!("{}", serde_json::json!({"state": "error", "taskId": task_id, "error": e.to_string()}));
+                println!(
+                    "{}",
+                    serde_json::json!({"state": "error", "taskId": task_id, "error": e.to_string()})
+                );
             }
             Err(e.into())
         }

@@ -146,14 +146,20 @@ where
     set_health(&health, &opts.readiness, ServingStatus::Serving).await;
     // Store upkeep (health checks, expired leases, retention), mirrored into
     // grpc.health until shutdown takes health over.
-    let upkeep = tokio::spawn(store_upkeep(turns.clone(), health.clone(), opts.readiness.clone()));
+    let upkeep = tokio::spawn(store_upkeep(
+        turns.clone(),
+        health.clone(),
+        opts.readiness.clone(),
+    ));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let agents = AgentServiceServer::new(AgentsService::new(
         turns.clone(),
-        Limits { max_input_bytes: opts.max_input_bytes },
+        Limits {
+            max_input_bytes: opts.max_input_bytes,
+        },
     ))
     .max_decoding_message_size(opts.max_message_bytes);
 
@@ -183,7 +189,9 @@ where
         .layer(rpc)
         // Rewrites tonic's status for an oversized request, the one refusal
         // produced before our handlers see the request.
-        .layer(tower::util::MapResponseLayer::new(oversize_is_invalid_argument))
+        .layer(tower::util::MapResponseLayer::new(
+            oversize_is_invalid_argument,
+        ))
         // Innermost: credentials are checked before anything is decoded, and
         // the caller rides in the request's extensions to the handlers.
         .layer(AuthLayer::new(opts.security.auth.clone()))
@@ -199,9 +207,13 @@ where
     let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
     let mut a2a_serving = a2a_http.map(|h| {
         let card = crate::a2a::agent_card(turns.agents(), &h.advertised);
-        tokio::spawn(crate::a2a::serve_http(h.listener, a2a.http_router(card), async {
-            let _ = stop_a2a_rx.await;
-        }))
+        tokio::spawn(crate::a2a::serve_http(
+            h.listener,
+            a2a.http_router(card),
+            async {
+                let _ = stop_a2a_rx.await;
+            },
+        ))
     });
     tracing::info!(agents = ?turns.agents().names().collect::<Vec<_>>(), default = turns.agents().default_name(), "serving");
 
@@ -231,11 +243,23 @@ where
     let _ = stop_accepting.send(());
     let _ = stop_a2a.send(());
     tracing::info!(in_flight = turns.in_flight(), grace = ?opts.shutdown_grace, "shutdown: stopped accepting; waiting for in-flight runs");
-    if tokio::time::timeout(opts.shutdown_grace, turns.wait_idle()).await.is_err() {
-        tracing::warn!(cut = turns.in_flight(), "shutdown: grace passed; cutting the runs still in flight (they end with UNAVAILABLE)");
+    if tokio::time::timeout(opts.shutdown_grace, turns.wait_idle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            cut = turns.in_flight(),
+            "shutdown: grace passed; cutting the runs still in flight (they end with UNAVAILABLE)"
+        );
         turns.cut_all();
-        if tokio::time::timeout(CUT_FLUSH, turns.wait_idle()).await.is_err() {
-            tracing::error!(left = turns.in_flight(), "shutdown: runs did not stop after being cut");
+        if tokio::time::timeout(CUT_FLUSH, turns.wait_idle())
+            .await
+            .is_err()
+        {
+            tracing::error!(
+                left = turns.in_flight(),
+                "shutdown: runs did not stop after being cut"
+            );
         }
     }
     match tokio::time::timeout(CONNECTIONS_CLOSE, &mut serving).await {
@@ -265,7 +289,16 @@ async fn store_upkeep(turns: Arc<Turns>, health: HealthReporter, readiness: Read
     let mirror = async {
         while store_ok.changed().await.is_ok() {
             let ok = *store_ok.borrow_and_update();
-            set_health(&health, &readiness, if ok { ServingStatus::Serving } else { ServingStatus::NotServing }).await;
+            set_health(
+                &health,
+                &readiness,
+                if ok {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                },
+            )
+            .await;
         }
     };
     tokio::join!(turns.upkeep(), mirror);
@@ -275,7 +308,9 @@ async fn set_health(health: &HealthReporter, readiness: &Readiness, status: Serv
     readiness.set(status == ServingStatus::Serving);
     health.set_service_status("", status).await;
     health.set_service_status(AGENT_SERVICE_NAME, status).await;
-    health.set_service_status(crate::a2a::A2A_SERVICE_NAME, status).await;
+    health
+        .set_service_status(crate::a2a::A2A_SERVICE_NAME, status)
+        .await;
 }
 
 /// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE
@@ -284,13 +319,20 @@ async fn set_health(health: &HealthReporter, readiness: &Readiness, status: Serv
 fn oversize_is_invalid_argument<B>(mut resp: http::Response<B>) -> http::Response<B> {
     let h = resp.headers();
     let oversize = h.get("grpc-status").is_some_and(|v| v == "11")
-        && h.get("grpc-message").and_then(|m| m.to_str().ok()).is_some_and(|m| m.contains("message%20length%20too%20large") || m.contains("message length too large"));
+        && h.get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .is_some_and(|m| {
+                m.contains("message%20length%20too%20large")
+                    || m.contains("message length too large")
+            });
     if oversize {
         let h = resp.headers_mut();
         h.insert("grpc-status", http::HeaderValue::from_static("3"));
         h.insert(
             "grpc-message",
-            http::HeaderValue::from_static("the%20request%20message%20is%20larger%20than%20the%20server%20accepts"),
+            http::HeaderValue::from_static(
+                "the%20request%20message%20is%20larger%20than%20the%20server%20accepts",
+            ),
         );
     }
     resp

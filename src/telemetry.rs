@@ -20,10 +20,10 @@ pub mod trace;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use tracing_subscriber::fmt::MakeWriter;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::field::RecordFields;
 use tracing_subscriber::fmt::FormatFields;
+use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -47,9 +47,12 @@ impl Drop for Telemetry {
 
 /// Whether OTLP export is configured by the standard environment variables.
 pub fn otlp_configured() -> bool {
-    ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
 }
 
 /// Installs logging and tracing for the process, logs to stderr. Call
@@ -57,7 +60,10 @@ pub fn otlp_configured() -> bool {
 pub fn init(format: LogFormat) -> Telemetry {
     let mut builder = SdkTracerProvider::builder().with_resource(resource());
     if otlp_configured() {
-        match opentelemetry_otlp::SpanExporter::builder().with_tonic().build() {
+        match opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .build()
+        {
             Ok(exporter) => builder = builder.with_batch_exporter(exporter),
             Err(e) => eprintln!("warning: OTLP trace export is off: {e}"),
         }
@@ -79,7 +85,12 @@ where
     let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
     let fmt = match format {
         LogFormat::Text => fmt.fmt_fields(TextFields).boxed(),
-        LogFormat::Json => fmt.json().flatten_event(true).with_current_span(true).with_span_list(true).boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(true)
+            .boxed(),
     };
     // Traces have their own filter: quiet logs must not cut traces short.
     let otel = tracing_opentelemetry::layer()
@@ -87,9 +98,16 @@ where
         .with_filter(
             filter::Targets::new()
                 .with_default(tracing::Level::INFO)
-                .with_targets([("h2", tracing::Level::WARN), ("hyper", tracing::Level::WARN), ("tower", tracing::Level::WARN)]),
+                .with_targets([
+                    ("h2", tracing::Level::WARN),
+                    ("hyper", tracing::Level::WARN),
+                    ("tower", tracing::Level::WARN),
+                ]),
         );
-    let _ = tracing_subscriber::registry().with(fmt.with_filter(env)).with(otel).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(fmt.with_filter(env))
+        .with(otel)
+        .try_init();
     Telemetry { provider }
 }
 
@@ -108,7 +126,11 @@ struct TextFields;
 
 impl<'w> FormatFields<'w> for TextFields {
     fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> std::fmt::Result {
-        let mut v = TextVisitor { writer, first: true, result: Ok(()) };
+        let mut v = TextVisitor {
+            writer,
+            first: true,
+            result: Ok(()),
+        };
         fields.record(&mut v);
         v.result
     }
@@ -123,10 +145,18 @@ struct TextVisitor<'w> {
 impl Visit for TextVisitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         let name = field.name();
-        if self.result.is_err() || name.starts_with("otel.") || name.starts_with("rpc.") || name.starts_with("gen_ai.") {
+        if self.result.is_err()
+            || name.starts_with("otel.")
+            || name.starts_with("rpc.")
+            || name.starts_with("gen_ai.")
+        {
             return;
         }
-        let sep = if std::mem::take(&mut self.first) { "" } else { " " };
+        let sep = if std::mem::take(&mut self.first) {
+            ""
+        } else {
+            " "
+        };
         self.result = if name == "message" {
             write!(self.writer, "{sep}{value:?}")
         } else {

@@ -15,7 +15,19 @@ struct Served {
 impl Served {
     fn start() -> Self {
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--a2a-listen", "127.0.0.1:0", "--admin-listen", "off", "--drain-delay", "0s"])
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--a2a-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "off",
+                "--drain-delay",
+                "0s",
+            ])
             .env("AGENTD_STORE", "memory:")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -23,22 +35,36 @@ impl Served {
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = loop {
-            let line = lines.next().expect("server exited before listening").unwrap();
+            let line = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             if v["message"] == "agentd starting" {
                 break v["a2a_listen"].as_str().unwrap().to_owned();
             }
         };
         std::thread::spawn(move || for _ in lines {});
-        Self { child, a2a_url: format!("http://{addr}") }
+        Self {
+            child,
+            a2a_url: format!("http://{addr}"),
+        }
     }
 
     fn a2a(&self, args: &[&str]) -> std::process::Output {
-        Command::new(BIN).arg("a2a").args(args).env("AGENTD_A2A_URL", &self.a2a_url).output().unwrap()
+        Command::new(BIN)
+            .arg("a2a")
+            .args(args)
+            .env("AGENTD_A2A_URL", &self.a2a_url)
+            .output()
+            .unwrap()
     }
 
     fn terminate(mut self) -> std::process::ExitStatus {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
         let until = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -59,10 +85,25 @@ fn the_a2a_command_calls_our_server_over_both_bindings_and_fails_loudly_past_its
     let served = Served::start();
     let out = served.a2a(&["Where is order 1187?"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).contains("Order 1187"), "{}", text(&out.stdout));
-    assert!(text(&out.stderr).contains("calling lookup_order"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("Order 1187"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains("calling lookup_order"),
+        "{}",
+        text(&out.stderr)
+    );
 
-    let out = served.a2a(&["--binding", "grpc", "--agent", "stream", "--json", "n=3 size=2"]);
+    let out = served.a2a(&[
+        "--binding",
+        "grpc",
+        "--agent",
+        "stream",
+        "--json",
+        "n=3 size=2",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
     assert_eq!(v["state"], "completed");
@@ -71,10 +112,18 @@ fn the_a2a_command_calls_our_server_over_both_bindings_and_fails_loudly_past_its
 
     let out = served.a2a(&["--agent", "stream", "--deadline", "300ms", "n=100 rate=10"]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("deadline passed"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("deadline passed"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = served.a2a(&["--agent", "nobody", "hi"]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("Rejected"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("Rejected"),
+        "{}",
+        text(&out.stderr)
+    );
     assert!(served.terminate().success());
 }

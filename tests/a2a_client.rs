@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use a2a::{StreamResponse, TaskState};
 use a2a_support::{PyAgent, python};
-use agentd::client::a2a::{A2aClient, CallError, CallOptions, CallState, Control, Outcome, parts_text};
+use agentd::client::a2a::{
+    A2aClient, CallError, CallOptions, CallState, Control, Outcome, parts_text,
+};
 
 fn opts() -> CallOptions {
     CallOptions {
@@ -21,7 +23,10 @@ fn opts() -> CallOptions {
 }
 
 fn texts(artifacts: &[a2a::Artifact]) -> Vec<(String, String)> {
-    artifacts.iter().map(|a| (a.artifact_id.clone(), parts_text(&a.parts))).collect()
+    artifacts
+        .iter()
+        .map(|a| (a.artifact_id.clone(), parts_text(&a.parts)))
+        .collect()
 }
 
 /// Waits (bounded) until the remote task reaches `state`.
@@ -48,9 +53,25 @@ async fn every_chunk_of_every_artifact_arrives_in_the_result() {
         }
         Control::Continue
     };
-    let out = client.send_text("chunks=5 second=1 delay=0", None, &opts(), Some(&mut count)).await.unwrap();
-    let Outcome::Completed { artifacts, incomplete, .. } = out else { panic!("{out:?}") };
-    assert_eq!(texts(&artifacts), [("a1".into(), "c0 c1 c2 c3 c4 ".into()), ("a2".into(), "second artifact".into())]);
+    let out = client
+        .send_text("chunks=5 second=1 delay=0", None, &opts(), Some(&mut count))
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        artifacts,
+        incomplete,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        texts(&artifacts),
+        [
+            ("a1".into(), "c0 c1 c2 c3 c4 ".into()),
+            ("a2".into(), "second artifact".into())
+        ]
+    );
     assert!(!incomplete);
     assert_eq!(chunks, 6);
 }
@@ -65,12 +86,30 @@ async fn a_stream_dropped_mid_artifact_is_recovered_complete_from_the_snapshot()
         recoveries = st.recoveries;
         Control::Continue
     };
-    let out = client.send_text("chunks=8 drop=2 delay=0.05 second=1", None, &opts(), Some(&mut watch)).await.unwrap();
-    let Outcome::Completed { artifacts, incomplete, .. } = out else { panic!("{out:?}") };
+    let out = client
+        .send_text(
+            "chunks=8 drop=2 delay=0.05 second=1",
+            None,
+            &opts(),
+            Some(&mut watch),
+        )
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        artifacts,
+        incomplete,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
     assert!(recoveries >= 1, "the drop was not noticed");
     assert_eq!(
         texts(&artifacts),
-        [("a1".into(), "c0 c1 c2 c3 c4 c5 c6 c7 ".into()), ("a2".into(), "second artifact".into())]
+        [
+            ("a1".into(), "c0 c1 c2 c3 c4 c5 c6 c7 ".into()),
+            ("a2".into(), "second artifact".into())
+        ]
     );
     assert!(!incomplete);
 }
@@ -80,12 +119,25 @@ async fn chunks_lost_in_a_drop_that_no_snapshot_restores_are_flagged_incomplete(
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, true).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let out = client.send_text("chunks=8 drop=2 delay=0.05", None, &opts(), None).await.unwrap();
-    let Outcome::Completed { artifacts, incomplete, .. } = out else { panic!("{out:?}") };
+    let out = client
+        .send_text("chunks=8 drop=2 delay=0.05", None, &opts(), None)
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        artifacts,
+        incomplete,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
     assert!(incomplete, "a truncated result must say so: {artifacts:?}");
     // c2 went out while the connection was cut and no snapshot has it.
     let text = parts_text(&artifacts[0].parts);
-    assert!(text.starts_with("c0 c1 ") && !text.contains("c2 "), "{text}");
+    assert!(
+        text.starts_with("c0 c1 ") && !text.contains("c2 "),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -93,15 +145,37 @@ async fn the_idle_watchdog_catches_a_silent_stall_and_cancels_the_task() {
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let o = CallOptions { idle_timeout: Duration::from_secs(1), max_recoveries: 2, ..opts() };
+    let o = CallOptions {
+        idle_timeout: Duration::from_secs(1),
+        max_recoveries: 2,
+        ..opts()
+    };
     let started = tokio::time::Instant::now();
-    let err = client.send_text("chunks=5 stall=2", None, &o, None).await.unwrap_err();
-    let CallError::Unrecoverable { task_id, recoveries, cause, artifacts, .. } = err else { panic!("{err:?}") };
+    let err = client
+        .send_text("chunks=5 stall=2", None, &o, None)
+        .await
+        .unwrap_err();
+    let CallError::Unrecoverable {
+        task_id,
+        recoveries,
+        cause,
+        artifacts,
+        ..
+    } = err
+    else {
+        panic!("{err:?}")
+    };
     assert_eq!(recoveries, 2);
     assert!(cause.contains("idle"), "{cause}");
     assert_eq!(texts(&artifacts), [("a1".into(), "c0 c1 ".into())]);
-    assert!(started.elapsed() < Duration::from_secs(20), "the stall was not caught promptly");
-    assert_eq!(remote_state(&client, &task_id, TaskState::Canceled).await, TaskState::Canceled);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the stall was not caught promptly"
+    );
+    assert_eq!(
+        remote_state(&client, &task_id, TaskState::Canceled).await,
+        TaskState::Canceled
+    );
 }
 
 #[tokio::test]
@@ -109,11 +183,27 @@ async fn a_deadline_cancels_the_remote_task() {
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let o = CallOptions { deadline: Duration::from_secs(3), ..opts() };
-    let err = client.send_text("chunks=5 stall=1", None, &o, None).await.unwrap_err();
-    let CallError::Deadline { task_id: Some(task_id), last_state, .. } = err else { panic!("{err:?}") };
+    let o = CallOptions {
+        deadline: Duration::from_secs(3),
+        ..opts()
+    };
+    let err = client
+        .send_text("chunks=5 stall=1", None, &o, None)
+        .await
+        .unwrap_err();
+    let CallError::Deadline {
+        task_id: Some(task_id),
+        last_state,
+        ..
+    } = err
+    else {
+        panic!("{err:?}")
+    };
     assert_eq!(last_state, Some(TaskState::Working));
-    assert_eq!(remote_state(&client, &task_id, TaskState::Canceled).await, TaskState::Canceled);
+    assert_eq!(
+        remote_state(&client, &task_id, TaskState::Canceled).await,
+        TaskState::Canceled
+    );
 }
 
 #[tokio::test]
@@ -121,14 +211,49 @@ async fn failed_and_rejected_tasks_are_errors_a_message_is_an_answer_and_input_r
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
-    let err = client.send_text("fail=1", None, &opts(), None).await.unwrap_err();
-    assert!(matches!(&err, CallError::Task { state: TaskState::Failed, message, .. } if message == "boom"), "{err:?}");
-    let err = client.send_text("reject=1", None, &opts(), None).await.unwrap_err();
-    assert!(matches!(&err, CallError::Task { state: TaskState::Rejected, .. }), "{err:?}");
-    let out = client.send_text("message=1", None, &opts(), None).await.unwrap();
-    assert!(matches!(&out, Outcome::Message(m) if parts_text(&m.parts) == "direct reply"), "{out:?}");
-    let out = client.send_text("input=1", None, &opts(), None).await.unwrap();
-    let Outcome::Waiting { state, task_id, context_id, .. } = out else { panic!("{out:?}") };
+    let err = client
+        .send_text("fail=1", None, &opts(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, CallError::Task { state: TaskState::Failed, message, .. } if message == "boom"),
+        "{err:?}"
+    );
+    let err = client
+        .send_text("reject=1", None, &opts(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            CallError::Task {
+                state: TaskState::Rejected,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let out = client
+        .send_text("message=1", None, &opts(), None)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&out, Outcome::Message(m) if parts_text(&m.parts) == "direct reply"),
+        "{out:?}"
+    );
+    let out = client
+        .send_text("input=1", None, &opts(), None)
+        .await
+        .unwrap();
+    let Outcome::Waiting {
+        state,
+        task_id,
+        context_id,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
     assert_eq!(state, TaskState::InputRequired);
     assert!(!task_id.is_empty() && !context_id.is_empty());
 }
@@ -139,17 +264,39 @@ async fn a_listener_can_stop_the_call_without_cancelling_the_remote_task() {
     let agent = PyAgent::start(&py, false).await;
     let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
     let mut stop = |ev: &StreamResponse, st: &CallState| match ev {
-        StreamResponse::ArtifactUpdate(_) if st.artifacts.first().is_some_and(|a| a.artifact.parts.len() == 2) => {
+        StreamResponse::ArtifactUpdate(_)
+            if st
+                .artifacts
+                .first()
+                .is_some_and(|a| a.artifact.parts.len() == 2) =>
+        {
             Control::StopWithArtifacts
         }
         _ => Control::Continue,
     };
-    let out = client.send_text("chunks=6 delay=0.05", None, &opts(), Some(&mut stop)).await.unwrap();
-    let Outcome::Stopped { task_id: Some(task_id), artifacts, response: None, .. } = out else { panic!("{out:?}") };
+    let out = client
+        .send_text("chunks=6 delay=0.05", None, &opts(), Some(&mut stop))
+        .await
+        .unwrap();
+    let Outcome::Stopped {
+        task_id: Some(task_id),
+        artifacts,
+        response: None,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
     assert_eq!(texts(&artifacts), [("a1".into(), "c0 c1 ".into())]);
-    assert_eq!(remote_state(&client, &task_id, TaskState::Completed).await, TaskState::Completed);
+    assert_eq!(
+        remote_state(&client, &task_id, TaskState::Completed).await,
+        TaskState::Completed
+    );
 
     let mut answer = |_: &StreamResponse, _: &CallState| Control::StopWithResponse("enough".into());
-    let out = client.send_text("chunks=3", None, &opts(), Some(&mut answer)).await.unwrap();
+    let out = client
+        .send_text("chunks=3", None, &opts(), Some(&mut answer))
+        .await
+        .unwrap();
     assert!(matches!(out, Outcome::Stopped { response: Some(r), .. } if r == "enough"));
 }

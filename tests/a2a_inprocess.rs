@@ -8,7 +8,11 @@ use a2a::{PartContent, StreamResponse, TaskState};
 use agentd::client::a2a::{CallError, CallOptions, CallState, Control, Outcome, parts_text};
 
 fn opts() -> CallOptions {
-    CallOptions { idle_timeout: Duration::from_secs(10), deadline: Duration::from_secs(30), ..CallOptions::default() }
+    CallOptions {
+        idle_timeout: Duration::from_secs(10),
+        deadline: Duration::from_secs(30),
+        ..CallOptions::default()
+    }
 }
 
 #[tokio::test]
@@ -25,23 +29,59 @@ async fn our_client_gets_the_worked_trace_from_our_server_as_a2a() {
         }
         Control::Continue
     };
-    let out = client.send_text("Where is order 1187?", None, &opts(), Some(&mut watch)).await.unwrap();
-    let Outcome::Completed { task_id, artifacts, incomplete, .. } = out else { panic!("{out:?}") };
+    let out = client
+        .send_text("Where is order 1187?", None, &opts(), Some(&mut watch))
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        task_id,
+        artifacts,
+        incomplete,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
     assert_eq!(tools, ["toolCall", "toolResult"]);
     assert_eq!(artifacts.len(), 1);
-    assert!(parts_text(&artifacts[0].parts).contains("1187"), "{artifacts:?}");
+    assert!(
+        parts_text(&artifacts[0].parts).contains("1187"),
+        "{artifacts:?}"
+    );
     assert!(!incomplete);
     assert_eq!(tool.completed(), 1);
-    assert_eq!(client.get_task(&task_id).await.unwrap().status.state, TaskState::Completed);
+    assert_eq!(
+        client.get_task(&task_id).await.unwrap().status.state,
+        TaskState::Completed
+    );
 
-    let agent = Some([("agent".to_owned(), serde_json::json!("stream"))].into_iter().collect());
-    let out = client.send_text("n=3 size=2", agent, &opts(), None).await.unwrap();
-    let Outcome::Completed { artifacts, .. } = out else { panic!("{out:?}") };
+    let agent = Some(
+        [("agent".to_owned(), serde_json::json!("stream"))]
+            .into_iter()
+            .collect(),
+    );
+    let out = client
+        .send_text("n=3 size=2", agent, &opts(), None)
+        .await
+        .unwrap();
+    let Outcome::Completed { artifacts, .. } = out else {
+        panic!("{out:?}")
+    };
     assert_eq!(parts_text(&artifacts[0].parts), "xxxxxxsent 3 events");
 
-    let agent = Some([("agent".to_owned(), serde_json::json!("nobody"))].into_iter().collect());
-    let err = client.send_text("hi", agent, &opts(), None).await.unwrap_err();
-    assert!(matches!(&err, CallError::Task { state: TaskState::Rejected, message, .. } if message.contains("unknown agent")), "{err:?}");
+    let agent = Some(
+        [("agent".to_owned(), serde_json::json!("nobody"))]
+            .into_iter()
+            .collect(),
+    );
+    let err = client
+        .send_text("hi", agent, &opts(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, CallError::Task { state: TaskState::Rejected, message, .. } if message.contains("unknown agent")),
+        "{err:?}"
+    );
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }
@@ -49,16 +89,34 @@ async fn our_client_gets_the_worked_trace_from_our_server_as_a2a() {
 #[tokio::test]
 async fn a_client_deadline_cancels_our_run_through_the_drop_path() {
     let (client, tool, stop, handle) = a2a_support::in_process(Duration::from_secs(30)).await;
-    let o = CallOptions { deadline: Duration::from_secs(1), ..opts() };
-    let err = client.send_text("Where is order 1187?", None, &o, None).await.unwrap_err();
-    let CallError::Deadline { task_id: Some(task_id), .. } = err else { panic!("{err:?}") };
+    let o = CallOptions {
+        deadline: Duration::from_secs(1),
+        ..opts()
+    };
+    let err = client
+        .send_text("Where is order 1187?", None, &o, None)
+        .await
+        .unwrap_err();
+    let CallError::Deadline {
+        task_id: Some(task_id),
+        ..
+    } = err
+    else {
+        panic!("{err:?}")
+    };
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
     while tool.cancelled() == 0 {
-        assert!(tokio::time::Instant::now() < until, "the slow tool was not cancelled");
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the slow tool was not cancelled"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(tool.completed(), 0);
-    assert_eq!(client.get_task(&task_id).await.unwrap().status.state, TaskState::Canceled);
+    assert_eq!(
+        client.get_task(&task_id).await.unwrap().status.state,
+        TaskState::Canceled
+    );
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }

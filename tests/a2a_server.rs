@@ -13,29 +13,62 @@ async fn sdk_client_against_our_server(binding: &str) {
     let Some(py) = python() else { return };
     let server = A2aServer::start(Duration::ZERO).await;
     let script = script("a2a_sdk_client.py");
-    let out = run_json(&py, &[script.to_str().unwrap(), &server.base_url(), binding]).await;
+    let out = run_json(
+        &py,
+        &[script.to_str().unwrap(), &server.base_url(), binding],
+    )
+    .await;
     eprintln!("{out:#}");
 
     // The card lists both bindings, A2A 1.0, streaming, one skill per agent.
     let card = &out["card"];
     let interfaces = card["interfaces"].as_array().unwrap();
-    assert!(interfaces.contains(&serde_json::json!(["JSONRPC", format!("http://{}/", server.http), "1.0"])), "{card}");
-    assert!(interfaces.contains(&serde_json::json!(["GRPC", server.grpc.to_string(), "1.0"])), "{card}");
+    assert!(
+        interfaces.contains(&serde_json::json!([
+            "JSONRPC",
+            format!("http://{}/", server.http),
+            "1.0"
+        ])),
+        "{card}"
+    );
+    assert!(
+        interfaces.contains(&serde_json::json!(["GRPC", server.grpc.to_string(), "1.0"])),
+        "{card}"
+    );
     assert_eq!(card["streaming"], true);
-    assert_eq!(card["skills"], serde_json::json!(["echo", "order_helper", "stream"]));
+    assert_eq!(
+        card["skills"],
+        serde_json::json!(["echo", "order_helper", "stream"])
+    );
 
     // send: the finished task, its answer in the artifact.
     let send = &out["send"];
     assert_eq!(send["state"], "TASK_STATE_COMPLETED", "{send}");
-    assert!(send["artifacts"]["answer"].as_str().unwrap().contains("1187"), "{send}");
+    assert!(
+        send["artifacts"]["answer"]
+            .as_str()
+            .unwrap()
+            .contains("1187"),
+        "{send}"
+    );
 
     // stream: task, WORKING, the tool call and its result as status messages
     // with data parts, the answer as one last chunk, then COMPLETED.
     let stream = out["stream"].as_array().unwrap();
     let kinds: Vec<&str> = stream.iter().map(|e| e["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["task", "status", "status", "status", "artifact", "status"], "{stream:?}");
-    assert_eq!(stream[2]["parts"][1]["data"]["toolCall"]["name"], "lookup_order", "{stream:?}");
-    assert!(stream[3]["parts"][1]["data"]["toolResult"].is_object(), "{stream:?}");
+    assert_eq!(
+        kinds,
+        ["task", "status", "status", "status", "artifact", "status"],
+        "{stream:?}"
+    );
+    assert_eq!(
+        stream[2]["parts"][1]["data"]["toolCall"]["name"], "lookup_order",
+        "{stream:?}"
+    );
+    assert!(
+        stream[3]["parts"][1]["data"]["toolResult"].is_object(),
+        "{stream:?}"
+    );
     assert_eq!(stream[4]["last_chunk"], true);
     assert_eq!(stream[5]["state"], "TASK_STATE_COMPLETED");
 
@@ -45,26 +78,51 @@ async fn sdk_client_against_our_server(binding: &str) {
 
     // chunks: three partials append to one artifact; the final answer is the
     // last chunk.
-    let chunks: Vec<&Value> = out["chunks"].as_array().unwrap().iter().filter(|e| e["kind"] == "artifact").collect();
+    let chunks: Vec<&Value> = out["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "artifact")
+        .collect();
     assert_eq!(chunks.len(), 4, "{:?}", out["chunks"]);
     assert_eq!(chunks[0]["append"], false);
-    assert!(chunks[1..].iter().all(|c| c["append"] == true && c["artifact_id"] == "answer"));
+    assert!(
+        chunks[1..]
+            .iter()
+            .all(|c| c["append"] == true && c["artifact_id"] == "answer")
+    );
     assert_eq!(chunks[3]["last_chunk"], true);
     assert_eq!(chunks[3]["text"], "sent 3 events");
 
     // cancel: CANCELED, and the run behind it stopped (the stream agent
     // would otherwise go on for half an hour).
     let cancel = &out["cancel"];
-    assert_eq!(cancel["returned"]["state"], "TASK_STATE_CANCELED", "{cancel}");
+    assert_eq!(
+        cancel["returned"]["state"], "TASK_STATE_CANCELED",
+        "{cancel}"
+    );
     assert_eq!(cancel["after"]["state"], "TASK_STATE_CANCELED", "{cancel}");
-    assert!(server.idle(Duration::from_secs(10)).await, "the cancelled run is still going");
+    assert!(
+        server.idle(Duration::from_secs(10)).await,
+        "the cancelled run is still going"
+    );
 
     // subscribe: a new stream on a running task follows it to COMPLETED.
     let sub = &out["subscribe"];
     let events = sub["events"].as_array().unwrap();
-    assert_eq!(events.last().unwrap()["state"], "TASK_STATE_COMPLETED", "{sub}");
+    assert_eq!(
+        events.last().unwrap()["state"],
+        "TASK_STATE_COMPLETED",
+        "{sub}"
+    );
     assert_eq!(sub["final"]["state"], "TASK_STATE_COMPLETED");
-    assert!(sub["final"]["artifacts"]["answer"].as_str().unwrap().ends_with("sent 60 events"), "{sub}");
+    assert!(
+        sub["final"]["artifacts"]["answer"]
+            .as_str()
+            .unwrap()
+            .ends_with("sent 60 events"),
+        "{sub}"
+    );
 
     // Errors, as the SDK maps them (and, over gRPC, the 1.0 status codes).
     let e = &out["errors"];
@@ -76,11 +134,27 @@ async fn sdk_client_against_our_server(binding: &str) {
         }
     };
     expect("task_not_found", "TaskNotFoundError", "NOT_FOUND");
-    expect("task_not_cancelable", "TaskNotCancelableError", "FAILED_PRECONDITION");
-    expect("subscribe_terminal", "UnsupportedOperationError", "FAILED_PRECONDITION");
-    expect("content_type", "ContentTypeNotSupportedError", "INVALID_ARGUMENT");
+    expect(
+        "task_not_cancelable",
+        "TaskNotCancelableError",
+        "FAILED_PRECONDITION",
+    );
+    expect(
+        "subscribe_terminal",
+        "UnsupportedOperationError",
+        "FAILED_PRECONDITION",
+    );
+    expect(
+        "content_type",
+        "ContentTypeNotSupportedError",
+        "INVALID_ARGUMENT",
+    );
     if grpc {
-        assert_eq!(e["version"]["grpc_code"], "FAILED_PRECONDITION", "{}", e["version"]);
+        assert_eq!(
+            e["version"]["grpc_code"], "FAILED_PRECONDITION",
+            "{}",
+            e["version"]
+        );
     } else {
         assert_eq!(e["version"]["code"], -32009, "{}", e["version"]);
     }
@@ -99,13 +173,19 @@ async fn the_python_sdk_sends_streams_gets_cancels_and_subscribes_over_grpc() {
 
 /// The last event of a conformance run, and the parts of its artifacts.
 fn ends(out: &Value, prefix: &str) -> (String, Vec<Value>) {
-    let events = out[prefix].as_array().unwrap_or_else(|| panic!("{prefix}: {out}"));
+    let events = out[prefix]
+        .as_array()
+        .unwrap_or_else(|| panic!("{prefix}: {out}"));
     let last = events.last().unwrap();
     let end = match last["kind"].as_str().unwrap() {
         "message" => format!("message:{}", last["text"].as_str().unwrap()),
         _ => last["state"].as_str().unwrap().to_owned(),
     };
-    let parts = events.iter().filter(|e| e["kind"] == "artifact").flat_map(|e| e["parts"].as_array().unwrap().clone()).collect();
+    let parts = events
+        .iter()
+        .filter(|e| e["kind"] == "artifact")
+        .flat_map(|e| e["parts"].as_array().unwrap().clone())
+        .collect();
     (end, parts)
 }
 
@@ -114,41 +194,115 @@ async fn the_conformance_agent_answers_each_message_id_prefix_as_suites_expect()
     let Some(py) = python() else { return };
     let server = A2aServer::start_with(Duration::ZERO, Some(Duration::from_millis(200))).await;
     let script = script("a2a_sdk_client.py");
-    let out = run_json(&py, &[script.to_str().unwrap(), &server.base_url(), "JSONRPC", "conformance"]).await;
+    let out = run_json(
+        &py,
+        &[
+            script.to_str().unwrap(),
+            &server.base_url(),
+            "JSONRPC",
+            "conformance",
+        ],
+    )
+    .await;
     eprintln!("{out:#}");
     let completed = "TASK_STATE_COMPLETED";
     let (end, _) = ends(&out, "tck-complete-task");
     assert_eq!(end, completed);
-    assert_eq!(out["tck-complete-task"].as_array().unwrap().last().unwrap()["text"], "Hello from TCK");
-    assert_eq!(ends(&out, "tck-artifact-text"), (completed.into(), vec![serde_json::json!({"text": "Generated text content"})]));
+    assert_eq!(
+        out["tck-complete-task"].as_array().unwrap().last().unwrap()["text"],
+        "Hello from TCK"
+    );
+    assert_eq!(
+        ends(&out, "tck-artifact-text"),
+        (
+            completed.into(),
+            vec![serde_json::json!({"text": "Generated text content"})]
+        )
+    );
     let (_, file) = ends(&out, "tck-artifact-file");
-    assert_eq!((file[0]["filename"].as_str(), file[0]["mediaType"].as_str()), (Some("output.txt"), Some("text/plain")), "{file:?}");
+    assert_eq!(
+        (file[0]["filename"].as_str(), file[0]["mediaType"].as_str()),
+        (Some("output.txt"), Some("text/plain")),
+        "{file:?}"
+    );
     let (_, url) = ends(&out, "tck-artifact-file-url");
     assert_eq!(url[0]["url"], "https://example.com/output.txt");
     assert_eq!(url[0]["filename"], "output.txt");
     let (_, data) = ends(&out, "tck-artifact-data");
     // protobuf's Struct holds numbers as doubles, so Python reads 42.0.
-    assert_eq!((data[0]["data"]["key"].as_str(), data[0]["data"]["count"].as_f64()), (Some("value"), Some(42.0)), "{data:?}");
-    assert_eq!(ends(&out, "tck-message-response").0, "message:Direct message response");
-    assert_eq!(ends(&out, "tck-input-required").0, "TASK_STATE_INPUT_REQUIRED");
+    assert_eq!(
+        (
+            data[0]["data"]["key"].as_str(),
+            data[0]["data"]["count"].as_f64()
+        ),
+        (Some("value"), Some(42.0)),
+        "{data:?}"
+    );
+    assert_eq!(
+        ends(&out, "tck-message-response").0,
+        "message:Direct message response"
+    );
+    assert_eq!(
+        ends(&out, "tck-input-required").0,
+        "TASK_STATE_INPUT_REQUIRED"
+    );
     assert_eq!(ends(&out, "tck-reject-task").0, "TASK_STATE_REJECTED");
-    assert_eq!(out["tck-reject-task"].as_array().unwrap().last().unwrap()["text"], "rejected");
+    assert_eq!(
+        out["tck-reject-task"].as_array().unwrap().last().unwrap()["text"],
+        "rejected"
+    );
     for (prefix, text) in [
         ("tck-stream-001", "Stream hello from TCK"),
         ("tck-stream-003", "Stream task lifecycle"),
         ("tck-stream-ordering-001", "Ordered output"),
         ("tck-stream-artifact-text", "Streamed text content"),
     ] {
-        let states: Vec<&str> = out[prefix].as_array().unwrap().iter().filter_map(|e| e["state"].as_str()).collect();
-        assert_eq!(states, ["TASK_STATE_SUBMITTED", "TASK_STATE_WORKING", completed], "{prefix}");
-        assert_eq!(ends(&out, prefix), (completed.into(), vec![serde_json::json!({"text": text})]), "{prefix}");
+        let states: Vec<&str> = out[prefix]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["state"].as_str())
+            .collect();
+        assert_eq!(
+            states,
+            ["TASK_STATE_SUBMITTED", "TASK_STATE_WORKING", completed],
+            "{prefix}"
+        );
+        assert_eq!(
+            ends(&out, prefix),
+            (completed.into(), vec![serde_json::json!({"text": text})]),
+            "{prefix}"
+        );
     }
-    assert_eq!(ends(&out, "tck-stream-artifact-file").1[0]["filename"], "output.txt");
-    let only: Vec<&str> = out["tck-stream-002"].as_array().unwrap().iter().filter(|e| e["kind"] == "status").filter_map(|e| e["state"].as_str()).collect();
+    assert_eq!(
+        ends(&out, "tck-stream-artifact-file").1[0]["filename"],
+        "output.txt"
+    );
+    let only: Vec<&str> = out["tck-stream-002"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "status")
+        .filter_map(|e| e["state"].as_str())
+        .collect();
     assert_eq!(only, [completed]);
-    let chunked: Vec<&Value> = out["tck-stream-artifact-chunked"].as_array().unwrap().iter().filter(|e| e["kind"] == "artifact").collect();
-    assert_eq!(chunked.iter().map(|c| (c["text"].as_str().unwrap(), c["append"].as_bool().unwrap(), c["last_chunk"].as_bool().unwrap())).collect::<Vec<_>>(),
-        [("chunk-1 ", false, false), ("chunk-2", true, true)]);
+    let chunked: Vec<&Value> = out["tck-stream-artifact-chunked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "artifact")
+        .collect();
+    assert_eq!(
+        chunked
+            .iter()
+            .map(|c| (
+                c["text"].as_str().unwrap(),
+                c["append"].as_bool().unwrap(),
+                c["last_chunk"].as_bool().unwrap()
+            ))
+            .collect::<Vec<_>>(),
+        [("chunk-1 ", false, false), ("chunk-2", true, true)]
+    );
     assert_eq!(ends(&out, "test-resubscribe-message-id").0, completed);
     server.stop().await;
 }

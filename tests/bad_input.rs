@@ -17,7 +17,10 @@ async fn refused(server: &mut TestServer, req: agentd::pb::RunRequest) -> tonic:
 
 async fn nothing_stored(server: &TestServer, session: &str) {
     let sid = agentd::domain::SessionId::parse(session).unwrap();
-    assert!(server.store.history(sid, 100).await.unwrap().is_empty(), "no turn was stored");
+    assert!(
+        server.store.history(sid, 100).await.unwrap().is_empty(),
+        "no turn was stored"
+    );
     assert_eq!(server.tool.started(), 0, "nothing ran");
 }
 
@@ -28,19 +31,41 @@ async fn malformed_fields_are_invalid_argument_and_nothing_is_stored() {
     let cases = [
         (run_request("", &s, "r", "hi"), "user_id is required"),
         (run_request("al ice", &s, "r", "hi"), "user_id must be"),
-        (run_request("alice", "", "r", "hi"), "session_id is required"),
-        (run_request("alice", "not-a-uuid", "r", "hi"), "session_id must be a UUID"),
-        (run_request("alice", &s, "bad id!", "hi"), "request_id must be"),
-        (run_request("alice", &s, &"r".repeat(129), "hi"), "request_id must be"),
+        (
+            run_request("alice", "", "r", "hi"),
+            "session_id is required",
+        ),
+        (
+            run_request("alice", "not-a-uuid", "r", "hi"),
+            "session_id must be a UUID",
+        ),
+        (
+            run_request("alice", &s, "bad id!", "hi"),
+            "request_id must be",
+        ),
+        (
+            run_request("alice", &s, &"r".repeat(129), "hi"),
+            "request_id must be",
+        ),
         (run_request("alice", &s, "r", ""), "text is required"),
         (run_request("alice", &s, "r", " \n\t "), "text is required"),
-        (run_request("alice", &s, "r", &"x".repeat(64 * 1024 + 1)), "text is 65537 bytes; the limit is 65536"),
-        (with_agent(run_request("alice", &s, "r", "hi"), "../etc"), "agent must be"),
+        (
+            run_request("alice", &s, "r", &"x".repeat(64 * 1024 + 1)),
+            "text is 65537 bytes; the limit is 65536",
+        ),
+        (
+            with_agent(run_request("alice", &s, "r", "hi"), "../etc"),
+            "agent must be",
+        ),
     ];
     for (req, want) in cases {
         let status = refused(&mut server, req).await;
         assert_eq!(status.code(), Code::InvalidArgument, "{want}: {status:?}");
-        assert!(status.message().contains(want), "{:?} should contain {want:?}", status.message());
+        assert!(
+            status.message().contains(want),
+            "{:?} should contain {want:?}",
+            status.message()
+        );
     }
     nothing_stored(&server, &s).await;
 
@@ -53,7 +78,11 @@ async fn malformed_fields_are_invalid_argument_and_nothing_is_stored() {
 async fn the_status_message_never_echoes_the_bad_value() {
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
-    let status = refused(&mut server, run_request("alice <script>secret", &s, "r", "hi")).await;
+    let status = refused(
+        &mut server,
+        run_request("alice <script>secret", &s, "r", "hi"),
+    )
+    .await;
     assert!(!status.message().contains("secret"), "{}", status.message());
     server.stop().await;
 }
@@ -61,15 +90,31 @@ async fn the_status_message_never_echoes_the_bad_value() {
 #[tokio::test]
 async fn a_message_over_the_size_limit_is_invalid_argument() {
     let mut opts = Options::default();
-    opts.server = ServerOptions { max_message_bytes: 32 * 1024, max_input_bytes: 16 * 1024, ..opts.server };
+    opts.server = ServerOptions {
+        max_message_bytes: 32 * 1024,
+        max_input_bytes: 16 * 1024,
+        ..opts.server
+    };
     let mut server = TestServer::tcp(opts).await;
     let s = server.session("alice").await;
-    let status = refused(&mut server, run_request("alice", &s, "r", &"x".repeat(100 * 1024))).await;
+    let status = refused(
+        &mut server,
+        run_request("alice", &s, "r", &"x".repeat(100 * 1024)),
+    )
+    .await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(status.message().contains("larger than the server accepts"), "{}", status.message());
+    assert!(
+        status.message().contains("larger than the server accepts"),
+        "{}",
+        status.message()
+    );
     nothing_stored(&server, &s).await;
     // The connection is still good.
-    let (_, end) = server.client.run_to_end(run_request("alice", &s, "r", "hi"), DEADLINE).await.unwrap();
+    let (_, end) = server
+        .client
+        .run_to_end(run_request("alice", &s, "r", "hi"), DEADLINE)
+        .await
+        .unwrap();
     end.unwrap();
     server.stop().await;
 }
@@ -87,10 +132,27 @@ async fn an_unknown_session_is_not_found() {
 async fn another_users_session_is_not_found_exactly_like_a_missing_one() {
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
-    let foreign = refused(&mut server, run_request("mallory", &s, "r", "Where is order 1187?")).await;
-    let missing = refused(&mut server, run_request("mallory", &agentd::domain::SessionId::generate().to_string(), "r", "hi")).await;
+    let foreign = refused(
+        &mut server,
+        run_request("mallory", &s, "r", "Where is order 1187?"),
+    )
+    .await;
+    let missing = refused(
+        &mut server,
+        run_request(
+            "mallory",
+            &agentd::domain::SessionId::generate().to_string(),
+            "r",
+            "hi",
+        ),
+    )
+    .await;
     assert_eq!(foreign.code(), Code::NotFound);
-    assert_eq!((foreign.code(), foreign.message()), (missing.code(), missing.message()), "does not reveal the session exists");
+    assert_eq!(
+        (foreign.code(), foreign.message()),
+        (missing.code(), missing.message()),
+        "does not reveal the session exists"
+    );
     nothing_stored(&server, &s).await;
     server.stop().await;
 }
@@ -100,7 +162,8 @@ async fn a_malformed_grpc_timeout_is_invalid_argument() {
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
     let mut req = tonic::Request::new(run_request("alice", &s, "r", "hi"));
-    req.metadata_mut().insert("grpc-timeout", "soon".parse().unwrap());
+    req.metadata_mut()
+        .insert("grpc-timeout", "soon".parse().unwrap());
     let status = server.client.raw().run(req).await.err().unwrap();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     nothing_stored(&server, &s).await;

@@ -21,15 +21,28 @@ async fn a_short_client_deadline_ends_with_deadline_exceeded_and_cancels_the_too
     let started = tokio::time::Instant::now();
     let (events, end) = server
         .client
-        .run_to_end(run_request("alice", &s, "r1", "Where is order 1187?"), Duration::from_millis(300))
+        .run_to_end(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            Duration::from_millis(300),
+        )
         .await
         .unwrap();
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-    assert!(started.elapsed() < Duration::from_secs(10), "ended by the deadline, not the tool");
-    assert!(events.len() <= 1, "at most the tool call arrived: {events:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "ended by the deadline, not the tool"
+    );
+    assert!(
+        events.len() <= 1,
+        "at most the tool call arrived: {events:?}"
+    );
     assert_eq!(server.tool.started(), 1);
-    assert_eq!(server.tool.cancelled(), 1, "the slow tool observed the cancellation");
+    assert_eq!(
+        server.tool.cancelled(),
+        1,
+        "the slow tool observed the cancellation"
+    );
     assert_eq!(server.tool.completed(), 0);
     let t = server.ended_turn(&s, "r1").await;
     assert_eq!(t.state, TurnState::DeadlineExceeded);
@@ -39,18 +52,28 @@ async fn a_short_client_deadline_ends_with_deadline_exceeded_and_cancels_the_too
 #[tokio::test]
 async fn the_servers_max_run_duration_bounds_a_call_without_a_deadline() {
     let mut opts = slow_tool();
-    opts.turn = TurnConfig { max_run_duration: Duration::from_millis(300), ..opts.turn };
+    opts.turn = TurnConfig {
+        max_run_duration: Duration::from_millis(300),
+        ..opts.turn
+    };
     let mut server = TestServer::in_process(opts).await;
     let s = server.session("alice").await;
     // A client deadline far beyond the server's bound.
     let (_, end) = server
         .client
-        .run_to_end(run_request("alice", &s, "r1", "Where is order 1187?"), Duration::from_secs(3600))
+        .run_to_end(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            Duration::from_secs(3600),
+        )
         .await
         .unwrap();
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded);
-    assert!(status.message().contains("maximum run duration"), "{}", status.message());
+    assert!(
+        status.message().contains("maximum run duration"),
+        "{}",
+        status.message()
+    );
     assert_eq!(server.tool.cancelled(), 1);
     server.stop().await;
 }
@@ -59,14 +82,24 @@ async fn the_servers_max_run_duration_bounds_a_call_without_a_deadline() {
 async fn a_client_that_drops_the_stream_mid_run_cancels_the_tool() {
     let mut server = TestServer::tcp(slow_tool()).await;
     let s = server.session("alice").await;
-    let mut call = server.client.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     let first = call.events.message().await.unwrap().unwrap();
     assert_eq!(first.tool_name, "lookup_order");
     let dropped_at = tokio::time::Instant::now();
     drop(call);
     let tool = server.tool.clone();
     eventually("the tool is cancelled", || tool.cancelled() == 1).await;
-    assert!(dropped_at.elapsed() < Duration::from_secs(5), "promptly, not when the tool would finish");
+    assert!(
+        dropped_at.elapsed() < Duration::from_secs(5),
+        "promptly, not when the tool would finish"
+    );
     assert_eq!(server.tool.completed(), 0);
     let t = server.ended_turn(&s, "r1").await;
     assert_eq!(t.state, TurnState::Cancelled);
@@ -78,15 +111,26 @@ async fn a_client_that_drops_the_stream_mid_run_cancels_the_tool() {
 async fn a_client_whose_connection_breaks_cancels_the_tool() {
     let server = TestServer::tcp(slow_tool()).await;
     let proxy = Proxy::start(server.addr.unwrap()).await;
-    let mut other = agentd::client::AgentClient::connect(&format!("http://{}", proxy.addr)).await.unwrap();
+    let mut other = agentd::client::AgentClient::connect(&format!("http://{}", proxy.addr))
+        .await
+        .unwrap();
     let s = other.create_session("alice").await.unwrap().session_id;
-    let mut call = other.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = other
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     // The call is still held: only the network goes away.
     proxy.cut();
     let tool = server.tool.clone();
     eventually("the tool is cancelled", || tool.cancelled() == 1).await;
-    assert!(call.events.message().await.is_err(), "the client sees the broken call");
+    assert!(
+        call.events.message().await.is_err(),
+        "the client sees the broken call"
+    );
     let t = server.ended_turn(&s, "r1").await;
     assert_eq!(t.state, TurnState::Cancelled);
     server.stop().await;

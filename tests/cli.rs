@@ -18,8 +18,23 @@ impl Served {
     fn start(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--a2a-listen", "127.0.0.1:0", "--drain-delay", "0s"])
-            .env("AGENTD_STORE", format!("sqlite://{}", dir.path().join("agentd.db").display()))
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--a2a-listen",
+                "127.0.0.1:0",
+                "--drain-delay",
+                "0s",
+            ])
+            .env(
+                "AGENTD_STORE",
+                format!("sqlite://{}", dir.path().join("agentd.db").display()),
+            )
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -27,7 +42,10 @@ impl Served {
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = loop {
-            let line = lines.next().expect("server exited before listening").unwrap();
+            let line = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             if v["message"] == "agentd starting" {
                 break v["listen"].as_str().unwrap().to_owned();
@@ -35,15 +53,26 @@ impl Served {
         };
         // Keep draining stderr so the server never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Self { child, url: format!("http://{addr}"), _dir: dir }
+        Self {
+            child,
+            url: format!("http://{addr}"),
+            _dir: dir,
+        }
     }
 
     fn cli(&self, args: &[&str]) -> std::process::Output {
-        Command::new(BIN).args(args).env("AGENTD_SERVER", &self.url).output().unwrap()
+        Command::new(BIN)
+            .args(args)
+            .env("AGENTD_SERVER", &self.url)
+            .output()
+            .unwrap()
     }
 
     fn terminate(mut self) -> std::process::ExitStatus {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
         let until = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -67,28 +96,78 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
     let session = text(&out.stdout).trim().to_owned();
     assert_eq!(session.len(), 36, "a UUID: {session}");
 
-    let out = served.cli(&["run", "--user", "alice", "--session", &session, "--request-id", "r1", "Where is order 1187?"]);
+    let out = served.cli(&[
+        "run",
+        "--user",
+        "alice",
+        "--session",
+        &session,
+        "--request-id",
+        "r1",
+        "Where is order 1187?",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 3, "{stdout}");
-    assert!(lines[0].starts_with("[0] tool_call lookup_order {\"order_id\":\"1187\"}"), "{stdout}");
-    assert!(lines[1].starts_with("[1] tool_result lookup_order"), "{stdout}");
-    assert!(lines[2].starts_with("[2] final_answer: Order 1187"), "{stdout}");
+    assert!(
+        lines[0].starts_with("[0] tool_call lookup_order {\"order_id\":\"1187\"}"),
+        "{stdout}"
+    );
+    assert!(
+        lines[1].starts_with("[1] tool_result lookup_order"),
+        "{stdout}"
+    );
+    assert!(
+        lines[2].starts_with("[2] final_answer: Order 1187"),
+        "{stdout}"
+    );
 
-    let out = served.cli(&["run", "--json", "--user", "alice", "--session", &session, "--request-id", "r1", "Where is order 1187?"]);
-    let events: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let out = served.cli(&[
+        "run",
+        "--json",
+        "--user",
+        "alice",
+        "--session",
+        &session,
+        "--request-id",
+        "r1",
+        "Where is order 1187?",
+    ]);
+    let events: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(events.len(), 3);
     assert_eq!(events[2]["is_final"], true);
     assert_eq!(events[0]["payload"]["order_id"], "1187");
 
     let out = served.cli(&["run", "--user", "mallory", "--session", &session, "hi"]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("NotFound"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("NotFound"),
+        "{}",
+        text(&out.stderr)
+    );
 
-    let out = served.cli(&["run", "--user", "alice", "--session", &session, "--agent", "stream", "--deadline", "200ms", "n=10 rate=5"]);
+    let out = served.cli(&[
+        "run",
+        "--user",
+        "alice",
+        "--session",
+        &session,
+        "--agent",
+        "stream",
+        "--deadline",
+        "200ms",
+        "n=10 rate=5",
+    ]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("DeadlineExceeded"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("DeadlineExceeded"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = served.cli(&["health"]);
     assert!(out.status.success());
@@ -101,35 +180,81 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
 #[test]
 fn a_bad_configuration_fails_at_start_up_with_one_clear_line() {
     let out = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--max-run-duration", "10m", "--shutdown-grace", "1m"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-run-duration",
+            "10m",
+            "--shutdown-grace",
+            "1m",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let stderr = text(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-    assert!(stderr.contains("--max-run-duration") && stderr.contains("--shutdown-grace"), "{stderr}");
+    assert!(
+        stderr.contains("--max-run-duration") && stderr.contains("--shutdown-grace"),
+        "{stderr}"
+    );
 
-    let out = Command::new(BIN).args(["serve", "--stall-timeout", "soon"]).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--stall-timeout", "soon"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("--stall-timeout"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--stall-timeout"),
+        "{}",
+        text(&out.stderr)
+    );
 
-    let out = Command::new(BIN).env("AGENTD_CHANNEL_CAPACITY", "0").args(["serve", "--listen", "127.0.0.1:0"]).output().unwrap();
+    let out = Command::new(BIN)
+        .env("AGENTD_CHANNEL_CAPACITY", "0")
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
     assert!(!out.status.success(), "env vars are validated like flags");
-    assert!(text(&out.stderr).contains("--channel-capacity"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--channel-capacity"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
 fn help_explains_every_serve_flag_and_its_environment_variable() {
-    let out = Command::new(BIN).args(["serve", "--help"]).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let help = text(&out.stdout);
     for flag in [
-        "--listen", "--channel-capacity", "--slow-consumer", "--stall-timeout", "--max-run-duration", "--max-concurrent-runs",
-        "--max-concurrent-streams", "--keepalive-interval", "--keepalive-timeout", "--max-connection-age", "--drain-delay",
-        "--shutdown-grace", "--store", "--retain-turns", "--turn-lease",
+        "--listen",
+        "--channel-capacity",
+        "--slow-consumer",
+        "--stall-timeout",
+        "--max-run-duration",
+        "--max-concurrent-runs",
+        "--max-concurrent-streams",
+        "--keepalive-interval",
+        "--keepalive-timeout",
+        "--max-connection-age",
+        "--drain-delay",
+        "--shutdown-grace",
+        "--store",
+        "--retain-turns",
+        "--turn-lease",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
-        let env = format!("AGENTD_{}", flag.trim_start_matches("--").replace('-', "_").to_uppercase());
+        let env = format!(
+            "AGENTD_{}",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase()
+        );
         assert!(help.contains(&env), "{env} missing from --help");
     }
 }

@@ -28,7 +28,17 @@ struct Served {
 impl Served {
     fn start(args: &[&str]) -> Self {
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--drain-delay",
+                "0s",
+            ])
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -36,7 +46,10 @@ impl Served {
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = loop {
-            let line = lines.next().expect("server exited before listening").unwrap();
+            let line = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             if v["message"] == "agentd starting" {
                 assert_eq!(v["tls"], true, "{line}");
@@ -51,7 +64,9 @@ impl Served {
 
 impl Drop for Served {
     fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let until = Instant::now() + Duration::from_secs(20);
         while self.child.try_wait().ok().flatten().is_none() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));
@@ -75,13 +90,24 @@ fn the_cli_reaches_a_tls_server_with_its_ca_and_token_and_is_refused_without_the
     let tokens = write(
         dir.path(),
         "tokens.json",
-        &format!(r#"{{"tokens": [{{"token": "{TOKEN}", "caller": "cli", "user_ids": ["alice"]}}]}}"#),
+        &format!(
+            r#"{{"tokens": [{{"token": "{TOKEN}", "caller": "cli", "user_ids": ["alice"]}}]}}"#
+        ),
     );
-    let served = Served::start(&["--tls-cert", &cert, "--tls-key", &key, "--auth-tokens", &tokens]);
+    let served = Served::start(&[
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--auth-tokens",
+        &tokens,
+    ]);
     let url = format!("https://{}", served.addr);
     let cli = |args: &[&str], token: Option<&str>| -> Output {
         let mut c = Command::new(BIN);
-        c.args(args).env("AGENTD_SERVER", &url).env("AGENTD_TLS_CA", &ca_file);
+        c.args(args)
+            .env("AGENTD_SERVER", &url)
+            .env("AGENTD_TLS_CA", &ca_file);
         match token {
             Some(t) => c.env("AGENTD_TOKEN", t),
             None => c.env_remove("AGENTD_TOKEN"),
@@ -92,16 +118,34 @@ fn the_cli_reaches_a_tls_server_with_its_ca_and_token_and_is_refused_without_the
     let out = cli(&["session", "create", "--user", "alice"], Some(TOKEN));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let session = text(&out.stdout).trim().to_owned();
-    let out = cli(&["run", "--user", "alice", "--session", &session, "Where is order 1187?"], Some(TOKEN));
+    let out = cli(
+        &[
+            "run",
+            "--user",
+            "alice",
+            "--session",
+            &session,
+            "Where is order 1187?",
+        ],
+        Some(TOKEN),
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("DHL"), "{}", text(&out.stdout));
 
     let out = cli(&["session", "create", "--user", "alice"], None);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("Unauthenticated"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("Unauthenticated"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = cli(&["session", "create", "--user", "bob"], Some(TOKEN));
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("PermissionDenied"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("PermissionDenied"),
+        "{}",
+        text(&out.stderr)
+    );
     // Health needs no token.
     let out = cli(&["health"], None);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -110,17 +154,54 @@ fn the_cli_reaches_a_tls_server_with_its_ca_and_token_and_is_refused_without_the
 #[test]
 fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
     let dir = tempfile::tempdir().unwrap();
-    let short = write(dir.path(), "short.json", r#"{"tokens": [{"token": "hunter2", "caller": "x", "user_ids": ["*"]}]}"#);
-    let out = Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--auth-tokens", &short]).output().unwrap();
+    let short = write(
+        dir.path(),
+        "short.json",
+        r#"{"tokens": [{"token": "hunter2", "caller": "x", "user_ids": ["*"]}]}"#,
+    );
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "off",
+            "--auth-tokens",
+            &short,
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains("--auth-tokens") && err.contains("at least 16"), "{err}");
+    assert!(
+        err.contains("--auth-tokens") && err.contains("at least 16"),
+        "{err}"
+    );
     assert!(!err.contains("hunter2"), "{err}");
 
-    let typo = write(dir.path(), "typo.json", r#"{"tokens": [{"token": "a-long-enough-secret-token", "caler": "x", "user_ids": ["*"]}]}"#);
-    let out = Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--auth-tokens", &typo]).output().unwrap();
+    let typo = write(
+        dir.path(),
+        "typo.json",
+        r#"{"tokens": [{"token": "a-long-enough-secret-token", "caler": "x", "user_ids": ["*"]}]}"#,
+    );
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "off",
+            "--auth-tokens",
+            &typo,
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(!text(&out.stderr).contains("a-long-enough"), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("a-long-enough"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let ca = Ca::new("ca");
     let pem = ca.server();
@@ -128,9 +209,22 @@ fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
     let cert = write(dir.path(), "c.pem", &pem.cert);
     let wrong_key = write(dir.path(), "k.pem", &other.key);
     let out = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--tls-cert", &cert, "--tls-key", &wrong_key])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "off",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &wrong_key,
+        ])
         .output()
         .unwrap();
-    assert!(!out.status.success(), "a key that does not match the certificate was accepted");
+    assert!(
+        !out.status.success(),
+        "a key that does not match the certificate was accepted"
+    );
     assert!(text(&out.stderr).contains("TLS"), "{}", text(&out.stderr));
 }

@@ -21,7 +21,11 @@ async fn cli(server: &std::net::SocketAddr, args: &[&str]) -> (bool, String, Str
     .await
     .expect("the command exits")
     .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,7 +39,17 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
 
     // A run whose client goes away after the first event.
     let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-        .args(["run", "--user", "alice", "--session", &sid, "--request-id", "r1", "--on-disconnect", "continue"])
+        .args([
+            "run",
+            "--user",
+            "alice",
+            "--session",
+            &sid,
+            "--request-id",
+            "r1",
+            "--on-disconnect",
+            "continue",
+        ])
         .arg("Where is order 1187?")
         .env("AGENTD_SERVER", format!("http://{addr}"))
         .stdout(Stdio::piped())
@@ -44,18 +58,46 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
         .spawn()
         .unwrap();
     let mut lines = tokio::io::BufReader::new(run.stdout.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.unwrap().unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert!(first.starts_with("[0] tool_call lookup_order"), "{first}");
     run.kill().await.unwrap();
 
-    let (ok, out, err) = cli(&addr, &["attach", "--user", "alice", "--session", &sid, "--request-id", "r1", "--after-seq", "0"]).await;
+    let (ok, out, err) = cli(
+        &addr,
+        &[
+            "attach",
+            "--user",
+            "alice",
+            "--session",
+            &sid,
+            "--request-id",
+            "r1",
+            "--after-seq",
+            "0",
+        ],
+    )
+    .await;
     assert!(ok, "{err}");
     let printed: Vec<&str> = out.lines().collect();
     assert_eq!(printed.len(), 2, "{out}");
-    assert!(printed[0].starts_with("[1] tool_result lookup_order"), "{out}");
-    assert!(printed[1].starts_with("[2] final_answer: Order 1187"), "{out}");
+    assert!(
+        printed[0].starts_with("[1] tool_result lookup_order"),
+        "{out}"
+    );
+    assert!(
+        printed[1].starts_with("[2] final_answer: Order 1187"),
+        "{out}"
+    );
 
-    let (ok, out, err) = cli(&addr, &["session", "get", "--user", "alice", "--session", &sid]).await;
+    let (ok, out, err) = cli(
+        &addr,
+        &["session", "get", "--user", "alice", "--session", &sid],
+    )
+    .await;
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["turns"][0]["request_id"], "r1");
@@ -67,9 +109,17 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
     assert_eq!(out.lines().count(), 1, "{out}");
     assert!(out.contains(&sid));
 
-    let (ok, _, err) = cli(&addr, &["session", "delete", "--user", "alice", "--session", &sid]).await;
+    let (ok, _, err) = cli(
+        &addr,
+        &["session", "delete", "--user", "alice", "--session", &sid],
+    )
+    .await;
     assert!(ok, "{err}");
-    let (ok, _, err) = cli(&addr, &["session", "get", "--user", "alice", "--session", &sid]).await;
+    let (ok, _, err) = cli(
+        &addr,
+        &["session", "get", "--user", "alice", "--session", &sid],
+    )
+    .await;
     assert!(!ok);
     assert!(err.contains("NotFound"), "{err}");
     server.kill9().await;

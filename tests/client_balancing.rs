@@ -41,7 +41,9 @@ impl Agent for WhoAmI {
     }
     fn run(&self, ctx: RunContext, _input: String) -> EventStream {
         self.runs.fetch_add(1, Ordering::SeqCst);
-        let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
+        let left = ctx
+            .deadline
+            .saturating_duration_since(tokio::time::Instant::now());
         self.deadlines.lock().unwrap().push(left);
         let answer = Event::final_answer("whoami", self.replica.clone());
         Box::pin(futures::stream::once(async move { Ok(answer) }))
@@ -62,7 +64,10 @@ impl Agent for Unavailable {
     }
     fn run(&self, _ctx: RunContext, _input: String) -> EventStream {
         self.runs.fetch_add(1, Ordering::SeqCst);
-        let err = AgentError::Unavailable { message: "the model is unavailable".into(), retry_after: None };
+        let err = AgentError::Unavailable {
+            message: "the model is unavailable".into(),
+            retry_after: None,
+        };
         Box::pin(futures::stream::once(async move { Err(err) }))
     }
 }
@@ -83,17 +88,32 @@ impl Replica {
         Self::start_at("127.0.0.1:0".parse().unwrap(), name, store, opts).await
     }
 
-    async fn start_at(bind: SocketAddr, name: &str, store: Arc<MemoryStore>, opts: ServerOptions) -> Replica {
+    async fn start_at(
+        bind: SocketAddr,
+        name: &str,
+        store: Arc<MemoryStore>,
+        opts: ServerOptions,
+    ) -> Replica {
         let runs = Arc::new(AtomicUsize::new(0));
         let flaky_runs = Arc::new(AtomicUsize::new(0));
         let deadlines = Arc::new(Mutex::new(Vec::new()));
         let agents: Vec<Arc<dyn Agent>> = vec![
-            Arc::new(WhoAmI { replica: name.to_owned(), runs: runs.clone(), deadlines: deadlines.clone() }),
-            Arc::new(Unavailable { runs: flaky_runs.clone() }),
+            Arc::new(WhoAmI {
+                replica: name.to_owned(),
+                runs: runs.clone(),
+                deadlines: deadlines.clone(),
+            }),
+            Arc::new(Unavailable {
+                runs: flaky_runs.clone(),
+            }),
             Arc::new(synthetic::Streamer),
         ];
         let registry = AgentRegistry::new(agents, "whoami").unwrap();
-        let cfg = TurnConfig { replica_id: name.to_owned(), max_run_duration: Duration::from_secs(600), ..TurnConfig::default() };
+        let cfg = TurnConfig {
+            replica_id: name.to_owned(),
+            max_run_duration: Duration::from_secs(600),
+            ..TurnConfig::default()
+        };
         let turns = Turns::new(store, registry, cfg);
         let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -101,7 +121,15 @@ impl Replica {
         let server = tokio::spawn(agentd::server::run(listener, turns, opts, async {
             let _ = stopped.await;
         }));
-        Replica { name: name.to_owned(), flaky_runs, addr, runs, deadlines, stop: Some(stop), server: Some(server) }
+        Replica {
+            name: name.to_owned(),
+            flaky_runs,
+            addr,
+            runs,
+            deadlines,
+            stop: Some(stop),
+            server: Some(server),
+        }
     }
 
     /// Starts the shutdown sequence (NOT_SERVING, drain delay, ...).
@@ -115,13 +143,21 @@ impl Replica {
     async fn stop(&mut self) {
         self.begin_shutdown();
         if let Some(server) = self.server.take() {
-            tokio::time::timeout(Duration::from_secs(20), server).await.expect("server stops").unwrap().unwrap();
+            tokio::time::timeout(Duration::from_secs(20), server)
+                .await
+                .expect("server stops")
+                .unwrap()
+                .unwrap();
         }
     }
 }
 
 fn quick_shutdown() -> ServerOptions {
-    ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_secs(2), ..ServerOptions::default() }
+    ServerOptions {
+        drain_delay: Duration::ZERO,
+        shutdown_grace: Duration::from_secs(2),
+        ..ServerOptions::default()
+    }
 }
 
 /// Re-resolves only when a test calls `refresh()`, and retries quickly.
@@ -143,7 +179,8 @@ const NAME: &str = "agents.test";
 async fn cluster(n: usize, store: &Arc<MemoryStore>) -> Vec<Replica> {
     let mut replicas = Vec::new();
     for i in 0..n {
-        replicas.push(Replica::start(&format!("replica-{i}"), store.clone(), quick_shutdown()).await);
+        replicas
+            .push(Replica::start(&format!("replica-{i}"), store.clone(), quick_shutdown()).await);
     }
     replicas
 }
@@ -153,7 +190,9 @@ fn addrs<'a>(replicas: impl IntoIterator<Item = &'a Replica>) -> Vec<SocketAddr>
 }
 
 async fn connect(resolver: &StaticResolver, cfg: ClientConfig) -> AgentClient {
-    AgentClient::balanced(NAME, 50051, Arc::new(resolver.clone()), cfg).await.unwrap()
+    AgentClient::balanced(NAME, 50051, Arc::new(resolver.clone()), cfg)
+        .await
+        .unwrap()
 }
 
 /// Waits (bounded) until the balancer's addresses satisfy `ok`.
@@ -183,14 +222,21 @@ fn run_request(session: &str, request_id: &str) -> pb::RunRequest {
 
 /// One `whoami` turn to its end; panics on any failure.
 async fn ask(client: &mut AgentClient, session: &str, request_id: &str) -> Answer {
-    let mut call = client.run(run_request(session, request_id), Duration::from_secs(20)).await.expect("run starts");
+    let mut call = client
+        .run(run_request(session, request_id), Duration::from_secs(20))
+        .await
+        .expect("run starts");
     let mut replica = None;
     while let Some(e) = call.events.message().await.expect("run succeeds") {
         if e.is_final {
             replica = Some(e.text);
         }
     }
-    Answer { replica: replica.expect("a final answer"), request_id: call.request_id.clone(), attempts: call.attempts() }
+    Answer {
+        replica: replica.expect("a final answer"),
+        request_id: call.request_id.clone(),
+        attempts: call.attempts(),
+    }
 }
 
 async fn ask_many(client: &mut AgentClient, session: &str, n: usize) -> Vec<Answer> {
@@ -222,10 +268,21 @@ async fn calls_spread_across_every_replica_behind_one_name() {
     let counts = per_replica(&answers);
     for r in &replicas {
         // Uniform choice: a replica missing from 60 calls has odds of 3·(2/3)^60.
-        assert!(counts.get(&r.name).copied().unwrap_or(0) > 0, "{} served no call: {counts:?}", r.name);
-        assert_eq!(r.runs.load(Ordering::SeqCst), counts[&r.name], "each answer is one run on that replica");
+        assert!(
+            counts.get(&r.name).copied().unwrap_or(0) > 0,
+            "{} served no call: {counts:?}",
+            r.name
+        );
+        assert_eq!(
+            r.runs.load(Ordering::SeqCst),
+            counts[&r.name],
+            "each answer is one run on that replica"
+        );
     }
-    assert!(answers.iter().all(|a| a.attempts == 1), "no call needed a retry");
+    assert!(
+        answers.iter().all(|a| a.attempts == 1),
+        "no call needed a retry"
+    );
 }
 
 #[tokio::test]
@@ -237,7 +294,10 @@ async fn a_draining_replica_gets_no_new_calls() {
     let mut draining = Replica::start(
         "draining",
         store.clone(),
-        ServerOptions { drain_delay: Duration::from_secs(60), ..quick_shutdown() },
+        ServerOptions {
+            drain_delay: Duration::from_secs(60),
+            ..quick_shutdown()
+        },
     )
     .await;
     let resolver = StaticResolver::new(addrs(replicas.iter().chain([&draining])));
@@ -251,7 +311,11 @@ async fn a_draining_replica_gets_no_new_calls() {
 
     let counts = per_replica(&answers);
     assert_eq!(counts.get("draining"), None, "{counts:?}");
-    assert_eq!(counts.len(), 2, "the other replicas share the calls: {counts:?}");
+    assert_eq!(
+        counts.len(),
+        2,
+        "the other replicas share the calls: {counts:?}"
+    );
     assert!(answers.iter().all(|a| a.attempts == 1));
     for r in &mut replicas {
         r.stop().await;
@@ -281,9 +345,16 @@ async fn a_replica_that_stops_is_left_out_and_its_calls_move_to_the_others() {
     // Once the name drops it, it is gone from the balancer for good.
     resolver.set(addrs(&replicas));
     client.refresh().await;
-    assert_eq!(*client.endpoints().unwrap().borrow(), addrs(&replicas).into_iter().collect::<BTreeSet<_>>());
+    assert_eq!(
+        *client.endpoints().unwrap().borrow(),
+        addrs(&replicas).into_iter().collect::<BTreeSet<_>>()
+    );
     let answers = ask_many(&mut client, &session, 20).await;
-    assert!(answers.iter().all(|a| a.attempts == 1 && a.replica != gone.name));
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.attempts == 1 && a.replica != gone.name)
+    );
 }
 
 #[tokio::test]
@@ -321,7 +392,10 @@ async fn a_replica_added_later_is_used_after_the_next_resolve() {
     let replicas = cluster(2, &store).await;
     let resolver = StaticResolver::new(addrs(&replicas));
     // Real periodic re-resolution, short for the test.
-    let cfg = ClientConfig { resolve_interval: Duration::from_millis(100), ..client_config() };
+    let cfg = ClientConfig {
+        resolve_interval: Duration::from_millis(100),
+        ..client_config()
+    };
     let mut client = connect(&resolver, cfg).await;
     let session = client.create_session("u1").await.unwrap().session_id;
 
@@ -349,7 +423,14 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
     let resolver = StaticResolver::new(addrs(&replicas));
     // Without health watching, the stopped replica stays in the balancer and
     // every call sent to it is refused (connection refused: UNAVAILABLE).
-    let mut client = connect(&resolver, ClientConfig { health_check: false, ..client_config() }).await;
+    let mut client = connect(
+        &resolver,
+        ClientConfig {
+            health_check: false,
+            ..client_config()
+        },
+    )
+    .await;
     let session = client.create_session("u1").await.unwrap().session_id;
     let mut stopped = replicas.remove(0);
     stopped.stop().await;
@@ -358,7 +439,11 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
     let mut answers = Vec::new();
     for i in 0..30 {
         // Half name their request, half leave it to the client.
-        let rid = if i % 2 == 0 { format!("req-{i}") } else { String::new() };
+        let rid = if i % 2 == 0 {
+            format!("req-{i}")
+        } else {
+            String::new()
+        };
         let a = ask(&mut client, &session, &rid).await;
         if !rid.is_empty() {
             assert_eq!(a.request_id, rid, "a retry never changes the request_id");
@@ -369,14 +454,32 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
     assert!(answers.iter().all(|a| a.replica == alive.name));
     let retried = answers.iter().filter(|a| a.attempts > 1).count();
     // Each call picks the stopped replica first with odds ½: none of 30 is 2^-30.
-    assert!(retried > 0, "some calls were sent to the stopped replica and retried");
-    assert_eq!(alive.runs.load(Ordering::SeqCst), 30, "every turn ran exactly once");
+    assert!(
+        retried > 0,
+        "some calls were sent to the stopped replica and retried"
+    );
+    assert_eq!(
+        alive.runs.load(Ordering::SeqCst),
+        30,
+        "every turn ran exactly once"
+    );
     let session = SessionId::parse(&session).unwrap();
     let mut ids = BTreeSet::new();
     for a in &answers {
-        assert!(!a.request_id.is_empty() && !a.request_id.starts_with("gen-"), "the client chose the id: {}", a.request_id);
-        let key = TurnKey { session_id: session, request_id: RequestId::parse(a.request_id.clone()).unwrap() };
-        let turn = store.get_turn(&key).await.unwrap().expect("the turn is stored under the call's request_id");
+        assert!(
+            !a.request_id.is_empty() && !a.request_id.starts_with("gen-"),
+            "the client chose the id: {}",
+            a.request_id
+        );
+        let key = TurnKey {
+            session_id: session,
+            request_id: RequestId::parse(a.request_id.clone()).unwrap(),
+        };
+        let turn = store
+            .get_turn(&key)
+            .await
+            .unwrap()
+            .expect("the turn is stored under the call's request_id");
         assert_eq!(turn.owner, alive.name);
         ids.insert(a.request_id.clone());
     }
@@ -384,7 +487,13 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
 
     // Sending a generated id again is the same turn: replayed, not rerun.
     let again = answers.iter().find(|a| a.attempts == 1).unwrap();
-    let call = client.run(run_request(&session.to_string(), &again.request_id), Duration::from_secs(10)).await.unwrap();
+    let call = client
+        .run(
+            run_request(&session.to_string(), &again.request_id),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
     assert_eq!(call.mode, "replay");
     assert_eq!(alive.runs.load(Ordering::SeqCst), 30);
 }
@@ -395,7 +504,11 @@ async fn a_run_that_fails_after_an_event_is_not_retried() {
     let mut cutting = Replica::start(
         "cutting",
         store.clone(),
-        ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_millis(300), ..quick_shutdown() },
+        ServerOptions {
+            drain_delay: Duration::ZERO,
+            shutdown_grace: Duration::from_millis(300),
+            ..quick_shutdown()
+        },
     )
     .await;
     let other = Replica::start("other", store.clone(), quick_shutdown()).await;
@@ -414,7 +527,10 @@ async fn a_run_that_fails_after_an_event_is_not_retried() {
     client.refresh().await;
     cutting.begin_shutdown();
     let status = loop {
-        match tokio::time::timeout(Duration::from_secs(20), call.events.message()).await.expect("the run ends") {
+        match tokio::time::timeout(Duration::from_secs(20), call.events.message())
+            .await
+            .expect("the run ends")
+        {
             Ok(Some(_)) => continue,
             Ok(None) => panic!("the run was expected to be cut"),
             Err(s) => break s,
@@ -426,7 +542,12 @@ async fn a_run_that_fails_after_an_event_is_not_retried() {
 }
 
 fn attempts_of(s: &tonic::Status) -> Option<u32> {
-    s.metadata().get(ATTEMPTS_METADATA)?.to_str().ok()?.parse().ok()
+    s.metadata()
+        .get(ATTEMPTS_METADATA)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
 }
 
 #[tokio::test]
@@ -434,16 +555,30 @@ async fn retries_are_bounded_by_the_policy() {
     let store = Arc::new(MemoryStore::new());
     let mut replicas = cluster(1, &store).await;
     let resolver = StaticResolver::new(addrs(&replicas));
-    let mut client = connect(&resolver, ClientConfig { health_check: false, ..client_config() }).await;
+    let mut client = connect(
+        &resolver,
+        ClientConfig {
+            health_check: false,
+            ..client_config()
+        },
+    )
+    .await;
     let session = client.create_session("u1").await.unwrap().session_id;
     replicas[0].stop().await;
 
-    let err = match client.run(run_request(&session, "r1"), Duration::from_secs(20)).await {
+    let err = match client
+        .run(run_request(&session, "r1"), Duration::from_secs(20))
+        .await
+    {
         Ok(_) => panic!("no replica is up"),
         Err(s) => s,
     };
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    assert_eq!(attempts_of(&err), Some(client_config().retry.max_attempts), "{err:?}");
+    assert_eq!(
+        attempts_of(&err),
+        Some(client_config().retry.max_attempts),
+        "{err:?}"
+    );
 }
 
 #[tokio::test]
@@ -468,9 +603,19 @@ async fn a_recorded_turn_failure_is_not_retried_and_the_agent_runs_once() {
         },
     };
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(attempts_of(&status), Some(1), "a recorded outcome is final: {status:?}");
-    assert!(status.metadata().get("agentd-turn-outcome").is_some(), "{status:?}");
-    let ran: usize = replicas.iter().map(|r| r.flaky_runs.load(Ordering::SeqCst)).sum();
+    assert_eq!(
+        attempts_of(&status),
+        Some(1),
+        "a recorded outcome is final: {status:?}"
+    );
+    assert!(
+        status.metadata().get("agentd-turn-outcome").is_some(),
+        "{status:?}"
+    );
+    let ran: usize = replicas
+        .iter()
+        .map(|r| r.flaky_runs.load(Ordering::SeqCst))
+        .sum();
     assert_eq!(ran, 1, "the agent ran once");
 }
 
@@ -479,11 +624,21 @@ async fn create_session_is_resent_when_no_connection_could_be_made() {
     let store = Arc::new(MemoryStore::new());
     let mut replicas = cluster(2, &store).await;
     let resolver = StaticResolver::new(addrs(&replicas));
-    let mut client = connect(&resolver, ClientConfig { health_check: false, ..client_config() }).await;
+    let mut client = connect(
+        &resolver,
+        ClientConfig {
+            health_check: false,
+            ..client_config()
+        },
+    )
+    .await;
     replicas[0].stop().await;
     for _ in 0..20 {
         // Half of the first attempts go to the stopped replica.
-        let s = client.create_session("u1").await.expect("resent to the live replica");
+        let s = client
+            .create_session("u1")
+            .await
+            .expect("resent to the live replica");
         assert_eq!(s.user_id, "u1");
     }
 }
@@ -497,15 +652,25 @@ async fn every_call_carries_a_deadline() {
     let session = client.create_session("u1").await.unwrap().session_id;
 
     // The default: 120 s (the server's own limit here is 600 s).
-    let mut call = client.run_default(run_request(&session, "d1")).await.unwrap();
+    let mut call = client
+        .run_default(run_request(&session, "d1"))
+        .await
+        .unwrap();
     while call.events.message().await.unwrap().is_some() {}
     // A chosen one.
-    let mut call = client.run(run_request(&session, "d2"), Duration::from_secs(3)).await.unwrap();
+    let mut call = client
+        .run(run_request(&session, "d2"), Duration::from_secs(3))
+        .await
+        .unwrap();
     while call.events.message().await.unwrap().is_some() {}
 
     let seen = replicas[0].deadlines.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);
-    assert!(seen[0] <= Duration::from_secs(120) && seen[0] > Duration::from_secs(100), "{:?}", seen[0]);
+    assert!(
+        seen[0] <= Duration::from_secs(120) && seen[0] > Duration::from_secs(100),
+        "{:?}",
+        seen[0]
+    );
     assert!(seen[1] <= Duration::from_secs(3), "{:?}", seen[1]);
 }
 
@@ -521,10 +686,20 @@ async fn a_server_that_never_answers_is_cut_by_the_client_deadline() {
         }
     });
     let resolver = StaticResolver::new([addr]);
-    let mut client = connect(&resolver, ClientConfig { health_check: false, ..client_config() }).await;
+    let mut client = connect(
+        &resolver,
+        ClientConfig {
+            health_check: false,
+            ..client_config()
+        },
+    )
+    .await;
     let result = tokio::time::timeout(
         Duration::from_secs(10),
-        client.run(run_request("00000000-0000-4000-8000-000000000000", "x"), Duration::from_millis(300)),
+        client.run(
+            run_request("00000000-0000-4000-8000-000000000000", "x"),
+            Duration::from_millis(300),
+        ),
     )
     .await
     .expect("the client gives up by itself");
@@ -543,13 +718,27 @@ async fn the_cli_balances_over_a_dns_name() {
     let server = format!("dns:///localhost:{}", replicas[0].addr.port());
     let cli = |args: Vec<String>| {
         tokio::task::spawn_blocking(move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_agentd")).args(args).output().unwrap()
+            std::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+                .args(args)
+                .output()
+                .unwrap()
         })
     };
-    let out = cli(vec!["session".into(), "create".into(), "--server".into(), server.clone(), "--user".into(), "u1".into()])
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(vec![
+        "session".into(),
+        "create".into(),
+        "--server".into(),
+        server.clone(),
+        "--user".into(),
+        "u1".into(),
+    ])
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let session = String::from_utf8(out.stdout).unwrap().trim().to_owned();
     let out = cli(vec![
         "run".into(),
@@ -565,7 +754,15 @@ async fn the_cli_balances_over_a_dns_name() {
     ])
     .await
     .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("replica-0"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("replica-0"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     replicas[0].stop().await;
 }

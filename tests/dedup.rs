@@ -11,7 +11,10 @@ use tonic::Code;
 fn same_events(a: &[agentd::pb::AgentEvent], b: &[agentd::pb::AgentEvent]) {
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
-        assert_eq!((x.seq, &x.text, x.kind, &x.payload_json, x.is_final), (y.seq, &y.text, y.kind, &y.payload_json, y.is_final));
+        assert_eq!(
+            (x.seq, &x.text, x.kind, &x.payload_json, x.is_final),
+            (y.seq, &y.text, y.kind, &y.payload_json, y.is_final)
+        );
     }
 }
 
@@ -20,7 +23,11 @@ async fn a_duplicate_request_id_replays_the_stored_turn_without_running_the_tool
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
     let req = run_request("alice", &s, "r1", "Where is order 1187?");
-    let (first, end) = server.client.run_to_end(req.clone(), DEADLINE).await.unwrap();
+    let (first, end) = server
+        .client
+        .run_to_end(req.clone(), DEADLINE)
+        .await
+        .unwrap();
     end.unwrap();
     let call = server.client.run(req.clone(), DEADLINE).await.unwrap();
     assert_eq!(call.mode, "replay");
@@ -28,17 +35,25 @@ async fn a_duplicate_request_id_replays_the_stored_turn_without_running_the_tool
     let (second, end) = server.client.run_to_end(req, DEADLINE).await.unwrap();
     end.unwrap();
     same_events(&first, &second);
-    assert_eq!(server.tool.started(), 1, "the tool ran once for three calls");
+    assert_eq!(
+        server.tool.started(),
+        1,
+        "the tool ran once for three calls"
+    );
     server.stop().await;
 }
 
 #[tokio::test]
 async fn two_racing_calls_with_one_request_id_run_the_tool_once() {
-    let mut server = TestServer::tcp(Options::default().tool_delay(Duration::from_millis(200))).await;
+    let mut server =
+        TestServer::tcp(Options::default().tool_delay(Duration::from_millis(200))).await;
     let s = server.session("alice").await;
     let req = run_request("alice", &s, "race", "Where is order 1187?");
     let (mut c1, mut c2) = (server.client.clone(), server.client.clone());
-    let (a, b) = tokio::join!(c1.run_to_end(req.clone(), DEADLINE), c2.run_to_end(req, DEADLINE));
+    let (a, b) = tokio::join!(
+        c1.run_to_end(req.clone(), DEADLINE),
+        c2.run_to_end(req, DEADLINE)
+    );
     let (a, ea) = a.unwrap();
     let (b, eb) = b.unwrap();
     ea.unwrap();
@@ -51,7 +66,8 @@ async fn two_racing_calls_with_one_request_id_run_the_tool_once() {
 
 #[tokio::test]
 async fn a_repeat_while_the_turn_runs_attaches_to_it_live() {
-    let mut server = TestServer::tcp(Options::default().tool_delay(Duration::from_millis(500))).await;
+    let mut server =
+        TestServer::tcp(Options::default().tool_delay(Duration::from_millis(500))).await;
     let s = server.session("alice").await;
     let req = run_request("alice", &s, "r1", "Where is order 1187?");
     let mut first = server.client.run(req.clone(), DEADLINE).await.unwrap();
@@ -65,7 +81,11 @@ async fn a_repeat_while_the_turn_runs_attaches_to_it_live() {
     while let Some(e) = attached.events.message().await.unwrap() {
         seen.push(e);
     }
-    assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [0, 1, 2], "events so far, then live");
+    assert_eq!(
+        seen.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [0, 1, 2],
+        "events so far, then live"
+    );
     assert_eq!(seen[0].payload_json, e0.payload_json);
     while first.events.message().await.unwrap().is_some() {}
     assert_eq!(server.tool.started(), 1);
@@ -74,10 +94,15 @@ async fn a_repeat_while_the_turn_runs_attaches_to_it_live() {
 
 #[tokio::test]
 async fn a_failed_turn_replays_its_failure_status() {
-    let mut server = TestServer::in_process(Options::default().tool_delay(Duration::from_secs(30))).await;
+    let mut server =
+        TestServer::in_process(Options::default().tool_delay(Duration::from_secs(30))).await;
     let s = server.session("alice").await;
     let req = run_request("alice", &s, "r1", "Where is order 1187?");
-    let first = match server.client.run_to_end(req.clone(), Duration::from_millis(300)).await {
+    let first = match server
+        .client
+        .run_to_end(req.clone(), Duration::from_millis(300))
+        .await
+    {
         Ok((_, end)) => end.unwrap_err(),
         Err(status) => status,
     };
@@ -85,7 +110,11 @@ async fn a_failed_turn_replays_its_failure_status() {
     server.ended_turn(&s, "r1").await;
     let (events, end) = server.client.run_to_end(req, DEADLINE).await.unwrap();
     let status = end.unwrap_err();
-    assert_eq!(status.code(), Code::DeadlineExceeded, "the stored status, not a new run");
+    assert_eq!(
+        status.code(),
+        Code::DeadlineExceeded,
+        "the stored status, not a new run"
+    );
     assert!(events.len() <= 1);
     assert_eq!(server.tool.started(), 1);
     server.stop().await;
@@ -95,9 +124,21 @@ async fn a_failed_turn_replays_its_failure_status() {
 async fn a_request_id_reused_for_a_different_message_is_refused() {
     let mut server = TestServer::in_process(Options::default()).await;
     let s = server.session("alice").await;
-    let (_, end) = server.client.run_to_end(run_request("alice", &s, "r1", "hello"), DEADLINE).await.unwrap();
+    let (_, end) = server
+        .client
+        .run_to_end(run_request("alice", &s, "r1", "hello"), DEADLINE)
+        .await
+        .unwrap();
     end.unwrap();
-    let err = server.client.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.err().unwrap();
+    let err = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .err()
+        .unwrap();
     assert_eq!(err.code(), Code::AlreadyExists);
     assert_eq!(server.tool.started(), 0);
     server.stop().await;
@@ -109,7 +150,14 @@ async fn the_same_request_id_in_another_session_is_another_turn() {
     let s1 = server.session("alice").await;
     let s2 = server.session("alice").await;
     for s in [&s1, &s2] {
-        let (_, end) = server.client.run_to_end(run_request("alice", s, "r1", "Where is order 1042?"), DEADLINE).await.unwrap();
+        let (_, end) = server
+            .client
+            .run_to_end(
+                run_request("alice", s, "r1", "Where is order 1042?"),
+                DEADLINE,
+            )
+            .await
+            .unwrap();
         end.unwrap();
     }
     assert_eq!(server.tool.started(), 2);
@@ -122,7 +170,11 @@ async fn every_replay_of_a_failed_turn_ends_with_its_status_never_with_ok() {
     let s = server.session("alice").await;
     let req = run_request("alice", &s, "r1", "Where is order 1187?");
     // The deadline may pass before or after the response headers.
-    let first = match server.client.run_to_end(req.clone(), Duration::from_millis(300)).await {
+    let first = match server
+        .client
+        .run_to_end(req.clone(), Duration::from_millis(300))
+        .await
+    {
         Ok((_, end)) => end.unwrap_err(),
         Err(status) => status,
     };
@@ -131,8 +183,16 @@ async fn every_replay_of_a_failed_turn_ends_with_its_status_never_with_ok() {
     // The end of a replay is decided by the follower before its channel
     // closes; a race there would end some replays with OK.
     for i in 0..100 {
-        let (_, end) = server.client.run_to_end(req.clone(), DEADLINE).await.unwrap();
-        assert_eq!(end.err().map(|s| s.code()), Some(Code::DeadlineExceeded), "replay {i}");
+        let (_, end) = server
+            .client
+            .run_to_end(req.clone(), DEADLINE)
+            .await
+            .unwrap();
+        assert_eq!(
+            end.err().map(|s| s.code()),
+            Some(Code::DeadlineExceeded),
+            "replay {i}"
+        );
     }
     server.stop().await;
 }

@@ -16,7 +16,10 @@ const DEADLINE: Duration = Duration::from_secs(30);
 const HANDLED: &str = "grpc_server_handled_total";
 
 fn slow_tool(delay: Duration) -> Secure {
-    Secure { tool_delay: delay, ..Secure::default() }
+    Secure {
+        tool_delay: delay,
+        ..Secure::default()
+    }
 }
 
 fn delta(after: &Metrics, before: &Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -29,12 +32,24 @@ async fn calls_are_counted_by_method_and_final_status_and_a_stream_by_its_traile
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let (_, end) = c.run_to_end(run_request("alice", &session, "ok", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let (_, end) = c
+        .run_to_end(
+            run_request("alice", &session, "ok", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     end.unwrap();
 
     // The headers go out OK at once; the deadline ends the stream later.
     let short = Duration::from_millis(150);
-    let mut call = c.run(run_request("alice", &session, "late", "Where is order 1042?"), short).await.unwrap();
+    let mut call = c
+        .run(
+            run_request("alice", &session, "late", "Where is order 1042?"),
+            short,
+        )
+        .await
+        .unwrap();
     let status = loop {
         match call.events.message().await {
             Ok(Some(_)) => {}
@@ -45,27 +60,76 @@ async fn calls_are_counted_by_method_and_final_status_and_a_stream_by_its_traile
     assert_eq!(status.code(), Code::DeadlineExceeded);
 
     let m = server
-        .metrics_until("the deadline-exceeded Run", |m| delta(m, &before, HANDLED, &rpc("Run", "DEADLINE_EXCEEDED")) == 1.0)
+        .metrics_until("the deadline-exceeded Run", |m| {
+            delta(m, &before, HANDLED, &rpc("Run", "DEADLINE_EXCEEDED")) == 1.0
+        })
         .await;
-    assert_eq!(delta(&m, &before, HANDLED, &rpc("Run", "OK")), 1.0, "{}", m.0);
-    assert_eq!(delta(&m, &before, HANDLED, &rpc("CreateSession", "OK")), 1.0);
+    assert_eq!(
+        delta(&m, &before, HANDLED, &rpc("Run", "OK")),
+        1.0,
+        "{}",
+        m.0
+    );
+    assert_eq!(
+        delta(&m, &before, HANDLED, &rpc("CreateSession", "OK")),
+        1.0
+    );
     assert_eq!(delta(&m, &before, HANDLED, &rpc("Run", "CANCELLED")), 0.0);
     // Measured to the end of the stream, not to the headers.
     let late = rpc("Run", "DEADLINE_EXCEEDED");
-    assert_eq!(delta(&m, &before, "grpc_server_handling_seconds_count", &late), 1.0);
+    assert_eq!(
+        delta(&m, &before, "grpc_server_handling_seconds_count", &late),
+        1.0
+    );
     let secs = delta(&m, &before, "grpc_server_handling_seconds_sum", &late);
-    assert!(secs >= short.as_secs_f64(), "the late Run was timed at {secs}s");
-    let ok_secs = delta(&m, &before, "grpc_server_handling_seconds_sum", &rpc("Run", "OK"));
-    assert!(ok_secs >= 0.4, "the OK Run (a 400 ms tool) was timed at {ok_secs}s");
+    assert!(
+        secs >= short.as_secs_f64(),
+        "the late Run was timed at {secs}s"
+    );
+    let ok_secs = delta(
+        &m,
+        &before,
+        "grpc_server_handling_seconds_sum",
+        &rpc("Run", "OK"),
+    );
+    assert!(
+        ok_secs >= 0.4,
+        "the OK Run (a 400 ms tool) was timed at {ok_secs}s"
+    );
 
     let m = server
-        .metrics_until("the cancelled run's metrics", |m| delta(m, &before, "agentd_run_cancellations_total", &[("cause", "deadline")]) == 1.0)
+        .metrics_until("the cancelled run's metrics", |m| {
+            delta(
+                m,
+                &before,
+                "agentd_run_cancellations_total",
+                &[("cause", "deadline")],
+            ) == 1.0
+        })
         .await;
     // Three events for the worked trace, the tool call for the late one.
-    assert_eq!(delta(&m, &before, "agentd_run_events_count", &[("mode", "new")]), 2.0);
-    assert_eq!(delta(&m, &before, "agentd_run_events_sum", &[("mode", "new")]), 4.0);
-    assert_eq!(delta(&m, &before, "agentd_run_cancellations_total", &[("cause", "client")]), 0.0);
-    server.metrics_until("no run in flight", |m| m.count("agentd_runs_in_flight", &[]) == 0.0).await;
+    assert_eq!(
+        delta(&m, &before, "agentd_run_events_count", &[("mode", "new")]),
+        2.0
+    );
+    assert_eq!(
+        delta(&m, &before, "agentd_run_events_sum", &[("mode", "new")]),
+        4.0
+    );
+    assert_eq!(
+        delta(
+            &m,
+            &before,
+            "agentd_run_cancellations_total",
+            &[("cause", "client")]
+        ),
+        0.0
+    );
+    server
+        .metrics_until("no run in flight", |m| {
+            m.count("agentd_runs_in_flight", &[]) == 0.0
+        })
+        .await;
     server.stop().await;
 }
 
@@ -75,23 +139,50 @@ async fn a_client_that_drops_the_stream_is_counted_as_a_client_cancellation() {
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let mut call = c.run(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = c
+        .run(
+            run_request("alice", &session, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
-    let m = server.metrics_until("one run in flight", |m| m.count("agentd_runs_in_flight", &[]) == 1.0).await;
+    let m = server
+        .metrics_until("one run in flight", |m| {
+            m.count("agentd_runs_in_flight", &[]) == 1.0
+        })
+        .await;
     // A call still streaming is started, not yet handled.
-    let run = [("grpc_service", "agents.v1.AgentService"), ("grpc_method", "Run")];
-    assert_eq!(delta(&m, &before, "grpc_server_started_total", &run), 1.0, "{}", m.0);
+    let run = [
+        ("grpc_service", "agents.v1.AgentService"),
+        ("grpc_method", "Run"),
+    ];
+    assert_eq!(
+        delta(&m, &before, "grpc_server_started_total", &run),
+        1.0,
+        "{}",
+        m.0
+    );
     assert_eq!(delta(&m, &before, HANDLED, &run), 0.0, "{}", m.0);
     drop(call);
 
     let m = server
         .metrics_until("the client's cancellation", |m| {
-            delta(m, &before, "agentd_run_cancellations_total", &[("cause", "client")]) == 1.0
+            delta(
+                m,
+                &before,
+                "agentd_run_cancellations_total",
+                &[("cause", "client")],
+            ) == 1.0
                 && delta(m, &before, HANDLED, &rpc("Run", "CANCELLED")) == 1.0
         })
         .await;
     assert_eq!(delta(&m, &before, HANDLED, &rpc("Run", "OK")), 0.0);
-    server.metrics_until("no run in flight", |m| m.count("agentd_runs_in_flight", &[]) == 0.0).await;
+    server
+        .metrics_until("no run in flight", |m| {
+            m.count("agentd_runs_in_flight", &[]) == 0.0
+        })
+        .await;
     server.stop().await;
 }
 
@@ -137,8 +228,19 @@ async fn repeated_request_ids_are_counted_as_replays_and_attaches() {
                 && delta(m, &before, "agentd_dedup_total", &[("mode", "attach")]) == 1.0
         })
         .await;
-    assert_eq!(server.tool.started(), 2, "two turns ran; the repeats ran nothing");
-    assert!(delta(&m, &before, "agentd_run_events_count", &[("mode", "attach")]) <= 1.0);
+    assert_eq!(
+        server.tool.started(),
+        2,
+        "two turns ran; the repeats ran nothing"
+    );
+    assert!(
+        delta(
+            &m,
+            &before,
+            "agentd_run_events_count",
+            &[("mode", "attach")]
+        ) <= 1.0
+    );
     server.stop().await;
 }
 
@@ -150,16 +252,28 @@ async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
         stall_timeout: Duration::from_millis(200),
         ..TurnConfig::default()
     };
-    let server = SecureServer::start(Ca::new("ca"), Secure { turn, ..Secure::default() }).await;
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            turn,
+            ..Secure::default()
+        },
+    )
+    .await;
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let req = with_agent(run_request("alice", &session, "r1", "n=200000 size=1024"), "stream");
+    let req = with_agent(
+        run_request("alice", &session, "r1", "n=200000 size=1024"),
+        "stream",
+    );
     let mut call = c.run(req, DEADLINE).await.unwrap();
     call.events.message().await.unwrap().unwrap();
     // Stop reading until the server gives up on us.
     server
-        .metrics_until("the slow-consumer termination", |m| delta(m, &before, "agentd_slow_consumer_terminations_total", &[]) == 1.0)
+        .metrics_until("the slow-consumer termination", |m| {
+            delta(m, &before, "agentd_slow_consumer_terminations_total", &[]) == 1.0
+        })
         .await;
     let status = loop {
         match call.events.message().await {
@@ -170,7 +284,9 @@ async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
     };
     assert_eq!(status.code(), Code::ResourceExhausted);
     server
-        .metrics_until("the RESOURCE_EXHAUSTED Run", |m| delta(m, &before, HANDLED, &rpc("Run", "RESOURCE_EXHAUSTED")) == 1.0)
+        .metrics_until("the RESOURCE_EXHAUSTED Run", |m| {
+            delta(m, &before, HANDLED, &rpc("Run", "RESOURCE_EXHAUSTED")) == 1.0
+        })
         .await;
     server.stop().await;
 }
@@ -188,20 +304,34 @@ async fn a_run_cut_at_shutdown_is_counted_and_readyz_turns_unavailable() {
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let mut call = c.run(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = c
+        .run(
+            run_request("alice", &session, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
 
     server.begin_shutdown();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while server.admin_get("/readyz").await.0 != 503 {
-        assert!(tokio::time::Instant::now() < deadline, "/readyz still ready during shutdown");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "/readyz still ready during shutdown"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let status = call.events.message().await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
     server
         .metrics_until("the cut run", |m| {
-            delta(m, &before, "agentd_run_cancellations_total", &[("cause", "shutdown")]) == 1.0
+            delta(
+                m,
+                &before,
+                "agentd_run_cancellations_total",
+                &[("cause", "shutdown")],
+            ) == 1.0
                 && delta(m, &before, HANDLED, &rpc("Run", "UNAVAILABLE")) == 1.0
         })
         .await;
@@ -210,36 +340,86 @@ async fn a_run_cut_at_shutdown_is_counted_and_readyz_turns_unavailable() {
 
 #[tokio::test]
 async fn refusals_before_any_message_are_counted_with_their_status() {
-    let tokens = r#"{"tokens": [{"token": "tok-0123456789abcdef", "caller": "x", "user_ids": ["*"]}]}"#;
-    let server = SecureServer::start(Ca::new("ca"), Secure { tokens_json: Some(tokens.into()), ..Secure::default() }).await;
+    let tokens =
+        r#"{"tokens": [{"token": "tok-0123456789abcdef", "caller": "x", "user_ids": ["*"]}]}"#;
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            tokens_json: Some(tokens.into()),
+            ..Secure::default()
+        },
+    )
+    .await;
     let before = server.metrics().await;
     let mut anonymous = server.client(None, None).await.unwrap();
-    assert_eq!(anonymous.create_session("alice").await.unwrap_err().code(), Code::Unauthenticated);
-    let mut c = server.client(None, Some("tok-0123456789abcdef")).await.unwrap();
-    let err = c.run(run_request("alice", "not-a-session", "r1", "hi"), DEADLINE).await.err().expect("a bad session id is refused");
+    assert_eq!(
+        anonymous.create_session("alice").await.unwrap_err().code(),
+        Code::Unauthenticated
+    );
+    let mut c = server
+        .client(None, Some("tok-0123456789abcdef"))
+        .await
+        .unwrap();
+    let err = c
+        .run(run_request("alice", "not-a-session", "r1", "hi"), DEADLINE)
+        .await
+        .err()
+        .expect("a bad session id is refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     // A method this server does not serve (reflection v1alpha; only v1 is
     // served) is counted, but not under a name the caller chose.
     let channel = tonic::transport::Endpoint::from_shared(server.url())
         .unwrap()
-        .tls_config(agentd::client::ClientSecurity::tls_from_pem(server.ca.pem.as_bytes(), None))
+        .tls_config(agentd::client::ClientSecurity::tls_from_pem(
+            server.ca.pem.as_bytes(),
+            None,
+        ))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    let mut alpha = tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
-    let req = tonic_reflection::pb::v1alpha::ServerReflectionRequest { host: String::new(), message_request: None };
+    let mut alpha =
+        tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient::new(
+            channel,
+        );
+    let req = tonic_reflection::pb::v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: None,
+    };
     let err = match alpha.server_reflection_info(tokio_stream::once(req)).await {
         Err(s) => s,
         Ok(r) => r.into_inner().message().await.unwrap_err(),
     };
-    assert_eq!(err.code(), Code::Unauthenticated, "authentication comes before routing: {err:?}");
+    assert_eq!(
+        err.code(),
+        Code::Unauthenticated,
+        "authentication comes before routing: {err:?}"
+    );
 
     let m = server.metrics().await;
-    let unknown = [("grpc_service", "unknown"), ("grpc_method", "unknown"), ("grpc_code", "UNAUTHENTICATED")];
+    let unknown = [
+        ("grpc_service", "unknown"),
+        ("grpc_method", "unknown"),
+        ("grpc_code", "UNAUTHENTICATED"),
+    ];
     assert_eq!(delta(&m, &before, HANDLED, &unknown), 1.0, "{}", m.0);
     assert!(!m.0.contains("v1alpha"), "{}", m.0);
-    assert_eq!(delta(&m, &before, HANDLED, &rpc("CreateSession", "UNAUTHENTICATED")), 1.0, "{}", m.0);
-    assert_eq!(delta(&m, &before, HANDLED, &rpc("Run", "INVALID_ARGUMENT")), 1.0, "{}", m.0);
+    assert_eq!(
+        delta(
+            &m,
+            &before,
+            HANDLED,
+            &rpc("CreateSession", "UNAUTHENTICATED")
+        ),
+        1.0,
+        "{}",
+        m.0
+    );
+    assert_eq!(
+        delta(&m, &before, HANDLED, &rpc("Run", "INVALID_ARGUMENT")),
+        1.0,
+        "{}",
+        m.0
+    );
     server.stop().await;
 }

@@ -59,10 +59,22 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
         seen.push(v);
         seen.len() - 1
     };
-    match s.replies.get(n).cloned().unwrap_or_else(|| panic!("unexpected request #{n}")) {
+    match s
+        .replies
+        .get(n)
+        .cloned()
+        .unwrap_or_else(|| panic!("unexpected request #{n}"))
+    {
         Reply::Sse(items) => {
-            let chunks = futures::stream::iter(items.into_iter().map(|d| Ok::<_, Infallible>(format!("data: {d}\n\n"))));
-            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+            let chunks = futures::stream::iter(
+                items
+                    .into_iter()
+                    .map(|d| Ok::<_, Infallible>(format!("data: {d}\n\n"))),
+            );
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(chunks))
+                .unwrap()
         }
         Reply::Error(code, headers, body) => {
             let mut r = (StatusCode::from_u16(code).unwrap(), body).into_response();
@@ -73,7 +85,10 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
         }
         Reply::Burst(items) => {
             let body: String = items.iter().map(|d| format!("data: {d}\n\n")).collect();
-            Response::builder().header("content-type", "text/event-stream").body(Body::from(body)).unwrap()
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from(body))
+                .unwrap()
         }
         Reply::Endless => {
             let guard = OnDrop(s.closed.clone());
@@ -82,7 +97,10 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
                 let d = json!({"choices":[{"index":0,"delta":{"content":"tick "}}]});
                 Some((Ok::<_, Infallible>(format!("data: {d}\n\n")), g))
             });
-            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(chunks)).unwrap()
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(chunks))
+                .unwrap()
         }
     }
 }
@@ -96,12 +114,22 @@ struct Fake {
 async fn fake(replies: Vec<Reply>) -> Fake {
     let (tx, rx) = mpsc::unbounded_channel();
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let script = Script { replies: Arc::new(replies), seen: seen.clone(), closed: tx };
-    let app = axum::Router::new().route("/v1/chat/completions", post(chat)).with_state(script);
+    let script = Script {
+        replies: Arc::new(replies),
+        seen: seen.clone(),
+        closed: tx,
+    };
+    let app = axum::Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .with_state(script);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    Fake { url, seen, closed: rx }
+    Fake {
+        url,
+        seen,
+        closed: rx,
+    }
 }
 
 fn agents_file(base_url: &str, extra: &str) -> String {
@@ -144,17 +172,43 @@ async fn a_gemini_style_tool_call_runs_the_tool_and_its_unknown_fields_go_back_t
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "Where is order 1187?", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "Where is order 1187?",
+            Duration::from_secs(20),
+        )
+        .await;
     status.unwrap();
     // Text deltas that arrive together may be merged into one event.
     let k = kinds(&events);
-    assert_eq!(k[..3], [EventKind::ToolCall, EventKind::ToolResult, EventKind::PartialText], "{events:#?}");
-    assert!(k[3..k.len() - 1].iter().all(|k| *k == EventKind::PartialText));
+    assert_eq!(
+        k[..3],
+        [
+            EventKind::ToolCall,
+            EventKind::ToolResult,
+            EventKind::PartialText
+        ],
+        "{events:#?}"
+    );
+    assert!(
+        k[3..k.len() - 1]
+            .iter()
+            .all(|k| *k == EventKind::PartialText)
+    );
     assert_eq!(partial_text(&events), "It has shipped.");
     assert_eq!(events[0].tool_name, "lookup_order");
-    assert_eq!(serde_json::from_str::<Value>(&events[0].payload_json).unwrap(), json!({"order_id": "1187"}));
+    assert_eq!(
+        serde_json::from_str::<Value>(&events[0].payload_json).unwrap(),
+        json!({"order_id": "1187"})
+    );
     assert_eq!(events[1].tool_call_id, "function-call-1");
-    assert_eq!(serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["status"], "shipped");
+    assert_eq!(
+        serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["status"],
+        "shipped"
+    );
     let last = events.last().unwrap();
     assert_eq!(last.kind(), EventKind::FinalAnswer);
     assert_eq!(last.text, "It has shipped.");
@@ -165,17 +219,26 @@ async fn a_gemini_style_tool_call_runs_the_tool_and_its_unknown_fields_go_back_t
     let first = &seen[0];
     assert_eq!(first["stream"], true);
     assert_eq!(first["model"], "test-model");
-    assert_eq!(first["messages"][0], json!({"role": "system", "content": "You answer order questions."}));
+    assert_eq!(
+        first["messages"][0],
+        json!({"role": "system", "content": "You answer order questions."})
+    );
     assert_eq!(first["tools"][0]["function"]["name"], "lookup_order");
     let msgs = seen[1]["messages"].as_array().unwrap();
     let assistant = &msgs[2];
     assert_eq!(assistant["role"], "assistant");
-    assert_eq!(assistant["tool_calls"][0]["extra_content"]["google"]["thought_signature"], "sig-123");
+    assert_eq!(
+        assistant["tool_calls"][0]["extra_content"]["google"]["thought_signature"],
+        "sig-123"
+    );
     assert_eq!(assistant["tool_calls"][0]["id"], "function-call-1");
     let tool = &msgs[3];
     assert_eq!(tool["role"], "tool");
     assert_eq!(tool["tool_call_id"], "function-call-1");
-    assert_eq!(serde_json::from_str::<Value>(tool["content"].as_str().unwrap()).unwrap()["carrier"], "DHL");
+    assert_eq!(
+        serde_json::from_str::<Value>(tool["content"].as_str().unwrap()).unwrap()["carrier"],
+        "DHL"
+    );
     d.stop().await;
 }
 
@@ -188,44 +251,95 @@ async fn the_sessions_earlier_turns_are_sent_as_history() {
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    d.run("u1", &s, "helper", "first question", Duration::from_secs(20)).await.1.unwrap();
-    d.run("u1", &s, "helper", "second question", Duration::from_secs(20)).await.1.unwrap();
+    d.run(
+        "u1",
+        &s,
+        "helper",
+        "first question",
+        Duration::from_secs(20),
+    )
+    .await
+    .1
+    .unwrap();
+    d.run(
+        "u1",
+        &s,
+        "helper",
+        "second question",
+        Duration::from_secs(20),
+    )
+    .await
+    .1
+    .unwrap();
     let seen = f.seen.lock().unwrap().clone();
     let msgs: Vec<(String, String)> = seen[1]["messages"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| (m["role"].as_str().unwrap().to_owned(), m["content"].as_str().unwrap_or_default().to_owned()))
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
         .collect();
-    let want = [("system", "You answer order questions."), ("user", "first question"), ("assistant", "First answer."), ("user", "second question")];
-    assert_eq!(msgs, want.map(|(a, b)| (a.to_owned(), b.to_owned())).to_vec());
+    let want = [
+        ("system", "You answer order questions."),
+        ("user", "first question"),
+        ("assistant", "First answer."),
+        ("user", "second question"),
+    ];
+    assert_eq!(
+        msgs,
+        want.map(|(a, b)| (a.to_owned(), b.to_owned())).to_vec()
+    );
     d.stop().await;
 }
 
 #[tokio::test]
 async fn a_429_is_unavailable_with_the_retry_pushback_and_no_model_text() {
-    let body = json!({"error": {"message": format!("rate limited; you said: {SECRET}")}}).to_string();
+    let body =
+        json!({"error": {"message": format!("rate limited; you said: {SECRET}")}}).to_string();
     let f = fake(vec![Reply::Error(429, vec![("retry-after", "3")], body)]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (_, status) = d.run("u1", &s, "helper", SECRET, Duration::from_secs(20)).await;
+    let (_, status) = d
+        .run("u1", &s, "helper", SECRET, Duration::from_secs(20))
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(!st.message().contains("4111"), "{}", st.message());
-    assert_eq!(st.metadata().get("grpc-retry-pushback-ms").map(|v| v.to_str().unwrap()), Some("3000"));
+    assert_eq!(
+        st.metadata()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap()),
+        Some("3000")
+    );
     d.stop().await;
 }
 
 #[tokio::test]
 async fn a_500_is_unavailable_and_a_401_is_failed_precondition_both_sanitised() {
     let body = json!({"error": {"message": format!("boom: {SECRET}")}}).to_string();
-    let f = fake(vec![Reply::Error(500, vec![], body.clone()), Reply::Error(401, vec![], body)]).await;
+    let f = fake(vec![
+        Reply::Error(500, vec![], body.clone()),
+        Reply::Error(401, vec![], body),
+    ])
+    .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let st = d.run("u1", &s, "helper", "hello one", Duration::from_secs(20)).await.1.unwrap_err();
+    let st = d
+        .run("u1", &s, "helper", "hello one", Duration::from_secs(20))
+        .await
+        .1
+        .unwrap_err();
     assert_eq!(st.code(), Code::Unavailable);
     assert!(!st.message().contains("4111"));
-    let st = d.run("u1", &s, "helper", "hello two", Duration::from_secs(20)).await.1.unwrap_err();
+    let st = d
+        .run("u1", &s, "helper", "hello two", Duration::from_secs(20))
+        .await
+        .1
+        .unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
     assert!(!st.message().contains("4111"));
     d.stop().await;
@@ -237,7 +351,9 @@ async fn a_stream_cut_before_done_is_unavailable_not_a_success() {
     let f = fake(vec![Reply::Sse(vec![text("Order 1187 has "), stop()])]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "where?", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "where?", Duration::from_secs(20))
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert_eq!(partial_text(&events), "Order 1187 has ");
@@ -247,11 +363,14 @@ async fn a_stream_cut_before_done_is_unavailable_not_a_success() {
 
 #[tokio::test]
 async fn an_error_object_mid_stream_ends_the_run_sanitised() {
-    let err = json!({"error": {"code": 500, "message": format!("parser failed on: {SECRET}")}}).to_string();
+    let err = json!({"error": {"code": 500, "message": format!("parser failed on: {SECRET}")}})
+        .to_string();
     let f = fake(vec![Reply::Sse(vec![text("partial "), err, DONE.into()])]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "where?", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "where?", Duration::from_secs(20))
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(!st.message().contains("4111"));
@@ -266,14 +385,27 @@ async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
             "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1042\"}"}}]},"finish_reason":"tool_calls"}]})
         .to_string()
     };
-    let f = fake((0..3).map(|i| Reply::Sse(vec![call(&format!("c{i}")), DONE.into()])).collect()).await;
+    let f = fake(
+        (0..3)
+            .map(|i| Reply::Sse(vec![call(&format!("c{i}")), DONE.into()]))
+            .collect(),
+    )
+    .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "loop", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "loop", Duration::from_secs(20))
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
     // max_tool_turns = 2: two rounds of tools ran, the third call was refused.
-    assert_eq!(events.iter().filter(|e| e.kind() == EventKind::ToolResult).count(), 2);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind() == EventKind::ToolResult)
+            .count(),
+        2
+    );
     assert_eq!(f.seen.lock().unwrap().len(), 3);
     d.stop().await;
 }
@@ -289,13 +421,26 @@ async fn bad_arguments_go_back_to_the_model_as_a_tool_error() {
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "where is 1187", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "where is 1187", Duration::from_secs(20))
+        .await;
     status.unwrap();
     let result: Value = serde_json::from_str(&events[1].payload_json).unwrap();
-    assert!(result["error"].as_str().unwrap().contains("order_id"), "{result}");
+    assert!(
+        result["error"].as_str().unwrap().contains("order_id"),
+        "{result}"
+    );
     let seen = f.seen.lock().unwrap().clone();
-    let tool_msg = seen[1]["messages"].as_array().unwrap().last().unwrap().clone();
-    assert!(tool_msg["content"].as_str().unwrap().contains("schema"), "{tool_msg}");
+    let tool_msg = seen[1]["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert!(
+        tool_msg["content"].as_str().unwrap().contains("schema"),
+        "{tool_msg}"
+    );
     d.stop().await;
 }
 
@@ -304,7 +449,15 @@ async fn a_client_deadline_closes_the_connection_to_the_model_server() {
     let mut f = fake(vec![Reply::Endless]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "talk forever", Duration::from_millis(500)).await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "talk forever",
+            Duration::from_millis(500),
+        )
+        .await;
     assert_eq!(status.unwrap_err().code(), Code::DeadlineExceeded);
     assert!(!events.is_empty(), "text was streaming before the deadline");
     tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
@@ -317,13 +470,19 @@ async fn a_client_deadline_closes_the_connection_to_the_model_server() {
 #[tokio::test]
 async fn the_per_call_timeout_bounds_a_model_call() {
     let mut f = fake(vec![Reply::Endless]).await;
-    let file = agents_file(&f.url, "").replace("call_timeout = \"10s\"", "call_timeout = \"300ms\"");
+    let file =
+        agents_file(&f.url, "").replace("call_timeout = \"10s\"", "call_timeout = \"300ms\"");
     let mut d = Agentd::start(&file).await;
     let s = d.session("u1").await;
-    let (_, status) = d.run("u1", &s, "helper", "talk forever", Duration::from_secs(20)).await;
+    let (_, status) = d
+        .run("u1", &s, "helper", "talk forever", Duration::from_secs(20))
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv()).await.expect("connection closed").unwrap();
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("connection closed")
+        .unwrap();
     d.stop().await;
 }
 
@@ -332,7 +491,11 @@ async fn an_unreachable_model_server_is_unavailable() {
     let port = openai_support::free_port();
     let mut d = Agentd::start(&agents_file(&format!("http://127.0.0.1:{port}/v1"), "")).await;
     let s = d.session("u1").await;
-    let st = d.run("u1", &s, "helper", "anyone?", Duration::from_secs(20)).await.1.unwrap_err();
+    let st = d
+        .run("u1", &s, "helper", "anyone?", Duration::from_secs(20))
+        .await
+        .1
+        .unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     d.stop().await;
 }
@@ -342,7 +505,11 @@ async fn an_unknown_agent_is_not_found() {
     let f = fake(vec![]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let st = d.run("u1", &s, "nobody", "hi", Duration::from_secs(5)).await.1.unwrap_err();
+    let st = d
+        .run("u1", &s, "nobody", "hi", Duration::from_secs(5))
+        .await
+        .1
+        .unwrap_err();
     assert_eq!(st.code(), Code::NotFound);
     d.stop().await;
 }
@@ -358,7 +525,9 @@ async fn tool_server() -> String {
             post(move |axum::Json(args): axum::Json<Value>| {
                 let barrier = barrier.clone();
                 async move {
-                    let met = tokio::time::timeout(Duration::from_secs(10), barrier.wait()).await.is_ok();
+                    let met = tokio::time::timeout(Duration::from_secs(10), barrier.wait())
+                        .await
+                        .is_ok();
                     axum::Json(json!({"sku": args["sku"], "met_the_other_call": met}))
                 }
             }),
@@ -398,10 +567,20 @@ async fn parallel_tool_calls_run_at_once_and_their_results_go_back_in_call_order
     ])
     .await;
     let tools = tool_server().await;
-    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["stock"]"#) + &http_tools(&tools);
+    let file = agents_file(&f.url, "")
+        .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["stock"]"#)
+        + &http_tools(&tools);
     let mut d = Agentd::start(&file).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "stock of cups and pots?", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "stock of cups and pots?",
+            Duration::from_secs(20),
+        )
+        .await;
     status.unwrap();
     let results: Vec<Value> = events
         .iter()
@@ -409,15 +588,26 @@ async fn parallel_tool_calls_run_at_once_and_their_results_go_back_in_call_order
         .map(|e| serde_json::from_str(&e.payload_json).unwrap())
         .collect();
     assert_eq!(results.len(), 2);
-    assert!(results.iter().all(|r| r["met_the_other_call"] == true), "the calls ran concurrently: {results:?}");
+    assert!(
+        results.iter().all(|r| r["met_the_other_call"] == true),
+        "the calls ran concurrently: {results:?}"
+    );
     let seen = f.seen.lock().unwrap().clone();
     let msgs = seen[1]["messages"].as_array().unwrap();
     let tool_msgs: Vec<(&str, Value)> = msgs
         .iter()
         .filter(|m| m["role"] == "tool")
-        .map(|m| (m["tool_call_id"].as_str().unwrap(), serde_json::from_str(m["content"].as_str().unwrap()).unwrap()))
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap(),
+                serde_json::from_str(m["content"].as_str().unwrap()).unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(tool_msgs.iter().map(|t| t.0).collect::<Vec<_>>(), vec!["a", "b"]);
+    assert_eq!(
+        tool_msgs.iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec!["a", "b"]
+    );
     assert_eq!(tool_msgs[1].1["sku"], "pot");
     d.stop().await;
 }
@@ -432,13 +622,26 @@ async fn an_http_tool_response_over_its_cap_is_an_error_for_the_model() {
     ])
     .await;
     let tools = tool_server().await;
-    let file = agents_file(&f.url, "").replace(r#"tools = ["lookup_order"]"#, r#"tools = ["catalog"]"#) + &http_tools(&tools);
+    let file = agents_file(&f.url, "")
+        .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["catalog"]"#)
+        + &http_tools(&tools);
     let mut d = Agentd::start(&file).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "show the catalog", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "show the catalog",
+            Duration::from_secs(20),
+        )
+        .await;
     status.unwrap();
     let r: Value = serde_json::from_str(&events[1].payload_json).unwrap();
-    assert!(r["error"].as_str().unwrap().contains("exceeded 1000 bytes"), "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("exceeded 1000 bytes"),
+        "{r}"
+    );
     d.stop().await;
 }
 
@@ -450,12 +653,20 @@ async fn text_deltas_that_arrive_together_become_fewer_events_with_the_text_inta
     let f = fake(vec![Reply::Burst(items)]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
     let s = d.session("u1").await;
-    let (events, status) = d.run("u1", &s, "helper", "burst", Duration::from_secs(20)).await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "burst", Duration::from_secs(20))
+        .await;
     status.unwrap();
     let want: String = (0..200).map(|i| format!("w{i} ")).collect();
     assert_eq!(partial_text(&events), want);
     assert_eq!(events.last().unwrap().text, want);
-    let partials = events.iter().filter(|e| e.kind() == EventKind::PartialText).count();
-    assert!(partials < 200, "deltas read together are merged: {partials} events");
+    let partials = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::PartialText)
+        .count();
+    assert!(
+        partials < 200,
+        "deltas read together are merged: {partials} events"
+    );
     d.stop().await;
 }

@@ -29,13 +29,27 @@ fn a_bad_agents_file_stops_start_up_with_file_line_and_reason() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("agents.toml:5:"), "{err}");
-    assert!(err.contains("AGENTD_TEST_SURELY_UNSET_KEY is not set"), "{err}");
+    assert!(
+        err.contains("AGENTD_TEST_SURELY_UNSET_KEY is not set"),
+        "{err}"
+    );
 
-    let path = write(dir.path(), "typo.toml", "[agents.smart]\ndescripton = \"x\"\n");
-    let out = Command::new(BIN).args(["serve", "--listen", "127.0.0.1:0"]).env("AGENTD_AGENTS", &path).output().unwrap();
+    let path = write(
+        dir.path(),
+        "typo.toml",
+        "[agents.smart]\ndescripton = \"x\"\n",
+    );
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("AGENTD_AGENTS", &path)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("typo.toml:2:") && err.contains("unknown field"), "{err}");
+    assert!(
+        err.contains("typo.toml:2:") && err.contains("unknown field"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -43,21 +57,40 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
     let dir = tempfile::tempdir().unwrap();
     // Nothing listens on the model's port: the file's agent answers
     // UNAVAILABLE, which tells it apart from order_helper.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let path = write(
         dir.path(),
         "agents.toml",
-        &format!("default = \"smart\"\n[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:{port}/v1\"\nmodel = \"m\"\n"),
+        &format!(
+            "default = \"smart\"\n[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:{port}/v1\"\nmodel = \"m\"\n"
+        ),
     );
     let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--drain-delay", "0s", "--agents", &path])
+        .args([
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--drain-delay",
+            "0s",
+            "--agents",
+            &path,
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let addr = loop {
-        let line = lines.next().expect("server exited before listening").unwrap();
+        let line = lines
+            .next()
+            .expect("server exited before listening")
+            .unwrap();
         let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
         if v["message"] == "agentd starting" {
             break v["listen"].as_str().unwrap().to_owned();
@@ -65,20 +98,53 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
     };
     std::thread::spawn(move || for _ in lines {});
     let url = format!("http://{addr}");
-    let cli = |args: &[&str]| Command::new(BIN).args(args).env("AGENTD_SERVER", &url).output().unwrap();
+    let cli = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .env("AGENTD_SERVER", &url)
+            .output()
+            .unwrap()
+    };
     let out = cli(&["session", "create", "--user", "u1"]);
     assert!(out.status.success(), "{out:?}");
     let session = String::from_utf8_lossy(&out.stdout).trim().to_owned();
 
-    let out = cli(&["run", "--user", "u1", "--session", &session, "--deadline", "20s", "hello"]);
-    assert!(!out.status.success(), "the default is the file's agent, whose model is down");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("Unavailable"), "{out:?}");
+    let out = cli(&[
+        "run",
+        "--user",
+        "u1",
+        "--session",
+        &session,
+        "--deadline",
+        "20s",
+        "hello",
+    ]);
+    assert!(
+        !out.status.success(),
+        "the default is the file's agent, whose model is down"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Unavailable"),
+        "{out:?}"
+    );
 
-    let out = cli(&["run", "--user", "u1", "--session", &session, "--agent", "order_helper", "Where is order 1187?"]);
+    let out = cli(&[
+        "run",
+        "--user",
+        "u1",
+        "--session",
+        &session,
+        "--agent",
+        "order_helper",
+        "Where is order 1187?",
+    ]);
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("DHL"));
 
-    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     let until = Instant::now() + Duration::from_secs(20);
     while child.try_wait().unwrap().is_none() {
         assert!(Instant::now() < until, "server did not exit after SIGTERM");

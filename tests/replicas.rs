@@ -16,12 +16,31 @@ const ORDER_Q: &str = "Where is order 1187?";
 /// Two in-process replicas on one fresh database.
 async fn two_replicas(opts: Opts) -> Option<(TestDb, Server, Server)> {
     let db = TestDb::fresh(Backend::Postgres).await?;
-    let a = Server::start(db.open().await, Opts { replica_id: "replica-a".into(), ..opts.clone() }).await;
-    let b = Server::start(db.open().await, Opts { replica_id: "replica-b".into(), ..opts }).await;
+    let a = Server::start(
+        db.open().await,
+        Opts {
+            replica_id: "replica-a".into(),
+            ..opts.clone()
+        },
+    )
+    .await;
+    let b = Server::start(
+        db.open().await,
+        Opts {
+            replica_id: "replica-b".into(),
+            ..opts
+        },
+    )
+    .await;
     Some((db, a, b))
 }
 
-fn stream_request(session: &str, request_id: &str, text: &str, on_disconnect: pb::OnDisconnect) -> pb::RunRequest {
+fn stream_request(
+    session: &str,
+    request_id: &str,
+    text: &str,
+    on_disconnect: pb::OnDisconnect,
+) -> pb::RunRequest {
     pb::RunRequest {
         agent: "stream".into(),
         on_disconnect: on_disconnect as i32,
@@ -31,33 +50,67 @@ fn stream_request(session: &str, request_id: &str, text: &str, on_disconnect: pb
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_created_on_one_replica_is_continued_on_another() {
-    let Some((_db, a, b)) = two_replicas(Opts::default()).await else { return };
+    let Some((_db, a, b)) = two_replicas(Opts::default()).await else {
+        return;
+    };
     let sid = a.session(ALICE).await;
-    a.run(ALICE, &sid, "r1", "Where is order 2301?").await.1.unwrap();
+    a.run(ALICE, &sid, "r1", "Where is order 2301?")
+        .await
+        .1
+        .unwrap();
     let (events, ok) = b.run(ALICE, &sid, "r2", "and when will it arrive?").await;
     ok.unwrap();
-    assert!(events.last().unwrap().text.contains("2301"), "B remembers what the session said on A");
+    assert!(
+        events.last().unwrap().text.contains("2301"),
+        "B remembers what the session said on A"
+    );
     let on_a = a.get_session(ALICE, &sid).await.unwrap();
-    let owners: Vec<(String, String)> = on_a.turns.iter().map(|t| (t.request_id.clone(), t.owner.clone())).collect();
-    assert_eq!(owners, vec![("r1".into(), "replica-a".into()), ("r2".into(), "replica-b".into())]);
-    assert_eq!(code(&b.get_session(BOB, &sid).await), Code::NotFound, "ownership holds on every replica");
+    let owners: Vec<(String, String)> = on_a
+        .turns
+        .iter()
+        .map(|t| (t.request_id.clone(), t.owner.clone()))
+        .collect();
+    assert_eq!(
+        owners,
+        vec![
+            ("r1".into(), "replica-a".into()),
+            ("r2".into(), "replica-b".into())
+        ]
+    );
+    assert_eq!(
+        code(&b.get_session(BOB, &sid).await),
+        Code::NotFound,
+        "ownership holds on every replica"
+    );
     a.stop().await;
     b.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_request_id_sent_to_two_replicas_at_once_runs_the_tool_exactly_once() {
-    let opts = Opts { tool_delay: Duration::from_millis(150), ..Opts::default() };
-    let Some((_db, a, b)) = two_replicas(opts).await else { return };
+    let opts = Opts {
+        tool_delay: Duration::from_millis(150),
+        ..Opts::default()
+    };
+    let Some((_db, a, b)) = two_replicas(opts).await else {
+        return;
+    };
     let sid = a.session(ALICE).await;
     for i in 0..5 {
         let rid = format!("race-{i}");
-        let ((ea, ra), (eb, rb)) = tokio::join!(a.run(ALICE, &sid, &rid, ORDER_Q), b.run(ALICE, &sid, &rid, ORDER_Q));
+        let ((ea, ra), (eb, rb)) = tokio::join!(
+            a.run(ALICE, &sid, &rid, ORDER_Q),
+            b.run(ALICE, &sid, &rid, ORDER_Q)
+        );
         ra.unwrap();
         rb.unwrap();
         assert_eq!(seqs(&ea), vec![0, 1, 2]);
         assert_eq!(ea, eb, "both callers see the one run's events");
-        assert_eq!(a.stats.started() + b.stats.started(), i + 1, "the tool ran once for {rid}");
+        assert_eq!(
+            a.stats.started() + b.stats.started(),
+            i + 1,
+            "the tool ran once for {rid}"
+        );
     }
     a.stop().await;
     b.stop().await;
@@ -65,18 +118,36 @@ async fn the_same_request_id_sent_to_two_replicas_at_once_runs_the_tool_exactly_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_attached_on_b_gets_every_event_of_a_turn_running_on_a_in_order() {
-    let Some((_db, a, b)) = two_replicas(Opts::default()).await else { return };
+    let Some((_db, a, b)) = two_replicas(Opts::default()).await else {
+        return;
+    };
     let sid = a.session(ALICE).await;
     let req = stream_request(&sid, "r1", "n=60 size=8 rate=120", pb::OnDisconnect::Cancel);
-    let mut on_a = a.client.clone().run(req, Duration::from_secs(30)).await.unwrap();
+    let mut on_a = a
+        .client
+        .clone()
+        .run(req, Duration::from_secs(30))
+        .await
+        .unwrap();
     let first = on_a.events.message().await.unwrap().unwrap();
     let attached = tokio::spawn({
         let sid = sid.clone();
         let mut raw = b.raw();
         async move {
-            let req = pb::AttachRequest { user_id: ALICE.into(), session_id: sid, request_id: "r1".into(), after_seq: None };
+            let req = pb::AttachRequest {
+                user_id: ALICE.into(),
+                session_id: sid,
+                request_id: "r1".into(),
+                after_seq: None,
+            };
             let resp = raw.attach(req).await.unwrap();
-            let mode = resp.metadata().get("agentd-turn-mode").unwrap().to_str().unwrap().to_owned();
+            let mode = resp
+                .metadata()
+                .get("agentd-turn-mode")
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .to_owned();
             (mode, collect(&mut resp.into_inner()).await)
         }
     });
@@ -94,16 +165,31 @@ async fn a_client_attached_on_b_gets_every_event_of_a_turn_running_on_a_in_order
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attach_on_another_replica_after_a_dropped_stream_resumes_without_losing_an_event() {
-    let Some((_db, a, b)) = two_replicas(Opts::default()).await else { return };
+    let Some((_db, a, b)) = two_replicas(Opts::default()).await else {
+        return;
+    };
     let sid = a.session(ALICE).await;
-    let req = stream_request(&sid, "r1", "n=60 size=8 rate=120", pb::OnDisconnect::Continue);
-    let mut call = a.client.clone().run(req, Duration::from_secs(30)).await.unwrap();
+    let req = stream_request(
+        &sid,
+        "r1",
+        "n=60 size=8 rate=120",
+        pb::OnDisconnect::Continue,
+    );
+    let mut call = a
+        .client
+        .clone()
+        .run(req, Duration::from_secs(30))
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     for _ in 0..10 {
         seen.push(call.events.message().await.unwrap().unwrap());
     }
     drop(call); // the connection to A dropped mid-stream
-    let (rest, ok) = b.attach(ALICE, &sid, "r1", Some(seen.last().unwrap().seq)).await.unwrap();
+    let (rest, ok) = b
+        .attach(ALICE, &sid, "r1", Some(seen.last().unwrap().seq))
+        .await
+        .unwrap();
     ok.unwrap();
     seen.extend(rest);
     assert_eq!(seqs(&seen), (0..=60).collect::<Vec<u64>>());
@@ -116,21 +202,68 @@ async fn attach_on_another_replica_after_a_dropped_stream_resumes_without_losing
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_turn_leaves_the_turn_failed_unavailable_and_it_is_never_rerun() {
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else { return };
-    let a = Child::serve(&["--store", &db.url, "--replica-id", "replica-a", "--turn-lease", "1s", "--tool-delay", "60s"]).await;
-    let b = Server::start(db.open().await, Opts { replica_id: "replica-b".into(), ..Opts::default() }).await;
-    let sid = a.client.clone().create_session(ALICE).await.unwrap().session_id;
-    let mut call = a.client.clone().run(run_request(ALICE, &sid, "r1", ORDER_Q), Duration::from_secs(60)).await.unwrap();
-    assert_eq!(call.events.message().await.unwrap().unwrap().seq, 0, "the tool is running on A");
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = Child::serve(&[
+        "--store",
+        &db.url,
+        "--replica-id",
+        "replica-a",
+        "--turn-lease",
+        "1s",
+        "--tool-delay",
+        "60s",
+    ])
+    .await;
+    let b = Server::start(
+        db.open().await,
+        Opts {
+            replica_id: "replica-b".into(),
+            ..Opts::default()
+        },
+    )
+    .await;
+    let sid = a
+        .client
+        .clone()
+        .create_session(ALICE)
+        .await
+        .unwrap()
+        .session_id;
+    let mut call = a
+        .client
+        .clone()
+        .run(
+            run_request(ALICE, &sid, "r1", ORDER_Q),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        call.events.message().await.unwrap().unwrap().seq,
+        0,
+        "the tool is running on A"
+    );
     a.kill9().await;
     assert!(call.events.message().await.is_err(), "A's stream broke");
     let (events, end) = b.run(ALICE, &sid, "r1", ORDER_Q).await;
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("serving replica stopped"), "{}", status.message());
-    assert!(seqs(&events).iter().all(|s| *s == 0), "only what A stored before it died");
+    assert!(
+        status.message().contains("serving replica stopped"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        seqs(&events).iter().all(|s| *s == 0),
+        "only what A stored before it died"
+    );
     assert_eq!(b.stats.started(), 0, "B never re-ran the turn");
     let turn = b.ended_turn(ALICE, &sid, "r1").await;
-    assert_eq!((turn.state(), turn.owner.as_str()), (pb::TurnState::Failed, "replica-a"));
+    assert_eq!(
+        (turn.state(), turn.owner.as_str()),
+        (pb::TurnState::Failed, "replica-a")
+    );
     b.stop().await;
 }

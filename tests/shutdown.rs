@@ -16,8 +16,18 @@ async fn health_reports_serving_then_not_serving_during_the_drain_delay() {
     let mut opts = Options::default();
     opts.server.drain_delay = Duration::from_secs(2);
     let mut server = TestServer::tcp(opts).await;
-    assert_eq!(server.client.health("").await.unwrap(), ServingStatus::Serving);
-    assert_eq!(server.client.health("agents.v1.AgentService").await.unwrap(), ServingStatus::Serving);
+    assert_eq!(
+        server.client.health("").await.unwrap(),
+        ServingStatus::Serving
+    );
+    assert_eq!(
+        server
+            .client
+            .health("agents.v1.AgentService")
+            .await
+            .unwrap(),
+        ServingStatus::Serving
+    );
     let unknown = server.client.health("no.such.Service").await.unwrap_err();
     assert_eq!(unknown.code(), Code::NotFound);
 
@@ -31,19 +41,38 @@ async fn health_reports_serving_then_not_serving_during_the_drain_delay() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(status, ServingStatus::NotServing);
-    assert_eq!(server.client.health("agents.v1.AgentService").await.unwrap(), ServingStatus::NotServing);
+    assert_eq!(
+        server
+            .client
+            .health("agents.v1.AgentService")
+            .await
+            .unwrap(),
+        ServingStatus::NotServing
+    );
     // Still serving calls while endpoints catch up.
     let s = server.session("alice").await;
-    let (_, end) = server.client.run_to_end(run_request("alice", &s, "r", "hi"), DEADLINE).await.unwrap();
+    let (_, end) = server
+        .client
+        .run_to_end(run_request("alice", &s, "r", "hi"), DEADLINE)
+        .await
+        .unwrap();
     end.unwrap();
     server.join(Duration::from_secs(10)).await.unwrap();
 }
 
 #[tokio::test]
 async fn a_run_in_flight_at_shutdown_completes_within_the_grace() {
-    let mut server = TestServer::tcp(Options::default().tool_delay(Duration::from_millis(500))).await;
+    let mut server =
+        TestServer::tcp(Options::default().tool_delay(Duration::from_millis(500))).await;
     let s = server.session("alice").await;
-    let mut call = server.client.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     server.begin_shutdown();
     let mut rest = Vec::new();
@@ -54,7 +83,10 @@ async fn a_run_in_flight_at_shutdown_completes_within_the_grace() {
     assert!(rest[1].is_final);
     assert_eq!(server.tool.completed(), 1);
     server.join(Duration::from_secs(10)).await.unwrap();
-    assert_eq!(server.turn(&s, "r1").await.unwrap().state, TurnState::Completed);
+    assert_eq!(
+        server.turn(&s, "r1").await.unwrap().state,
+        TurnState::Completed
+    );
 }
 
 #[tokio::test]
@@ -63,7 +95,14 @@ async fn a_run_that_outlives_the_grace_ends_with_unavailable_and_is_recorded() {
     opts.server.shutdown_grace = Duration::from_millis(300);
     let mut server = TestServer::tcp(opts).await;
     let s = server.session("alice").await;
-    let mut call = server.client.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     server.begin_shutdown();
     let status = loop {
@@ -87,7 +126,14 @@ async fn a_new_call_after_shutdown_starts_is_refused() {
     let addr = server.addr.unwrap();
     let s = server.session("alice").await;
     // A run in flight keeps the server in its grace period.
-    let mut call = server.client.run(run_request("alice", &s, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     server.begin_shutdown();
 
@@ -104,31 +150,67 @@ async fn a_new_call_after_shutdown_starts_is_refused() {
     // And a new Run on the existing channel is refused too: the connection
     // got GOAWAY, so the client's transport fails it (UNAVAILABLE or, when
     // the request raced the GOAWAY, CANCELLED), and the server never runs it.
-    let err = server.client.run(run_request("alice", &s, "r2", "hi"), DEADLINE).await.err().expect("refused");
-    assert!(matches!(err.code(), Code::Unavailable | Code::Cancelled), "{err:?}");
+    let err = server
+        .client
+        .run(run_request("alice", &s, "r2", "hi"), DEADLINE)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(err.code(), Code::Unavailable | Code::Cancelled),
+        "{err:?}"
+    );
 
     while call.events.message().await.unwrap().is_some() {}
     server.join(Duration::from_secs(10)).await.unwrap();
-    assert!(server.turn(&s, "r2").await.is_none(), "the refused call stored nothing");
+    assert!(
+        server.turn(&s, "r2").await.is_none(),
+        "the refused call stored nothing"
+    );
 }
 
 #[tokio::test]
 async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     let mut opts = Options::default().tool_delay(Duration::from_secs(30));
-    opts.turn = TurnConfig { max_concurrent_runs: 2, ..opts.turn };
+    opts.turn = TurnConfig {
+        max_concurrent_runs: 2,
+        ..opts.turn
+    };
     let mut server = TestServer::in_process(opts).await;
     let s = server.session("alice").await;
     let mut held = Vec::new();
     for rid in ["a", "b"] {
-        let mut call = server.client.run(run_request("alice", &s, rid, "Where is order 1187?"), DEADLINE).await.unwrap();
+        let mut call = server
+            .client
+            .run(
+                run_request("alice", &s, rid, "Where is order 1187?"),
+                DEADLINE,
+            )
+            .await
+            .unwrap();
         call.events.message().await.unwrap().unwrap();
         held.push(call);
     }
-    let err = server.client.run(run_request("alice", &s, "c", "Where is order 1187?"), DEADLINE).await.err().unwrap();
+    let err = server
+        .client
+        .run(
+            run_request("alice", &s, "c", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .err()
+        .unwrap();
     assert_eq!(err.code(), Code::ResourceExhausted);
     assert!(server.turn(&s, "c").await.is_none());
     // A replay of a running turn needs no new run: it is still served.
-    let attach = server.client.run(run_request("alice", &s, "a", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let attach = server
+        .client
+        .run(
+            run_request("alice", &s, "a", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     assert_eq!(attach.mode, "attach");
     drop(attach);
     // A slot frees when a run ends.
@@ -136,7 +218,14 @@ async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     let tool = server.tool.clone();
     eventually("run b is cancelled", || tool.cancelled() == 1).await;
     server.ended_turn(&s, "b").await;
-    let mut call = server.client.run(run_request("alice", &s, "c", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "c", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     drop(call);
     drop(held);

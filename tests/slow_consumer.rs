@@ -35,23 +35,37 @@ async fn stored_events(server: &TestServer, session: &str, rid: &str) -> u64 {
         session_id: agentd::domain::SessionId::parse(session).unwrap(),
         request_id: agentd::domain::RequestId::parse(rid).unwrap(),
     };
-    server.store.events_after(&key, None, usize::MAX).await.unwrap().len() as u64
+    server
+        .store
+        .events_after(&key, None, usize::MAX)
+        .await
+        .unwrap()
+        .len() as u64
 }
 
 #[tokio::test]
 async fn a_reader_that_stalls_under_fail_gets_resource_exhausted_and_the_buffer_stays_bounded() {
     let mut server = TestServer::tcp(opts(SlowConsumer::Fail)).await;
     let s = server.session("alice").await;
-    let req = with_agent(run_request("alice", &s, "r1", &format!("n={EVENTS} size={SIZE}")), "stream");
+    let req = with_agent(
+        run_request("alice", &s, "r1", &format!("n={EVENTS} size={SIZE}")),
+        "stream",
+    );
     let mut call = server.client.run(req, DEADLINE).await.unwrap();
     call.events.message().await.unwrap().unwrap();
 
     // Stop reading: the server must give up on us by itself.
     let t = server.ended_turn(&s, "r1").await;
     assert_eq!(t.state, TurnState::Failed);
-    assert_eq!(t.outcome.as_ref().unwrap().code, Code::ResourceExhausted as i32);
+    assert_eq!(
+        t.outcome.as_ref().unwrap().code,
+        Code::ResourceExhausted as i32
+    );
     let produced = stored_events(&server, &s, "r1").await;
-    assert!(produced < IN_FLIGHT_BOUND, "the agent was stopped after {produced} events, not run to {EVENTS}");
+    assert!(
+        produced < IN_FLIGHT_BOUND,
+        "the agent was stopped after {produced} events, not run to {EVENTS}"
+    );
 
     // Reading again: what was in flight, then the status.
     let mut received = 1u64;
@@ -72,7 +86,10 @@ async fn a_reader_that_stalls_under_wait_back_pressures_the_agent_and_then_gets_
     let mut server = TestServer::tcp(opts(SlowConsumer::Wait)).await;
     let s = server.session("alice").await;
     let n = 20_000u64; // 20 MiB: far more than the channel and the windows hold.
-    let req = with_agent(run_request("alice", &s, "r1", &format!("n={n} size={SIZE}")), "stream");
+    let req = with_agent(
+        run_request("alice", &s, "r1", &format!("n={n} size={SIZE}")),
+        "stream",
+    );
     let mut call = server.client.run(req, DEADLINE).await.unwrap();
     call.events.message().await.unwrap().unwrap();
 
@@ -87,9 +104,15 @@ async fn a_reader_that_stalls_under_wait_back_pressures_the_agent_and_then_gets_
         last = now;
     }
     let paused_at = stored_events(&server, &s, "r1").await;
-    assert!(paused_at < IN_FLIGHT_BOUND && paused_at < n, "production paused at {paused_at}");
+    assert!(
+        paused_at < IN_FLIGHT_BOUND && paused_at < n,
+        "production paused at {paused_at}"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await; // longer than any stall timeout
-    assert!(server.turn(&s, "r1").await.unwrap().state == TurnState::Running, "wait never gives up on a reader");
+    assert!(
+        server.turn(&s, "r1").await.unwrap().state == TurnState::Running,
+        "wait never gives up on a reader"
+    );
 
     let mut received = 1u64;
     while let Some(e) = call.events.message().await.unwrap() {

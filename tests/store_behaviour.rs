@@ -24,31 +24,64 @@ async fn sessions_are_listed_per_user_oldest_first_a_page_at_a_time(db: TestDb) 
     let list = |token: String, size: u32, user: &'static str| {
         let mut c = s.raw();
         async move {
-            c.list_sessions(pb::ListSessionsRequest { user_id: user.into(), page_size: size, page_token: token })
-                .await
-                .map(|r| r.into_inner())
+            c.list_sessions(pb::ListSessionsRequest {
+                user_id: user.into(),
+                page_size: size,
+                page_token: token,
+            })
+            .await
+            .map(|r| r.into_inner())
         }
     };
     let first = list(String::new(), 2, ALICE).await.unwrap();
     assert_eq!(first.sessions.len(), 2);
     assert!(!first.next_page_token.is_empty());
     let second = list(first.next_page_token.clone(), 2, ALICE).await.unwrap();
-    assert!(second.next_page_token.is_empty(), "the last page has no token");
-    let listed: Vec<String> = first.sessions.iter().chain(&second.sessions).map(|x| x.session_id.clone()).collect();
+    assert!(
+        second.next_page_token.is_empty(),
+        "the last page has no token"
+    );
+    let listed: Vec<String> = first
+        .sessions
+        .iter()
+        .chain(&second.sessions)
+        .map(|x| x.session_id.clone())
+        .collect();
     assert_eq!(listed, mine, "every session once, oldest first");
     let theirs = list(String::new(), 0, BOB).await.unwrap();
-    assert_eq!(theirs.sessions.iter().map(|x| x.session_id.clone()).collect::<Vec<_>>(), vec![bobs]);
+    assert_eq!(
+        theirs
+            .sessions
+            .iter()
+            .map(|x| x.session_id.clone())
+            .collect::<Vec<_>>(),
+        vec![bobs]
+    );
     let bad = list("not-a-token".into(), 2, ALICE).await;
     assert_eq!(code(&bad), Code::InvalidArgument);
     s.stop().await;
 }
 
 async fn get_session_lists_each_turn_with_its_final_status(db: TestDb) {
-    let s = Server::start(db.open().await, Opts { tool_delay: Duration::from_secs(5), ..Opts::default() }).await;
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_secs(5),
+            ..Opts::default()
+        },
+    )
+    .await;
     let sid = s.session(ALICE).await;
     let (_, ok) = s.run(ALICE, &sid, "r1", "hello").await;
     ok.unwrap();
-    let late = s.client.clone().run_to_end(run_request(ALICE, &sid, "r2", ORDER_Q), Duration::from_millis(200)).await;
+    let late = s
+        .client
+        .clone()
+        .run_to_end(
+            run_request(ALICE, &sid, "r2", ORDER_Q),
+            Duration::from_millis(200),
+        )
+        .await;
     let late = match late {
         Ok((_, r)) => r,
         Err(e) => Err(e),
@@ -58,16 +91,27 @@ async fn get_session_lists_each_turn_with_its_final_status(db: TestDb) {
     let info = s.get_session(ALICE, &sid).await.unwrap();
     assert_eq!(info.user_id, ALICE);
     assert_eq!(info.session_id, sid);
-    let turns: Vec<(String, pb::TurnState, Option<i32>)> =
-        info.turns.iter().map(|t| (t.request_id.clone(), t.state(), t.status_code)).collect();
+    let turns: Vec<(String, pb::TurnState, Option<i32>)> = info
+        .turns
+        .iter()
+        .map(|t| (t.request_id.clone(), t.state(), t.status_code))
+        .collect();
     assert_eq!(
         turns,
         vec![
             ("r1".into(), pb::TurnState::Completed, Some(0)),
-            ("r2".into(), pb::TurnState::DeadlineExceeded, Some(Code::DeadlineExceeded as i32)),
+            (
+                "r2".into(),
+                pb::TurnState::DeadlineExceeded,
+                Some(Code::DeadlineExceeded as i32)
+            ),
         ]
     );
-    assert!(info.turns.iter().all(|t| t.owner == "replica-a" && t.agent == "order_helper"));
+    assert!(
+        info.turns
+            .iter()
+            .all(|t| t.owner == "replica-a" && t.agent == "order_helper")
+    );
     s.stop().await;
 }
 
@@ -78,27 +122,60 @@ async fn a_foreign_or_unknown_session_is_not_found_on_every_call(db: TestDb) {
     let unknown = SessionId::generate().to_string();
     for (user, session) in [(BOB, sid.as_str()), (ALICE, unknown.as_str())] {
         assert_eq!(code(&s.get_session(user, session).await), Code::NotFound);
-        assert_eq!(code(&s.attach(user, session, "r1", None).await), Code::NotFound);
-        let del = s.raw().delete_session(pb::DeleteSessionRequest { user_id: user.into(), session_id: session.into() }).await;
+        assert_eq!(
+            code(&s.attach(user, session, "r1", None).await),
+            Code::NotFound
+        );
+        let del = s
+            .raw()
+            .delete_session(pb::DeleteSessionRequest {
+                user_id: user.into(),
+                session_id: session.into(),
+            })
+            .await;
         assert_eq!(code(&del), Code::NotFound);
-        let run = s.client.clone().run(run_request(user, session, "r2", "hello"), Duration::from_secs(5)).await;
+        let run = s
+            .client
+            .clone()
+            .run(
+                run_request(user, session, "r2", "hello"),
+                Duration::from_secs(5),
+            )
+            .await;
         assert_eq!(code(&run.map(|_| ())), Code::NotFound);
     }
-    assert_eq!(s.get_session(ALICE, &sid).await.unwrap().turns.len(), 1, "nothing changed");
+    assert_eq!(
+        s.get_session(ALICE, &sid).await.unwrap().turns.len(),
+        1,
+        "nothing changed"
+    );
     s.stop().await;
 }
 
 async fn a_repeated_request_id_replays_the_stored_turn_without_running_the_tool_again(db: TestDb) {
-    let s = Server::start(db.open().await, Opts { tool_delay: Duration::from_millis(100), ..Opts::default() }).await;
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_millis(100),
+            ..Opts::default()
+        },
+    )
+    .await;
     let sid = s.session(ALICE).await;
     let (first, ok) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
     ok.unwrap();
     assert_eq!(seqs(&first), vec![0, 1, 2]);
     let (again, ok) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
     ok.unwrap();
-    assert_eq!(again, first, "same events, same seq, same text and timestamps");
+    assert_eq!(
+        again, first,
+        "same events, same seq, same text and timestamps"
+    );
     // Two racing calls with a new request id: one runs, one attaches.
-    let (a, b) = tokio::join!(s.run(ALICE, &sid, "r2", ORDER_Q), s.run(ALICE, &sid, "r2", ORDER_Q));
+    let (a, b) = tokio::join!(
+        s.run(ALICE, &sid, "r2", ORDER_Q),
+        s.run(ALICE, &sid, "r2", ORDER_Q)
+    );
     a.1.unwrap();
     b.1.unwrap();
     assert_eq!(a.0, b.0);
@@ -109,7 +186,10 @@ async fn a_repeated_request_id_replays_the_stored_turn_without_running_the_tool_
 async fn a_follow_up_turn_remembers_the_order_from_the_stored_history(db: TestDb) {
     let s = Server::start(db.open().await, Opts::default()).await;
     let sid = s.session(ALICE).await;
-    s.run(ALICE, &sid, "r1", "Where is order 2301?").await.1.unwrap();
+    s.run(ALICE, &sid, "r1", "Where is order 2301?")
+        .await
+        .1
+        .unwrap();
     let (events, ok) = s.run(ALICE, &sid, "r2", "and when will it arrive?").await;
     ok.unwrap();
     let answer = &events.last().unwrap().text;
@@ -131,17 +211,32 @@ async fn attach_after_a_seq_streams_the_rest_then_the_final_status(db: TestDb) {
     let (none, ok) = s.attach(ALICE, &sid, "r1", Some(2)).await.unwrap();
     ok.unwrap();
     assert!(none.is_empty());
-    assert_eq!(code(&s.attach(ALICE, &sid, "nope", None).await), Code::NotFound);
+    assert_eq!(
+        code(&s.attach(ALICE, &sid, "nope", None).await),
+        Code::NotFound
+    );
     assert_eq!(s.stats.started(), 1);
     s.stop().await;
 }
 
 async fn a_continued_run_outlives_its_client_and_can_be_attached_later(db: TestDb) {
-    let s = Server::start(db.open().await, Opts { tool_delay: Duration::from_millis(300), ..Opts::default() }).await;
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_millis(300),
+            ..Opts::default()
+        },
+    )
+    .await;
     let sid = s.session(ALICE).await;
     let mut req = run_request(ALICE, &sid, "r1", ORDER_Q);
     req.on_disconnect = pb::OnDisconnect::Continue as i32;
-    let mut call = s.client.clone().run(req, Duration::from_secs(30)).await.unwrap();
+    let mut call = s
+        .client
+        .clone()
+        .run(req, Duration::from_secs(30))
+        .await
+        .unwrap();
     let first = call.events.message().await.unwrap().unwrap();
     assert_eq!(first.seq, 0);
     drop(call);
@@ -149,19 +244,44 @@ async fn a_continued_run_outlives_its_client_and_can_be_attached_later(db: TestD
     ok.unwrap();
     assert_eq!(seqs(&rest), vec![1, 2]);
     assert!(rest[1].is_final);
-    assert_eq!((s.stats.completed(), s.stats.cancelled()), (1, 0), "the tool ran to its end");
-    assert_eq!(s.ended_turn(ALICE, &sid, "r1").await.state(), pb::TurnState::Completed);
+    assert_eq!(
+        (s.stats.completed(), s.stats.cancelled()),
+        (1, 0),
+        "the tool ran to its end"
+    );
+    assert_eq!(
+        s.ended_turn(ALICE, &sid, "r1").await.state(),
+        pb::TurnState::Completed
+    );
     s.stop().await;
 }
 
 async fn a_run_whose_client_leaves_is_cancelled_by_default_and_replays_cancelled(db: TestDb) {
-    let s = Server::start(db.open().await, Opts { tool_delay: Duration::from_secs(20), ..Opts::default() }).await;
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_secs(20),
+            ..Opts::default()
+        },
+    )
+    .await;
     let sid = s.session(ALICE).await;
-    let mut call = s.client.clone().run(run_request(ALICE, &sid, "r1", ORDER_Q), Duration::from_secs(30)).await.unwrap();
+    let mut call = s
+        .client
+        .clone()
+        .run(
+            run_request(ALICE, &sid, "r1", ORDER_Q),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     drop(call);
     let turn = s.ended_turn(ALICE, &sid, "r1").await;
-    assert_eq!((turn.state(), turn.status_code), (pb::TurnState::Cancelled, Some(Code::Cancelled as i32)));
+    assert_eq!(
+        (turn.state(), turn.status_code),
+        (pb::TurnState::Cancelled, Some(Code::Cancelled as i32))
+    );
     assert_eq!(s.stats.cancelled(), 1);
     let (events, end) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
     assert_eq!(seqs(&events), vec![0]);
@@ -171,32 +291,71 @@ async fn a_run_whose_client_leaves_is_cancelled_by_default_and_replays_cancelled
 }
 
 async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: TestDb) {
-    let s = Server::start(db.open().await, Opts { tool_delay: Duration::from_millis(500), ..Opts::default() }).await;
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_millis(500),
+            ..Opts::default()
+        },
+    )
+    .await;
     let sid = s.session(ALICE).await;
     let del = || {
         let mut c = s.raw();
         let sid = sid.clone();
-        async move { c.delete_session(pb::DeleteSessionRequest { user_id: ALICE.into(), session_id: sid }).await }
+        async move {
+            c.delete_session(pb::DeleteSessionRequest {
+                user_id: ALICE.into(),
+                session_id: sid,
+            })
+            .await
+        }
     };
-    let mut call = s.client.clone().run(run_request(ALICE, &sid, "r1", ORDER_Q), Duration::from_secs(30)).await.unwrap();
+    let mut call = s
+        .client
+        .clone()
+        .run(
+            run_request(ALICE, &sid, "r1", ORDER_Q),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
     call.events.message().await.unwrap().unwrap();
     assert_eq!(code(&del().await), Code::FailedPrecondition);
-    assert_eq!(collect(&mut call.events).await.1.map_err(|s| s.code()), Ok(()));
+    assert_eq!(
+        collect(&mut call.events).await.1.map_err(|s| s.code()),
+        Ok(())
+    );
     s.ended_turn(ALICE, &sid, "r1").await;
     del().await.unwrap();
     assert_eq!(code(&s.get_session(ALICE, &sid).await), Code::NotFound);
-    assert_eq!(code(&s.attach(ALICE, &sid, "r1", None).await), Code::NotFound);
-    let listed = s.raw().list_sessions(pb::ListSessionsRequest { user_id: ALICE.into(), ..Default::default() }).await.unwrap();
+    assert_eq!(
+        code(&s.attach(ALICE, &sid, "r1", None).await),
+        Code::NotFound
+    );
+    let listed = s
+        .raw()
+        .list_sessions(pb::ListSessionsRequest {
+            user_id: ALICE.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert!(listed.into_inner().sessions.is_empty());
     s.stop().await;
 }
 
-async fn a_turn_whose_replica_stopped_renewing_its_lease_ends_unavailable_and_is_never_run(db: TestDb) {
+async fn a_turn_whose_replica_stopped_renewing_its_lease_ends_unavailable_and_is_never_run(
+    db: TestDb,
+) {
     let store = db.open().await;
     let s = Server::start(store.clone(), Opts::default()).await;
     let sid = s.session(ALICE).await;
     // A replica that claimed the turn, then died: its lease runs out.
-    let key = TurnKey { session_id: SessionId::parse(&sid).unwrap(), request_id: RequestId::parse("r1").unwrap() };
+    let key = TurnKey {
+        session_id: SessionId::parse(&sid).unwrap(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
     let claim = NewTurn {
         key: key.clone(),
         user_text: ORDER_Q.into(),
@@ -204,43 +363,83 @@ async fn a_turn_whose_replica_stopped_renewing_its_lease_ends_unavailable_and_is
         owner: "replica-that-died".into(),
         lease: Duration::from_millis(300),
     };
-    assert_eq!(store.claim_turn(&claim).await.unwrap(), agentd::store::Claim::New);
+    assert_eq!(
+        store.claim_turn(&claim).await.unwrap(),
+        agentd::store::Claim::New
+    );
     let (events, end) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
     assert!(events.is_empty());
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("serving replica stopped"), "{}", status.message());
+    assert!(
+        status.message().contains("serving replica stopped"),
+        "{}",
+        status.message()
+    );
     assert_eq!(s.stats.started(), 0, "never re-run");
     let again = s.run(ALICE, &sid, "r1", ORDER_Q).await;
-    assert_eq!(code(&again.1), Code::Unavailable, "a definite answer, every time");
+    assert_eq!(
+        code(&again.1),
+        Code::Unavailable,
+        "a definite answer, every time"
+    );
     assert_eq!(s.stats.started(), 0);
     s.stop().await;
 }
 
 async fn finished_turns_are_pruned_after_the_retention(db: TestDb) {
     let store = db.open().await;
-    let opts = Opts { retain_turns: Some(Duration::from_millis(300)), ..Opts::default() };
+    let opts = Opts {
+        retain_turns: Some(Duration::from_millis(300)),
+        ..Opts::default()
+    };
     let s = Server::start(store.clone(), opts).await;
     let sid = s.session(ALICE).await;
     s.run(ALICE, &sid, "r1", ORDER_Q).await.1.unwrap();
     assert_eq!(s.get_session(ALICE, &sid).await.unwrap().turns.len(), 1);
     eventually("the turn to be pruned", || async {
-        s.get_session(ALICE, &sid).await.unwrap().turns.is_empty().then_some(())
+        s.get_session(ALICE, &sid)
+            .await
+            .unwrap()
+            .turns
+            .is_empty()
+            .then_some(())
     })
     .await;
-    let key = TurnKey { session_id: SessionId::parse(&sid).unwrap(), request_id: RequestId::parse("r1").unwrap() };
-    assert!(store.events_after(&key, None, 10).await.unwrap().is_empty(), "its event log went too");
-    assert!(s.get_session(ALICE, &sid).await.is_ok(), "the session stays");
+    let key = TurnKey {
+        session_id: SessionId::parse(&sid).unwrap(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    assert!(
+        store.events_after(&key, None, 10).await.unwrap().is_empty(),
+        "its event log went too"
+    );
+    assert!(
+        s.get_session(ALICE, &sid).await.is_ok(),
+        "the session stays"
+    );
     s.stop().await;
 }
 
 async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(db: TestDb) {
     let s = Server::start(db.open().await, Opts::default()).await;
     let sid = s.session(ALICE).await;
-    assert_eq!(code(&s.get_session(ALICE, "not-a-uuid").await), Code::InvalidArgument);
+    assert_eq!(
+        code(&s.get_session(ALICE, "not-a-uuid").await),
+        Code::InvalidArgument
+    );
     assert_eq!(code(&s.get_session("", &sid).await), Code::InvalidArgument);
-    assert_eq!(code(&s.attach(ALICE, &sid, "bad id with spaces", None).await), Code::InvalidArgument);
-    let listed = s.raw().list_sessions(pb::ListSessionsRequest { user_id: String::new(), ..Default::default() }).await;
+    assert_eq!(
+        code(&s.attach(ALICE, &sid, "bad id with spaces", None).await),
+        Code::InvalidArgument
+    );
+    let listed = s
+        .raw()
+        .list_sessions(pb::ListSessionsRequest {
+            user_id: String::new(),
+            ..Default::default()
+        })
+        .await;
     assert_eq!(code(&listed), Code::InvalidArgument);
     let mut req = run_request(ALICE, &sid, "r1", ORDER_Q);
     req.on_disconnect = 99;
@@ -249,8 +448,15 @@ async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(
     let run = s.raw().run(r).await;
     let status = run.map(|_| ()).unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("on_disconnect"), "{}", status.message());
-    assert!(s.get_session(ALICE, &sid).await.unwrap().turns.is_empty(), "nothing stored");
+    assert!(
+        status.message().contains("on_disconnect"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        s.get_session(ALICE, &sid).await.unwrap().turns.is_empty(),
+        "nothing stored"
+    );
     s.stop().await;
 }
 
@@ -258,8 +464,14 @@ async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(
 /// seq order, and a lease is only renewed by its owner.
 async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb) {
     let store = db.open().await;
-    let session = store.create_session(&UserId::parse(ALICE).unwrap()).await.unwrap();
-    let key = TurnKey { session_id: session.id, request_id: RequestId::parse("r1").unwrap() };
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    let key = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
     let claim = |owner: &str| NewTurn {
         key: key.clone(),
         user_text: "hi".into(),
@@ -273,19 +485,46 @@ async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb
         async move { store.claim_turn(&c).await.unwrap() }
     }))
     .await;
-    let winners = claims.iter().filter(|c| **c == agentd::store::Claim::New).count();
+    let winners = claims
+        .iter()
+        .filter(|c| **c == agentd::store::Claim::New)
+        .count();
     assert_eq!(winners, 1, "exactly one claim wins");
     let owner = store.get_turn(&key).await.unwrap().unwrap().owner;
     let later = SystemTime::now() + Duration::from_secs(60);
     assert!(store.renew_lease(&key, &owner, later).await.unwrap());
-    assert!(!store.renew_lease(&key, "someone-else", later).await.unwrap());
+    assert!(
+        !store
+            .renew_lease(&key, "someone-else", later)
+            .await
+            .unwrap()
+    );
     let rec = store.get_turn(&key).await.unwrap().unwrap();
     assert!(rec.lease_expires_at > SystemTime::now() + Duration::from_secs(50));
     let outcome = agentd::grpc::status::replica_stopped();
-    assert_eq!(store.fail_expired(SystemTime::now(), &outcome).await.unwrap(), 0, "a live lease is left alone");
-    assert_eq!(store.fail_expired(later + Duration::from_secs(1), &outcome).await.unwrap(), 1);
-    assert_eq!(store.get_turn(&key).await.unwrap().unwrap().outcome, Some(outcome));
-    assert!(!store.renew_lease(&key, &owner, later).await.unwrap(), "a failed turn is not renewed");
+    assert_eq!(
+        store
+            .fail_expired(SystemTime::now(), &outcome)
+            .await
+            .unwrap(),
+        0,
+        "a live lease is left alone"
+    );
+    assert_eq!(
+        store
+            .fail_expired(later + Duration::from_secs(1), &outcome)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        store.get_turn(&key).await.unwrap().unwrap().outcome,
+        Some(outcome)
+    );
+    assert!(
+        !store.renew_lease(&key, &owner, later).await.unwrap(),
+        "a failed turn is not renewed"
+    );
     store.ping().await.unwrap();
 }
 

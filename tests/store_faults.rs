@@ -19,39 +19,70 @@ async fn serve_fails(store: &str) -> (bool, String) {
     let out = tokio::time::timeout(
         Duration::from_secs(30),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off", "--store", store])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "off",
+                "--store",
+                store,
+            ])
             .stdin(std::process::Stdio::null())
             .output(),
     )
     .await
     .expect("agentd serve exits")
     .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test]
 async fn an_unreachable_postgres_at_start_up_exits_with_one_clear_line() {
     // A port nothing listens on: bind one, then free it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (ok, stderr) = serve_fails(&format!("postgres://agentd:secret@127.0.0.1:{port}/agentd")).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (ok, stderr) =
+        serve_fails(&format!("postgres://agentd:secret@127.0.0.1:{port}/agentd")).await;
     assert!(!ok);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-    assert!(stderr.starts_with("error: cannot open the PostgreSQL session store"), "{stderr}");
-    assert!(!stderr.contains("secret"), "the password is not printed: {stderr}");
+    assert!(
+        stderr.starts_with("error: cannot open the PostgreSQL session store"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("secret"),
+        "the password is not printed: {stderr}"
+    );
 }
 
 #[tokio::test]
 async fn an_unopenable_sqlite_file_at_start_up_exits_with_one_clear_line() {
     let dir = tempfile::tempdir().unwrap();
-    let (ok, stderr) = serve_fails(&format!("sqlite://{}/missing-dir/agentd.db", dir.path().display())).await;
+    let (ok, stderr) = serve_fails(&format!(
+        "sqlite://{}/missing-dir/agentd.db",
+        dir.path().display()
+    ))
+    .await;
     assert!(!ok);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-    assert!(stderr.starts_with("error: cannot open the SQLite session store"), "{stderr}");
+    assert!(
+        stderr.starts_with("error: cannot open the SQLite session store"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back() {
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else { return };
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
     let proxy = Proxy::start(db.pg_addr()).await;
     let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
     let s = Server::start(store, Opts::default()).await;
@@ -60,22 +91,45 @@ async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back()
     assert_eq!(s.health().await, Some(ServingStatus::Serving));
 
     // A run streaming when the database goes away.
-    let long = pb::RunRequest { agent: "stream".into(), ..run_request(ALICE, &sid, "long", "n=3000 size=8 rate=200") };
-    let mut streaming = s.client.clone().run(long, Duration::from_secs(30)).await.unwrap();
+    let long = pb::RunRequest {
+        agent: "stream".into(),
+        ..run_request(ALICE, &sid, "long", "n=3000 size=8 rate=200")
+    };
+    let mut streaming = s
+        .client
+        .clone()
+        .run(long, Duration::from_secs(30))
+        .await
+        .unwrap();
     streaming.events.message().await.unwrap().unwrap();
 
     proxy.down();
     let (_, end) = collect(&mut streaming.events).await;
     let status = end.unwrap_err();
-    assert_eq!(status.code(), Code::Unavailable, "a run whose events cannot be stored ends: {status:?}");
+    assert_eq!(
+        status.code(),
+        Code::Unavailable,
+        "a run whose events cannot be stored ends: {status:?}"
+    );
     eventually("health to report NOT_SERVING", || async {
         (s.health().await == Some(ServingStatus::NotServing)).then_some(())
     })
     .await;
-    let refused = s.client.clone().run(run_request(ALICE, &sid, "r2", ORDER_Q), Duration::from_secs(10)).await;
+    let refused = s
+        .client
+        .clone()
+        .run(
+            run_request(ALICE, &sid, "r2", ORDER_Q),
+            Duration::from_secs(10),
+        )
+        .await;
     let status = refused.map(|_| ()).unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("session store is unavailable"), "{}", status.message());
+    assert!(
+        status.message().contains("session store is unavailable"),
+        "{}",
+        status.message()
+    );
     assert_eq!(s.stats.started(), 1, "nothing ran while the store was away");
 
     proxy.up();
@@ -88,22 +142,38 @@ async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back()
     assert_eq!(seqs(&events), vec![0, 1, 2]);
     let (replayed, ok) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
     ok.unwrap();
-    assert_eq!(replayed.len(), 3, "what was stored before the outage is still there");
+    assert_eq!(
+        replayed.len(),
+        3,
+        "what was stored before the outage is still there"
+    );
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_kill_9_and_a_restart_a_sqlite_server_has_every_turn_and_a_definite_status_for_the_interrupted_one() {
+async fn after_a_kill_9_and_a_restart_a_sqlite_server_has_every_turn_and_a_definite_status_for_the_interrupted_one()
+ {
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let first = Child::serve(&["--store", &db.url, "--tool-delay", "60s"]).await;
     let mut c = first.client.clone();
     let sid = c.create_session(ALICE).await.unwrap().session_id;
     let (done, ok) = run_on(&c, ALICE, &sid, "done", "hello").await;
     ok.unwrap();
-    let mut call = c.run(run_request(ALICE, &sid, "cut", ORDER_Q), Duration::from_secs(60)).await.unwrap();
+    let mut call = c
+        .run(
+            run_request(ALICE, &sid, "cut", ORDER_Q),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
     assert_eq!(call.events.message().await.unwrap().unwrap().seq, 0);
     // Attach reads the store: once it hands out event 0, event 0 is stored.
-    let req = pb::AttachRequest { user_id: ALICE.into(), session_id: sid.clone(), request_id: "cut".into(), after_seq: None };
+    let req = pb::AttachRequest {
+        user_id: ALICE.into(),
+        session_id: sid.clone(),
+        request_id: "cut".into(),
+        after_seq: None,
+    };
     let mut attached = c.raw().attach(req).await.unwrap().into_inner();
     assert_eq!(attached.message().await.unwrap().unwrap().seq, 0);
     first.kill9().await;
@@ -112,26 +182,44 @@ async fn after_a_kill_9_and_a_restart_a_sqlite_server_has_every_turn_and_a_defin
     let c = second.client.clone();
     let info = c
         .raw()
-        .get_session(pb::GetSessionRequest { user_id: ALICE.into(), session_id: sid.clone() })
+        .get_session(pb::GetSessionRequest {
+            user_id: ALICE.into(),
+            session_id: sid.clone(),
+        })
         .await
         .unwrap()
         .into_inner();
-    let turns: Vec<(String, pb::TurnState, Option<i32>)> =
-        info.turns.iter().map(|t| (t.request_id.clone(), t.state(), t.status_code)).collect();
+    let turns: Vec<(String, pb::TurnState, Option<i32>)> = info
+        .turns
+        .iter()
+        .map(|t| (t.request_id.clone(), t.state(), t.status_code))
+        .collect();
     assert_eq!(
         turns,
         vec![
             ("done".into(), pb::TurnState::Completed, Some(0)),
-            ("cut".into(), pb::TurnState::Failed, Some(Code::Unavailable as i32)),
+            (
+                "cut".into(),
+                pb::TurnState::Failed,
+                Some(Code::Unavailable as i32)
+            ),
         ]
     );
     let (replayed, ok) = run_on(&c, ALICE, &sid, "done", "hello").await;
     ok.unwrap();
     assert_eq!(replayed, done, "the completed turn replays as it was");
     let (cut, end) = run_on(&c, ALICE, &sid, "cut", ORDER_Q).await;
-    assert_eq!(seqs(&cut), vec![0], "the stored part of the interrupted turn");
+    assert_eq!(
+        seqs(&cut),
+        vec![0],
+        "the stored part of the interrupted turn"
+    );
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("serving replica stopped"), "{}", status.message());
+    assert!(
+        status.message().contains("serving replica stopped"),
+        "{}",
+        status.message()
+    );
     second.kill9().await;
 }

@@ -17,10 +17,20 @@ async fn a_client_trusting_the_ca_runs_the_worked_trace_over_tls() {
     let server = SecureServer::start(Ca::new("test ca"), Secure::default()).await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let (events, end) = c.run_to_end(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let (events, end) = c
+        .run_to_end(
+            run_request("alice", &session, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     end.unwrap();
     assert_eq!(events.len(), 3);
-    assert!(events[2].is_final && events[2].text.contains("DHL"), "{:?}", events[2]);
+    assert!(
+        events[2].is_final && events[2].text.contains("DHL"),
+        "{:?}",
+        events[2]
+    );
     server.stop().await;
 }
 
@@ -31,7 +41,9 @@ async fn a_plaintext_client_gets_no_answer_from_a_tls_port() {
         let mut c = AgentClient::connect(&format!("http://{}", server.addr)).await?;
         c.create_session("alice").await.map_err(anyhow::Error::from)
     };
-    let result = tokio::time::timeout(Duration::from_secs(10), result).await.expect("a plaintext call must fail, not hang");
+    let result = tokio::time::timeout(Duration::from_secs(10), result)
+        .await
+        .expect("a plaintext call must fail, not hang");
     assert!(result.is_err(), "a plaintext call was answered: {result:?}");
     server.stop().await;
 }
@@ -41,13 +53,27 @@ async fn a_client_that_does_not_trust_the_servers_ca_cannot_connect() {
     let server = SecureServer::start(Ca::new("test ca"), Secure::default()).await;
     let other = Ca::new("another ca");
     let tls = ClientSecurity::tls_from_pem(other.pem.as_bytes(), None);
-    let result = AgentClient::connect_with(&server.url(), &ClientSecurity { tls: Some(tls), token: None }).await;
-    assert!(result.is_err(), "connected to a server whose certificate it cannot verify");
+    let result = AgentClient::connect_with(
+        &server.url(),
+        &ClientSecurity {
+            tls: Some(tls),
+            token: None,
+        },
+    )
+    .await;
+    assert!(
+        result.is_err(),
+        "connected to a server whose certificate it cannot verify"
+    );
     server.stop().await;
 }
 
 fn mtls(ca: &Ca, tokens_json: Option<&str>) -> Secure {
-    Secure { client_ca: Some(ca.pem.clone()), tokens_json: tokens_json.map(str::to_owned), ..Secure::default() }
+    Secure {
+        client_ca: Some(ca.pem.clone()),
+        tokens_json: tokens_json.map(str::to_owned),
+        ..Secure::default()
+    }
 }
 
 /// A call on a connection the server refused at the handshake fails (at
@@ -86,7 +112,13 @@ async fn mtls_without_a_tokens_file_trusts_every_certificate_of_its_ca() {
     let server = SecureServer::start(ca, mtls(&clients, None)).await;
     let mut c = server.client(Some(&billing), None).await.unwrap();
     let session = c.create_session("anyone").await.unwrap().session_id;
-    let (_, end) = c.run_to_end(run_request("anyone", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let (_, end) = c
+        .run_to_end(
+            run_request("anyone", &session, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     end.unwrap();
     server.stop().await;
 }
@@ -102,13 +134,25 @@ async fn the_client_certificates_name_is_the_caller_and_its_users_are_enforced()
 
     let mut c = server.client(Some(&web), None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
-    let (events, end) = c.run_to_end(run_request("alice", &session, "r1", "Where is order 1187?"), DEADLINE).await.unwrap();
+    let (events, end) = c
+        .run_to_end(
+            run_request("alice", &session, "r1", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
     end.unwrap();
     assert_eq!(events.len(), 3);
 
     let err = c.create_session("bob").await.unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
-    let err = match c.run(run_request("bob", &session, "r2", "Where is order 1187?"), DEADLINE).await {
+    let err = match c
+        .run(
+            run_request("bob", &session, "r2", "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+    {
         Err(e) => e,
         Ok(_) => panic!("a run for a user the certificate may not act for started"),
     };
@@ -119,7 +163,14 @@ async fn the_client_certificates_name_is_the_caller_and_its_users_are_enforced()
     let err = s.create_session("alice").await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
 
-    assert_eq!(server.tool.started(), 1, "only the allowed run executed the tool");
-    assert!(server.turn_exists(&session, "r2").await.is_none(), "the refused run was stored");
+    assert_eq!(
+        server.tool.started(),
+        1,
+        "only the allowed run executed the tool"
+    );
+    assert!(
+        server.turn_exists(&session, "r2").await.is_none(),
+        "the refused run was stored"
+    );
     server.stop().await;
 }

@@ -43,11 +43,17 @@ fn telemetry() -> &'static (InMemorySpanExporter, Logs) {
     static T: OnceLock<(InMemorySpanExporter, Logs)> = OnceLock::new();
     T.get_or_init(|| {
         let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder().with_simple_exporter(exporter.clone()).build();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
         let logs = Logs::default();
         let writer = logs.clone();
         // Kept for the life of the test process.
-        std::mem::forget(agentd::telemetry::init_with(LogFormat::Json, move || writer.clone(), provider));
+        std::mem::forget(agentd::telemetry::init_with(
+            LogFormat::Json,
+            move || writer.clone(),
+            provider,
+        ));
         (exporter, logs)
     })
 }
@@ -67,17 +73,26 @@ async fn spans_of(trace: TraceId, names: &[&str]) -> Vec<SpanData> {
             return spans;
         }
         let have: Vec<_> = spans.iter().map(|s| s.name.to_string()).collect();
-        assert!(tokio::time::Instant::now() < deadline, "spans of {trace} so far: {have:?}, want {names:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "spans of {trace} so far: {have:?}, want {names:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
 fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
-    spans.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no span {name}"))
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no span {name}"))
 }
 
 fn attr(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.to_string())
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.to_string())
 }
 
 const RPC: &str = "agents.v1.AgentService/Run";
@@ -93,7 +108,12 @@ async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
     let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
     let caller_span = SpanId::from_hex("00f067aa0ba902b7").unwrap();
     let mut req = tonic::Request::new(run_request("alice", &session, "r1", "Where is order 1187?"));
-    req.metadata_mut().insert("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap());
+    req.metadata_mut().insert(
+        "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            .parse()
+            .unwrap(),
+    );
     let mut stream = c.raw().run(req).await.unwrap().into_inner();
     let mut n = 0;
     while stream.message().await.unwrap().is_some() {
@@ -103,21 +123,39 @@ async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
 
     let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
     let rpc = named(&spans, RPC);
-    assert_eq!(rpc.parent_span_id, caller_span, "the RPC span continues the caller's span");
+    assert_eq!(
+        rpc.parent_span_id, caller_span,
+        "the RPC span continues the caller's span"
+    );
     assert!(rpc.parent_span_is_remote);
     assert_eq!(attr(rpc, "rpc.grpc.status_code").as_deref(), Some("0"));
     assert_eq!(attr(rpc, "rpc.method").as_deref(), Some("Run"));
     let run = named(&spans, "run");
-    assert_eq!(run.parent_span_id, rpc.span_context.span_id(), "the run is a child of the RPC");
+    assert_eq!(
+        run.parent_span_id,
+        rpc.span_context.span_id(),
+        "the run is a child of the RPC"
+    );
     let tool = named(&spans, TOOL);
-    assert_eq!(tool.parent_span_id, run.span_context.span_id(), "the tool call is a child of the run");
-    assert_eq!(attr(tool, "gen_ai.tool.name").as_deref(), Some("lookup_order"));
+    assert_eq!(
+        tool.parent_span_id,
+        run.span_context.span_id(),
+        "the tool call is a child of the run"
+    );
+    assert_eq!(
+        attr(tool, "gen_ai.tool.name").as_deref(),
+        Some("lookup_order")
+    );
 
     // The run's log line carries the trace id.
     let logs = telemetry().1.text();
     let line = logs
         .lines()
-        .find(|l| l.contains("run finished") && l.contains("\"request_id\":\"r1\"") && l.contains(&session))
+        .find(|l| {
+            l.contains("run finished")
+                && l.contains("\"request_id\":\"r1\"")
+                && l.contains(&session)
+        })
         .unwrap_or_else(|| panic!("no 'run finished' line in:\n{logs}"));
     assert!(line.contains(&trace.to_string()), "{line}");
     server.stop().await;
@@ -131,18 +169,32 @@ async fn the_client_sends_the_current_trace_to_the_server() {
     let session = c.create_session("alice").await.unwrap().session_id;
 
     let trace = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
-    let remote = SpanContext::new(trace, SpanId::from_hex("b7ad6b7169203331").unwrap(), TraceFlags::SAMPLED, true, TraceState::default());
+    let remote = SpanContext::new(
+        trace,
+        SpanId::from_hex("b7ad6b7169203331").unwrap(),
+        TraceFlags::SAMPLED,
+        true,
+        TraceState::default(),
+    );
     let span = tracing::info_span!("caller");
-    span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote)).unwrap();
-    let client_span_id = span.context().span().span_context().span_id();
-    let (_, end) = tracing::Instrument::instrument(c.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE), span.clone())
-        .await
+    span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote))
         .unwrap();
+    let client_span_id = span.context().span().span_context().span_id();
+    let (_, end) = tracing::Instrument::instrument(
+        c.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE),
+        span.clone(),
+    )
+    .await
+    .unwrap();
     end.unwrap();
     drop(span);
 
     let spans = spans_of(trace, &[RPC, "run"]).await;
-    assert_eq!(named(&spans, RPC).parent_span_id, client_span_id, "the server's span is a child of the client's");
+    assert_eq!(
+        named(&spans, RPC).parent_span_id,
+        client_span_id,
+        "the server's span is a child of the client's"
+    );
     server.stop().await;
 }
 
@@ -151,31 +203,64 @@ async fn tokens_never_reach_the_logs() {
     telemetry();
     let good = "tok-good-0123456789abcdef";
     let bad = "tok-bad-0123456789abcdef";
-    let tokens = format!(r#"{{"tokens": [{{"token": "{good}", "caller": "svc", "user_ids": ["alice"]}}]}}"#);
-    let server = SecureServer::start(Ca::new("ca"), Secure { tokens_json: Some(tokens), ..Secure::default() }).await;
+    let tokens =
+        format!(r#"{{"tokens": [{{"token": "{good}", "caller": "svc", "user_ids": ["alice"]}}]}}"#);
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            tokens_json: Some(tokens),
+            ..Secure::default()
+        },
+    )
+    .await;
     let mut ok = server.client(None, Some(good)).await.unwrap();
     let session = ok.create_session("alice").await.unwrap().session_id;
-    ok.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE).await.unwrap().1.unwrap();
+    ok.run_to_end(run_request("alice", &session, "r1", "hello"), DEADLINE)
+        .await
+        .unwrap()
+        .1
+        .unwrap();
     assert!(ok.create_session("bob").await.is_err());
     let mut wrong = server.client(None, Some(bad)).await.unwrap();
     assert!(wrong.create_session("alice").await.is_err());
     server.stop().await;
 
     let logs = telemetry().1.text();
-    assert!(logs.contains("call refused"), "the refusals are logged:\n{logs}");
-    assert!(logs.contains("\"caller\":\"svc\""), "the caller's name is logged:\n{logs}");
-    assert!(!logs.contains(good) && !logs.contains(bad), "a token was logged:\n{logs}");
+    assert!(
+        logs.contains("call refused"),
+        "the refusals are logged:\n{logs}"
+    );
+    assert!(
+        logs.contains("\"caller\":\"svc\""),
+        "the caller's name is logged:\n{logs}"
+    );
+    assert!(
+        !logs.contains(good) && !logs.contains(bad),
+        "a token was logged:\n{logs}"
+    );
 }
 
 #[tokio::test]
 async fn a_streams_span_ends_with_the_status_of_its_trailers() {
     telemetry();
-    let server = SecureServer::start(Ca::new("ca"), Secure { tool_delay: Duration::from_secs(20), ..Secure::default() }).await;
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            tool_delay: Duration::from_secs(20),
+            ..Secure::default()
+        },
+    )
+    .await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
     let mut req = tonic::Request::new(run_request("alice", &session, "r1", "Where is order 1187?"));
     req.set_timeout(Duration::from_millis(150));
-    req.metadata_mut().insert("traceparent", "00-11111111111111111111111111111111-2222222222222222-01".parse().unwrap());
+    req.metadata_mut().insert(
+        "traceparent",
+        "00-11111111111111111111111111111111-2222222222222222-01"
+            .parse()
+            .unwrap(),
+    );
     let mut stream = c.raw().run(req).await.unwrap().into_inner();
     let status = loop {
         match stream.message().await {
@@ -190,8 +275,15 @@ async fn a_streams_span_ends_with_the_status_of_its_trailers() {
     let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
     let rpc = named(&spans, RPC);
     assert_eq!(attr(rpc, "rpc.grpc.status_code").as_deref(), Some("4"));
-    assert!(matches!(rpc.status, opentelemetry::trace::Status::Error { .. }), "{:?}", rpc.status);
+    assert!(
+        matches!(rpc.status, opentelemetry::trace::Status::Error { .. }),
+        "{:?}",
+        rpc.status
+    );
     let secs = rpc.end_time.duration_since(rpc.start_time).unwrap();
-    assert!(secs >= Duration::from_millis(150), "the span ended after {secs:?}, before the stream did");
+    assert!(
+        secs >= Duration::from_millis(150),
+        "the span ended after {secs:?}, before the stream did"
+    );
     server.stop().await;
 }

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use a2a::{
-    A2AError, Artifact, Message, Part, Role, StreamResponse, Task, TaskArtifactUpdateEvent, TaskState, TaskStatus,
-    TaskStatusUpdateEvent,
+    A2AError, Artifact, Message, Part, Role, StreamResponse, Task, TaskArtifactUpdateEvent,
+    TaskState, TaskStatus, TaskStatusUpdateEvent,
 };
 use a2a_server::{AgentExecutor, ExecutorContext};
 use futures::stream::BoxStream;
@@ -44,18 +44,33 @@ const SCRIPTS: &[(&str, Script)] = &[
     ("tck-message-response", Script::MessageResponse),
     ("tck-input-required", Script::InputRequired),
     ("tck-reject-task", Script::Reject),
-    ("tck-stream-001", Script::StreamText("Stream hello from TCK")),
+    (
+        "tck-stream-001",
+        Script::StreamText("Stream hello from TCK"),
+    ),
     ("tck-stream-002", Script::StreamCompletedOnly),
-    ("tck-stream-003", Script::StreamText("Stream task lifecycle")),
-    ("tck-stream-ordering-001", Script::StreamText("Ordered output")),
-    ("tck-stream-artifact-text", Script::StreamText("Streamed text content")),
+    (
+        "tck-stream-003",
+        Script::StreamText("Stream task lifecycle"),
+    ),
+    (
+        "tck-stream-ordering-001",
+        Script::StreamText("Ordered output"),
+    ),
+    (
+        "tck-stream-artifact-text",
+        Script::StreamText("Streamed text content"),
+    ),
     ("tck-stream-artifact-file", Script::StreamFile),
     ("tck-stream-artifact-chunked", Script::StreamChunked),
     ("test-resubscribe-message-id", Script::Resubscribe),
 ];
 
 fn script_for(message_id: &str) -> Option<Script> {
-    SCRIPTS.iter().find(|(p, _)| message_id.starts_with(p)).map(|(_, s)| *s)
+    SCRIPTS
+        .iter()
+        .find(|(p, _)| message_id.starts_with(p))
+        .map(|(_, s)| *s)
 }
 
 /// Runs scripted tasks; hands everything else to `inner`.
@@ -67,7 +82,10 @@ pub struct ConformanceExecutor<E> {
 
 impl<E> ConformanceExecutor<E> {
     pub fn new(inner: E, resubscribe_wait: Duration) -> Self {
-        Self { inner, resubscribe_wait }
+        Self {
+            inner,
+            resubscribe_wait,
+        }
     }
 }
 
@@ -120,7 +138,11 @@ impl Ids {
         StreamResponse::Task(Task {
             id: self.task_id.clone(),
             context_id: self.context_id.clone(),
-            status: TaskStatus { state: TaskState::Submitted, message: None, timestamp: Some(chrono::Utc::now()) },
+            status: TaskStatus {
+                state: TaskState::Submitted,
+                message: None,
+                timestamp: Some(chrono::Utc::now()),
+            },
             artifacts: None,
             history: Some(history),
             metadata: None,
@@ -129,7 +151,9 @@ impl Ids {
 }
 
 fn file_part() -> Part {
-    Part::raw(b"Generated file content".to_vec()).with_filename("output.txt").with_media_type("text/plain")
+    Part::raw(b"Generated file content".to_vec())
+        .with_filename("output.txt")
+        .with_media_type("text/plain")
 }
 
 fn events(script: Script, ids: &Ids) -> Vec<StreamResponse> {
@@ -137,17 +161,37 @@ fn events(script: Script, ids: &Ids) -> Vec<StreamResponse> {
     let text = |t: &str| Part::text(t);
     match script {
         CompleteWithMessage => vec![ids.status(TaskState::Completed, Some("Hello from TCK"))],
-        ArtifactText => vec![ids.artifact("text", text("Generated text content"), false, true), ids.status(TaskState::Completed, None)],
-        ArtifactFile => vec![ids.artifact("file", file_part(), false, true), ids.status(TaskState::Completed, None)],
+        ArtifactText => vec![
+            ids.artifact("text", text("Generated text content"), false, true),
+            ids.status(TaskState::Completed, None),
+        ],
+        ArtifactFile => vec![
+            ids.artifact("file", file_part(), false, true),
+            ids.status(TaskState::Completed, None),
+        ],
         ArtifactFileUrl => vec![
-            ids.artifact("file", Part::url("https://example.com/output.txt").with_filename("output.txt").with_media_type("text/plain"), false, true),
+            ids.artifact(
+                "file",
+                Part::url("https://example.com/output.txt")
+                    .with_filename("output.txt")
+                    .with_media_type("text/plain"),
+                false,
+                true,
+            ),
             ids.status(TaskState::Completed, None),
         ],
         ArtifactData => vec![
-            ids.artifact("data", Part::data(serde_json::json!({"key": "value", "count": 42})), false, true),
+            ids.artifact(
+                "data",
+                Part::data(serde_json::json!({"key": "value", "count": 42})),
+                false,
+                true,
+            ),
             ids.status(TaskState::Completed, None),
         ],
-        MessageResponse => vec![StreamResponse::Message(ids.message("Direct message response"))],
+        MessageResponse => vec![StreamResponse::Message(
+            ids.message("Direct message response"),
+        )],
         InputRequired => vec![ids.status(TaskState::InputRequired, Some("input required"))],
         Reject => vec![ids.status(TaskState::Rejected, Some("rejected"))],
         StreamText(t) => vec![
@@ -172,13 +216,23 @@ fn events(script: Script, ids: &Ids) -> Vec<StreamResponse> {
 }
 
 impl<E: AgentExecutor> AgentExecutor for ConformanceExecutor<E> {
-    fn execute(&self, ctx: ExecutorContext) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+    fn execute(
+        &self,
+        ctx: ExecutorContext,
+    ) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
         let Some(script) = ctx.message.as_ref().and_then(|m| script_for(&m.message_id)) else {
             return self.inner.execute(ctx);
         };
-        let ids = Ids { task_id: ctx.task_id.clone(), context_id: ctx.context_id.clone() };
-        let first = (script != Script::MessageResponse && ctx.stored_task.as_ref().is_none_or(|t| t.status.state == TaskState::Submitted))
-            .then(|| ids.task(ctx.message.iter().cloned().collect()));
+        let ids = Ids {
+            task_id: ctx.task_id.clone(),
+            context_id: ctx.context_id.clone(),
+        };
+        let first = (script != Script::MessageResponse
+            && ctx
+                .stored_task
+                .as_ref()
+                .is_none_or(|t| t.status.state == TaskState::Submitted))
+        .then(|| ids.task(ctx.message.iter().cloned().collect()));
         let wait = self.resubscribe_wait;
         Box::pin(async_stream::stream! {
             if let Some(t) = first {
@@ -205,9 +259,18 @@ mod tests {
 
     #[test]
     fn longer_prefixes_win_over_the_ones_they_extend() {
-        assert_eq!(script_for("tck-artifact-file-url-7"), Some(Script::ArtifactFileUrl));
-        assert_eq!(script_for("tck-artifact-file-7"), Some(Script::ArtifactFile));
-        assert_eq!(script_for("tck-stream-artifact-chunked-1"), Some(Script::StreamChunked));
+        assert_eq!(
+            script_for("tck-artifact-file-url-7"),
+            Some(Script::ArtifactFileUrl)
+        );
+        assert_eq!(
+            script_for("tck-artifact-file-7"),
+            Some(Script::ArtifactFile)
+        );
+        assert_eq!(
+            script_for("tck-stream-artifact-chunked-1"),
+            Some(Script::StreamChunked)
+        );
         assert_eq!(script_for("hello"), None);
     }
 }

@@ -18,8 +18,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use a2a::{
-    A2AError, Artifact, Message, Part, PartContent, Role, StreamResponse, Task, TaskArtifactUpdateEvent,
-    TaskState, TaskStatus, TaskStatusUpdateEvent,
+    A2AError, Artifact, Message, Part, PartContent, Role, StreamResponse, Task,
+    TaskArtifactUpdateEvent, TaskState, TaskStatus, TaskStatusUpdateEvent,
 };
 use a2a_server::{AgentExecutor, ExecutorContext};
 use futures::StreamExt;
@@ -65,17 +65,29 @@ struct Sessions {
 
 impl TurnExecutor {
     pub fn new(turns: Arc<Turns>, max_input_bytes: usize) -> Self {
-        let shared = Shared { turns, max_input_bytes, sessions: Mutex::default(), running: Arc::default() };
-        Self { shared: Arc::new(shared) }
+        let shared = Shared {
+            turns,
+            max_input_bytes,
+            sessions: Mutex::default(),
+            running: Arc::default(),
+        };
+        Self {
+            shared: Arc::new(shared),
+        }
     }
 }
 
 impl Shared {
-
     /// The session of (`user`, `context`), created on first use.
     async fn session(&self, user: &UserId, context: &str) -> Result<SessionId, RunError> {
         let key = (user.as_str().to_owned(), context.to_owned());
-        if let Some(id) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).by_context.get(&key) {
+        if let Some(id) = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_context
+            .get(&key)
+        {
             return Ok(*id);
         }
         let session = self.turns.store().create_session(user).await?;
@@ -108,9 +120,15 @@ struct Job {
 
 impl Job {
     fn from_ctx(ctx: ExecutorContext) -> Result<Self, A2AError> {
-        let message = ctx.message.ok_or_else(|| A2AError::invalid_params("a message is required"))?;
+        let message = ctx
+            .message
+            .ok_or_else(|| A2AError::invalid_params("a message is required"))?;
         let agent = agent_name(&message).or_else(|| {
-            ctx.metadata.as_ref().and_then(|m| m.get(AGENT_METADATA_KEY)).and_then(|v| v.as_str()).map(str::to_owned)
+            ctx.metadata
+                .as_ref()
+                .and_then(|m| m.get(AGENT_METADATA_KEY))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
         });
         let user = ctx
             .user
@@ -118,16 +136,35 @@ impl Job {
             .filter(|u| u.authenticated)
             .and_then(|u| UserId::parse(u.name.clone()).ok())
             .unwrap_or_else(|| UserId::parse(ANONYMOUS_USER).expect("a valid id"));
-        let turn_index = ctx.stored_task.as_ref().and_then(|t| t.history.as_ref()).map_or(0, Vec::len);
-        let is_new = ctx.stored_task.as_ref().is_none_or(|t| t.status.state == TaskState::Submitted);
-        Ok(Job { task_id: ctx.task_id, context_id: ctx.context_id, message, user, agent, turn_index, is_new })
+        let turn_index = ctx
+            .stored_task
+            .as_ref()
+            .and_then(|t| t.history.as_ref())
+            .map_or(0, Vec::len);
+        let is_new = ctx
+            .stored_task
+            .as_ref()
+            .is_none_or(|t| t.status.state == TaskState::Submitted);
+        Ok(Job {
+            task_id: ctx.task_id,
+            context_id: ctx.context_id,
+            message,
+            user,
+            agent,
+            turn_index,
+            is_new,
+        })
     }
 
     fn status(&self, state: TaskState, message: Option<Message>) -> StreamResponse {
         StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
             task_id: self.task_id.clone(),
             context_id: self.context_id.clone(),
-            status: TaskStatus { state, message, timestamp: Some(chrono::Utc::now()) },
+            status: TaskStatus {
+                state,
+                message,
+                timestamp: Some(chrono::Utc::now()),
+            },
             metadata: None,
         })
     }
@@ -167,7 +204,11 @@ impl Job {
         StreamResponse::Task(Task {
             id: self.task_id.clone(),
             context_id: self.context_id.clone(),
-            status: TaskStatus { state: TaskState::Submitted, message: None, timestamp: Some(chrono::Utc::now()) },
+            status: TaskStatus {
+                state: TaskState::Submitted,
+                message: None,
+                timestamp: Some(chrono::Utc::now()),
+            },
             artifacts: None,
             history: Some(vec![self.message.clone()]),
             metadata: None,
@@ -177,12 +218,20 @@ impl Job {
     /// The task ends without running: REJECTED for a request we will not
     /// serve, FAILED for one we cannot serve now.
     fn refused(&self, state: TaskState, why: &str) -> Vec<StreamResponse> {
-        vec![self.submitted(), self.status(state, Some(self.agent_message(vec![Part::text(why)])))]
+        vec![
+            self.submitted(),
+            self.status(state, Some(self.agent_message(vec![Part::text(why)]))),
+        ]
     }
 }
 
 fn agent_name(message: &Message) -> Option<String> {
-    message.metadata.as_ref()?.get(AGENT_METADATA_KEY)?.as_str().map(str::to_owned)
+    message
+        .metadata
+        .as_ref()?
+        .get(AGENT_METADATA_KEY)?
+        .as_str()
+        .map(str::to_owned)
 }
 
 /// The message's text: its text parts, joined by newlines. `None` when it has
@@ -211,15 +260,28 @@ struct Mapper {
 
 impl Mapper {
     fn new() -> Self {
-        Self { streamed: String::new(), started: false, answered: false }
+        Self {
+            streamed: String::new(),
+            started: false,
+            answered: false,
+        }
     }
 
     fn map(&mut self, job: &Job, e: pb::AgentEvent) -> Vec<StreamResponse> {
         match e.kind() {
             pb::EventKind::ToolCall | pb::EventKind::ToolResult => {
-                let key = if e.kind() == pb::EventKind::ToolCall { "toolCall" } else { "toolResult" };
-                let payload: serde_json::Value = serde_json::from_str(&e.payload_json).unwrap_or(serde_json::Value::Null);
-                let field = if e.kind() == pb::EventKind::ToolCall { "arguments" } else { "result" };
+                let key = if e.kind() == pb::EventKind::ToolCall {
+                    "toolCall"
+                } else {
+                    "toolResult"
+                };
+                let payload: serde_json::Value =
+                    serde_json::from_str(&e.payload_json).unwrap_or(serde_json::Value::Null);
+                let field = if e.kind() == pb::EventKind::ToolCall {
+                    "arguments"
+                } else {
+                    "result"
+                };
                 let data = serde_json::json!({ key: { "name": e.tool_name, "id": e.tool_call_id, field: payload } });
                 let mut parts = vec![];
                 if !e.text.is_empty() {
@@ -240,7 +302,11 @@ impl Mapper {
                 }
                 // A final answer that repeats the streamed text only adds its
                 // rest; otherwise it follows what was streamed.
-                let rest = e.text.strip_prefix(self.streamed.as_str()).map(str::to_owned).unwrap_or(e.text);
+                let rest = e
+                    .text
+                    .strip_prefix(self.streamed.as_str())
+                    .map(str::to_owned)
+                    .unwrap_or(e.text);
                 vec![job.chunk(rest, true, true)]
             }
         }
@@ -255,7 +321,10 @@ struct Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.task_id);
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.task_id);
     }
 }
 
@@ -359,7 +428,12 @@ impl Shared {
 fn valid_agent(agent: Option<String>) -> Option<Option<String>> {
     match agent {
         None => Some(None),
-        Some(a) if !a.is_empty() && a.len() <= 64 && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {
+        Some(a)
+            if !a.is_empty()
+                && a.len() <= 64
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+        {
             Some(Some(a))
         }
         Some(_) => None,
@@ -369,16 +443,26 @@ fn valid_agent(agent: Option<String>) -> Option<Option<String>> {
 /// How a refused run ends the task, with the agents.v1 table's message.
 fn refusal(e: RunError, turns: &Turns) -> (TaskState, String) {
     let state = match e {
-        RunError::UnknownAgent | RunError::RequestIdReused | RunError::SessionNotFound | RunError::TurnNotFound => {
-            TaskState::Rejected
-        }
-        RunError::Busy { .. } | RunError::ShuttingDown | RunError::SessionBusy | RunError::Store(_) => TaskState::Failed,
+        RunError::UnknownAgent
+        | RunError::RequestIdReused
+        | RunError::SessionNotFound
+        | RunError::TurnNotFound => TaskState::Rejected,
+        RunError::Busy { .. }
+        | RunError::ShuttingDown
+        | RunError::SessionBusy
+        | RunError::Store(_) => TaskState::Failed,
     };
-    (state, status::run_error(e, turns.agents()).message().to_owned())
+    (
+        state,
+        status::run_error(e, turns.agents()).message().to_owned(),
+    )
 }
 
 impl AgentExecutor for TurnExecutor {
-    fn execute(&self, ctx: ExecutorContext) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+    fn execute(
+        &self,
+        ctx: ExecutorContext,
+    ) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
         match Job::from_ctx(ctx) {
             Ok(job) => self.shared.clone().run(job),
             Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
@@ -386,13 +470,23 @@ impl AgentExecutor for TurnExecutor {
     }
 
     fn cancel(&self, ctx: ExecutorContext) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
-        if let Some(token) = self.shared.running.lock().unwrap_or_else(|e| e.into_inner()).get(&ctx.task_id) {
+        if let Some(token) = self
+            .shared
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&ctx.task_id)
+        {
             token.cancel();
         }
         let update = StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
             task_id: ctx.task_id,
             context_id: ctx.context_id,
-            status: TaskStatus { state: TaskState::Canceled, message: None, timestamp: Some(chrono::Utc::now()) },
+            status: TaskStatus {
+                state: TaskState::Canceled,
+                message: None,
+                timestamp: Some(chrono::Utc::now()),
+            },
             metadata: None,
         });
         Box::pin(futures::stream::once(async move { Ok(update) }))
@@ -416,14 +510,20 @@ mod tests {
     }
 
     fn event(kind: pb::EventKind, text: &str) -> pb::AgentEvent {
-        pb::AgentEvent { kind: kind as i32, text: text.into(), ..Default::default() }
+        pb::AgentEvent {
+            kind: kind as i32,
+            text: text.into(),
+            ..Default::default()
+        }
     }
 
     fn chunk(u: &StreamResponse) -> (String, bool, bool) {
         match u {
-            StreamResponse::ArtifactUpdate(a) => {
-                (a.artifact.parts[0].as_text().unwrap().to_owned(), a.append.unwrap(), a.last_chunk.unwrap())
-            }
+            StreamResponse::ArtifactUpdate(a) => (
+                a.artifact.parts[0].as_text().unwrap().to_owned(),
+                a.append.unwrap(),
+                a.last_chunk.unwrap(),
+            ),
             other => panic!("not a chunk: {other:?}"),
         }
     }
@@ -442,7 +542,10 @@ mod tests {
     #[test]
     fn a_final_answer_alone_is_one_complete_chunk() {
         let (j, mut m) = (job(), Mapper::new());
-        assert_eq!(chunk(&m.map(&j, event(pb::EventKind::FinalAnswer, "done"))[0]), ("done".into(), false, true));
+        assert_eq!(
+            chunk(&m.map(&j, event(pb::EventKind::FinalAnswer, "done"))[0]),
+            ("done".into(), false, true)
+        );
     }
 
     #[test]
@@ -451,11 +554,15 @@ mod tests {
         let mut e = event(pb::EventKind::ToolCall, "calling lookup_order");
         e.tool_name = "lookup_order".into();
         e.payload_json = r#"{"order_id":"1187"}"#.into();
-        let StreamResponse::StatusUpdate(s) = &m.map(&j, e)[0] else { panic!("not a status") };
+        let StreamResponse::StatusUpdate(s) = &m.map(&j, e)[0] else {
+            panic!("not a status")
+        };
         assert_eq!(s.status.state, TaskState::Working);
         let parts = &s.status.message.as_ref().unwrap().parts;
         assert_eq!(parts[0].as_text(), Some("calling lookup_order"));
-        let PartContent::Data(d) = &parts[1].content else { panic!("not data") };
+        let PartContent::Data(d) = &parts[1].content else {
+            panic!("not data")
+        };
         assert_eq!(d["toolCall"]["name"], "lookup_order");
         assert_eq!(d["toolCall"]["arguments"]["order_id"], "1187");
     }

@@ -14,7 +14,10 @@ pub mod version;
 
 use std::sync::Arc;
 
-use a2a::{AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TRANSPORT_PROTOCOL_GRPC, TRANSPORT_PROTOCOL_JSONRPC};
+use a2a::{
+    AgentCapabilities, AgentCard, AgentInterface, AgentSkill, TRANSPORT_PROTOCOL_GRPC,
+    TRANSPORT_PROTOCOL_JSONRPC,
+};
 use a2a_pb::proto::a2a_service_server::A2aServiceServer;
 use a2a_server::{DefaultRequestHandler, InMemoryTaskStore, StaticAgentCard};
 
@@ -44,17 +47,31 @@ pub struct A2a {
 impl A2a {
     /// `conformance`: serve the conformance agent's scripted tasks, with
     /// this resubscription wait (see [`conformance`]).
-    pub fn new(turns: Arc<Turns>, max_input_bytes: usize, conformance: Option<std::time::Duration>) -> Self {
+    pub fn new(
+        turns: Arc<Turns>,
+        max_input_bytes: usize,
+        conformance: Option<std::time::Duration>,
+    ) -> Self {
         let executor = TurnExecutor::new(turns, max_input_bytes);
         let handler = match conformance {
-            Some(wait) => DefaultRequestHandler::new(conformance::ConformanceExecutor::new(executor, wait), InMemoryTaskStore::new()),
+            Some(wait) => DefaultRequestHandler::new(
+                conformance::ConformanceExecutor::new(executor, wait),
+                InMemoryTaskStore::new(),
+            ),
             None => DefaultRequestHandler::new(executor, InMemoryTaskStore::new()),
         };
         let handler = handler
             .with_capabilities(capabilities())
-            .with_default_input_modes(INPUT_MODES.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .with_default_input_modes(
+                INPUT_MODES
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>(),
+            )
             .with_authorizer(version::VersionCheck);
-        Self { handler: Arc::new(handler) }
+        Self {
+            handler: Arc::new(handler),
+        }
     }
 
     pub fn handler(&self) -> &Arc<Handler> {
@@ -62,20 +79,30 @@ impl A2a {
     }
 
     /// `lf.a2a.v1.A2AService` for the tonic router.
-    pub fn grpc_service(&self, max_message_bytes: usize) -> A2aServiceServer<a2a_grpc::GrpcHandler<Handler>> {
-        A2aServiceServer::new(a2a_grpc::GrpcHandler::new(self.handler.clone())).max_decoding_message_size(max_message_bytes)
+    pub fn grpc_service(
+        &self,
+        max_message_bytes: usize,
+    ) -> A2aServiceServer<a2a_grpc::GrpcHandler<Handler>> {
+        A2aServiceServer::new(a2a_grpc::GrpcHandler::new(self.handler.clone()))
+            .max_decoding_message_size(max_message_bytes)
     }
 
     /// JSON-RPC (with SSE streaming) at `/` and the card at
     /// `/.well-known/agent-card.json`.
     pub fn http_router(&self, card: AgentCard) -> axum::Router {
-        a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
-            .merge(a2a_server::agent_card::agent_card_router(Arc::new(StaticAgentCard::new(card))))
+        a2a_server::jsonrpc::jsonrpc_router(self.handler.clone()).merge(
+            a2a_server::agent_card::agent_card_router(Arc::new(StaticAgentCard::new(card))),
+        )
     }
 }
 
 fn capabilities() -> AgentCapabilities {
-    AgentCapabilities { streaming: Some(true), push_notifications: Some(false), extensions: None, extended_agent_card: None }
+    AgentCapabilities {
+        streaming: Some(true),
+        push_notifications: Some(false),
+        extensions: None,
+        extended_agent_card: None,
+    }
 }
 
 /// Where clients reach the two bindings, as the card advertises them.
@@ -134,24 +161,37 @@ pub async fn serve_http(
     router: axum::Router,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(stop).await
+    axum::serve(listener, router)
+        .with_graceful_shutdown(stop)
+        .await
 }
 
 /// The card's addresses for servers bound to `grpc` and `http`: `host` when
 /// given, else the bound IP, or the machine's name for an unspecified IP.
-pub fn advertised(grpc: std::net::SocketAddr, http: std::net::SocketAddr, host: Option<&str>) -> Advertised {
+pub fn advertised(
+    grpc: std::net::SocketAddr,
+    http: std::net::SocketAddr,
+    host: Option<&str>,
+) -> Advertised {
     let at = |addr: std::net::SocketAddr| match host {
         Some(h) => format!("{h}:{}", addr.port()),
         None if addr.ip().is_unspecified() => format!("{}:{}", machine_name(), addr.port()),
         None => addr.to_string(),
     };
-    Advertised { jsonrpc_url: format!("http://{}/", at(http)), grpc_host_port: at(grpc) }
+    Advertised {
+        jsonrpc_url: format!("http://{}/", at(http)),
+        grpc_host_port: at(grpc),
+    }
 }
 
 fn machine_name() -> String {
     std::env::var("HOSTNAME")
         .ok()
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|s| s.trim().to_owned())
+        })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "localhost".into())
 }

@@ -28,13 +28,20 @@ pub fn check(params: &ServiceParams) -> Result<(), A2AError> {
         .and_then(|(_, v)| v.first())
         .map(|v| v.trim())
         .unwrap_or("0.3");
-    let major = requested.split('.').next().and_then(|m| m.parse::<u32>().ok());
+    let major = requested
+        .split('.')
+        .next()
+        .and_then(|m| m.parse::<u32>().ok());
     if major == Some(SUPPORTED_MAJOR) {
         Ok(())
     } else {
         // The requested version is echoed by the crate's constructor; keep it
         // short and printable so the message stays safe to return.
-        let shown: String = requested.chars().filter(|c| c.is_ascii_graphic()).take(16).collect();
+        let shown: String = requested
+            .chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(16)
+            .collect();
         Err(A2AError::version_not_supported(&shown))
     }
 }

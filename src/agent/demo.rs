@@ -27,10 +27,34 @@ pub struct Order {
 
 /// The demo's order book. Fixed, so answers are deterministic.
 pub const ORDERS: &[Order] = &[
-    Order { id: "1187", status: "shipped", carrier: "DHL", eta: "2026-12-04", items: "2 x espresso cups" },
-    Order { id: "1042", status: "delivered", carrier: "UPS", eta: "2026-11-28", items: "1 x french press" },
-    Order { id: "2301", status: "processing", carrier: "", eta: "2026-12-09", items: "3 x coffee beans 1kg" },
-    Order { id: "3319", status: "cancelled", carrier: "", eta: "", items: "1 x grinder" },
+    Order {
+        id: "1187",
+        status: "shipped",
+        carrier: "DHL",
+        eta: "2026-12-04",
+        items: "2 x espresso cups",
+    },
+    Order {
+        id: "1042",
+        status: "delivered",
+        carrier: "UPS",
+        eta: "2026-11-28",
+        items: "1 x french press",
+    },
+    Order {
+        id: "2301",
+        status: "processing",
+        carrier: "",
+        eta: "2026-12-09",
+        items: "3 x coffee beans 1kg",
+    },
+    Order {
+        id: "3319",
+        status: "cancelled",
+        carrier: "",
+        eta: "",
+        items: "1 x grinder",
+    },
 ];
 
 /// Counts what the `lookup_order` tool did, so tests and operators can see
@@ -83,7 +107,10 @@ impl LookupOrder {
     /// Looks `order_id` up; `None` when the run was cancelled first.
     pub async fn call(&self, order_id: &str, cancel: &CancellationToken) -> Option<Option<Order>> {
         self.stats.started.fetch_add(1, Ordering::SeqCst);
-        let mut guard = InFlight { stats: &self.stats, done: false };
+        let mut guard = InFlight {
+            stats: &self.stats,
+            done: false,
+        };
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return None,
@@ -101,7 +128,12 @@ pub struct OrderHelper {
 
 impl OrderHelper {
     pub fn new(tool_delay: Duration) -> Self {
-        Self { tool: LookupOrder { delay: tool_delay, stats: Arc::default() } }
+        Self {
+            tool: LookupOrder {
+                delay: tool_delay,
+                stats: Arc::default(),
+            },
+        }
     }
 
     /// The tool's counters (shared; they outlive the agent).
@@ -137,7 +169,10 @@ fn classify(text: &str, history: &[super::PriorTurn]) -> Intent {
         return Intent::Lookup(n);
     }
     let lower = text.to_lowercase();
-    let words: Vec<&str> = lower.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).collect();
+    let words: Vec<&str> = lower
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
     let has = |w: &str| words.contains(&w);
     if has("thanks") || has("thank") || has("thx") {
         return Intent::Thanks;
@@ -145,12 +180,17 @@ fn classify(text: &str, history: &[super::PriorTurn]) -> Intent {
     if has("hello") || has("hi") || has("hey") || lower.contains("good morning") {
         return Intent::Greeting;
     }
-    let about_orders = ["order", "package", "parcel", "it", "arrive", "delivery", "shipped", "where"]
-        .iter()
-        .any(|w| has(w));
+    let about_orders = [
+        "order", "package", "parcel", "it", "arrive", "delivery", "shipped", "where",
+    ]
+    .iter()
+    .any(|w| has(w));
     if about_orders {
         // A follow-up refers to the last order the session talked about.
-        let remembered = history.iter().rev().find_map(|t| order_number(&t.user_text));
+        let remembered = history
+            .iter()
+            .rev()
+            .find_map(|t| order_number(&t.user_text));
         return match remembered {
             Some(n) => Intent::Lookup(n),
             None => Intent::AskForNumber,
@@ -165,12 +205,18 @@ fn describe(order: &Order) -> String {
             "Order {} ({}) has shipped with {} and should arrive on {}.",
             order.id, order.items, order.carrier, order.eta
         ),
-        "delivered" => format!("Order {} ({}) was delivered on {} by {}.", order.id, order.items, order.eta, order.carrier),
+        "delivered" => format!(
+            "Order {} ({}) was delivered on {} by {}.",
+            order.id, order.items, order.eta, order.carrier
+        ),
         "processing" => format!(
             "Order {} ({}) is being prepared; it is expected to ship in time for {}.",
             order.id, order.items, order.eta
         ),
-        "cancelled" => format!("Order {} ({}) was cancelled; no charge was made.", order.id, order.items),
+        "cancelled" => format!(
+            "Order {} ({}) was cancelled; no charge was made.",
+            order.id, order.items
+        ),
         other => format!("Order {} is {}.", order.id, other),
     }
 }
@@ -236,8 +282,15 @@ mod tests {
     #[test]
     fn finds_the_order_number_in_a_question() {
         assert_eq!(order_number("Where is order 1187?"), Some("1187".into()));
-        assert_eq!(order_number("order #42"), None, "two digits is not an order number");
-        assert_eq!(classify("Where is order 1187?", &[]), Intent::Lookup("1187".into()));
+        assert_eq!(
+            order_number("order #42"),
+            None,
+            "two digits is not an order number"
+        );
+        assert_eq!(
+            classify("Where is order 1187?", &[]),
+            Intent::Lookup("1187".into())
+        );
     }
 
     #[test]
@@ -255,6 +308,9 @@ mod tests {
             user_text: "Where is order 2301?".into(),
             answer: "...".into(),
         }];
-        assert_eq!(classify("when will it arrive?", &history), Intent::Lookup("2301".into()));
+        assert_eq!(
+            classify("when will it arrive?", &history),
+            Intent::Lookup("2301".into())
+        );
     }
 }

@@ -121,13 +121,17 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { tool_delay: Duration::ZERO, env: Box::new(|k| std::env::var(k).ok()) }
+        Self {
+            tool_delay: Duration::ZERO,
+            env: Box::new(|k| std::env::var(k).ok()),
+        }
     }
 }
 
 /// Reads and checks `path`. The error is one line: `file:line:column: reason`.
 pub fn load(path: &Path, opts: &LoadOptions) -> anyhow::Result<AgentsFile> {
-    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read the agents file: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("{}: cannot read the agents file: {e}", path.display()))?;
     parse(&text, path, opts)
 }
 
@@ -151,18 +155,38 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         let t = t.get_ref();
         check_name(name).map_err(|r| at(Some(span.clone()), &format!("tool {name:?}: {r}")))?;
         if tools::BUILT_IN.contains(&name.as_str()) {
-            return Err(at(Some(span), &format!("tool {name:?} is built in; give an HTTP tool another name")));
+            return Err(at(
+                Some(span),
+                &format!("tool {name:?} is built in; give an HTTP tool another name"),
+            ));
         }
-        let url = parse_url(t.url.get_ref()).map_err(|r| at(Some(t.url.span()), &format!("tool {name:?}: {r}")))?;
-        let def = ToolDef::new(name, &t.description, t.parameters.get_ref().clone())
-            .map_err(|r| at(Some(t.parameters.span()), &format!("tool {name:?}: parameters: {r}")))?;
-        let timeout = t.timeout.as_ref().map(|d| duration(d, &at)).transpose()?.unwrap_or(DEFAULT_CALL_TIMEOUT);
+        let url = parse_url(t.url.get_ref())
+            .map_err(|r| at(Some(t.url.span()), &format!("tool {name:?}: {r}")))?;
+        let def =
+            ToolDef::new(name, &t.description, t.parameters.get_ref().clone()).map_err(|r| {
+                at(
+                    Some(t.parameters.span()),
+                    &format!("tool {name:?}: parameters: {r}"),
+                )
+            })?;
+        let timeout = t
+            .timeout
+            .as_ref()
+            .map(|d| duration(d, &at))
+            .transpose()?
+            .unwrap_or(DEFAULT_CALL_TIMEOUT);
         let headers = header_map(&t.headers, &at)?;
         let cap = t.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
         if cap == 0 {
-            return Err(at(Some(span), &format!("tool {name:?}: max_response_bytes must be at least 1")));
+            return Err(at(
+                Some(span),
+                &format!("tool {name:?}: max_response_bytes must be at least 1"),
+            ));
         }
-        http_tools.insert(name.clone(), Arc::new(HttpTool::new(def, http.clone(), url, headers, timeout, cap)));
+        http_tools.insert(
+            name.clone(),
+            Arc::new(HttpTool::new(def, http.clone(), url, headers, timeout, cap)),
+        );
     }
 
     let mut agents: Vec<Arc<dyn Agent>> = Vec::new();
@@ -171,39 +195,84 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         let a = a.get_ref();
         check_name(name).map_err(|r| at(Some(span.clone()), &format!("agent {name:?}: {r}")))?;
         let m = &a.model;
-        parse_url(m.base_url.get_ref()).map_err(|r| at(Some(m.base_url.span()), &format!("agent {name:?}: base_url: {r}")))?;
+        parse_url(m.base_url.get_ref()).map_err(|r| {
+            at(
+                Some(m.base_url.span()),
+                &format!("agent {name:?}: base_url: {r}"),
+            )
+        })?;
         if m.model.trim().is_empty() {
-            return Err(at(Some(span), &format!("agent {name:?}: model.model is empty")));
+            return Err(at(
+                Some(span),
+                &format!("agent {name:?}: model.model is empty"),
+            ));
         }
         let mut endpoint = Endpoint::new(m.base_url.get_ref());
         endpoint.headers = header_map(&m.headers, &at)?;
         endpoint.api_key = match (&m.api_key_env, &m.api_key_file) {
             (Some(_), Some(f)) => {
-                return Err(at(Some(f.span()), &format!("agent {name:?}: give api_key_env or api_key_file, not both")));
+                return Err(at(
+                    Some(f.span()),
+                    &format!("agent {name:?}: give api_key_env or api_key_file, not both"),
+                ));
             }
-            (Some(var), None) => Some((opts.env)(var.get_ref()).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
-                at(Some(var.span()), &format!("agent {name:?}: environment variable {} is not set", var.get_ref()))
-            })?),
-            (None, Some(file)) => Some(read_key(file.get_ref()).map_err(|r| at(Some(file.span()), &format!("agent {name:?}: {r}")))?),
+            (Some(var), None) => Some(
+                (opts.env)(var.get_ref())
+                    .filter(|v| !v.trim().is_empty())
+                    .ok_or_else(|| {
+                        at(
+                            Some(var.span()),
+                            &format!(
+                                "agent {name:?}: environment variable {} is not set",
+                                var.get_ref()
+                            ),
+                        )
+                    })?,
+            ),
+            (None, Some(file)) => Some(
+                read_key(file.get_ref())
+                    .map_err(|r| at(Some(file.span()), &format!("agent {name:?}: {r}")))?,
+            ),
             (None, None) => None,
         }
         .map(|k| k.trim().to_owned());
-        let call_timeout = a.call_timeout.as_ref().map(|d| duration(d, &at)).transpose()?.unwrap_or(DEFAULT_CALL_TIMEOUT);
+        let call_timeout = a
+            .call_timeout
+            .as_ref()
+            .map(|d| duration(d, &at))
+            .transpose()?
+            .unwrap_or(DEFAULT_CALL_TIMEOUT);
         let mut agent_tools: Vec<Arc<dyn Tool>> = Vec::new();
         for t in &a.tools {
             let tname = t.get_ref();
             if agent_tools.iter().any(|x| x.def().name == *tname) {
-                return Err(at(Some(t.span()), &format!("agent {name:?}: tool {tname:?} is listed twice")));
+                return Err(at(
+                    Some(t.span()),
+                    &format!("agent {name:?}: tool {tname:?} is listed twice"),
+                ));
             }
-            let tool = http_tools.get(tname).cloned().or_else(|| tools::built_in(tname, opts.tool_delay)).ok_or_else(|| {
-                let mut known: Vec<&str> = tools::BUILT_IN.to_vec();
-                known.extend(http_tools.keys().map(String::as_str));
-                at(Some(t.span()), &format!("agent {name:?}: unknown tool {tname:?} (known: {})", known.join(", ")))
-            })?;
+            let tool = http_tools
+                .get(tname)
+                .cloned()
+                .or_else(|| tools::built_in(tname, opts.tool_delay))
+                .ok_or_else(|| {
+                    let mut known: Vec<&str> = tools::BUILT_IN.to_vec();
+                    known.extend(http_tools.keys().map(String::as_str));
+                    at(
+                        Some(t.span()),
+                        &format!(
+                            "agent {name:?}: unknown tool {tname:?} (known: {})",
+                            known.join(", ")
+                        ),
+                    )
+                })?;
             agent_tools.push(tool);
         }
         if a.first_call.tool_choice.is_some() && agent_tools.is_empty() {
-            return Err(at(Some(span), &format!("agent {name:?}: first_call.tool_choice needs at least one tool")));
+            return Err(at(
+                Some(span),
+                &format!("agent {name:?}: first_call.tool_choice needs at least one tool"),
+            ));
         }
         agents.push(Arc::new(ModelAgent::new(ModelAgentConfig {
             name: name.clone(),
@@ -221,7 +290,13 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
 
     let default = match &doc.default {
         Some(d) if !doc.agents.contains_key(d.get_ref()) => {
-            return Err(at(Some(d.span()), &format!("default agent {:?} is not defined in this file", d.get_ref())));
+            return Err(at(
+                Some(d.span()),
+                &format!(
+                    "default agent {:?} is not defined in this file",
+                    d.get_ref()
+                ),
+            ));
         }
         Some(d) => Some(d.get_ref().clone()),
         None => None,
@@ -231,8 +306,16 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
 
 /// Agent and tool names: what RunRequest.agent and the model accept.
 fn check_name(name: &str) -> Result<(), &'static str> {
-    let ok = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if ok { Ok(()) } else { Err("names must be 1-64 characters of [A-Za-z0-9_-]") }
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err("names must be 1-64 characters of [A-Za-z0-9_-]")
+    }
 }
 
 fn parse_url(s: &str) -> Result<reqwest::Url, String> {
@@ -243,8 +326,12 @@ fn parse_url(s: &str) -> Result<reqwest::Url, String> {
     Ok(url)
 }
 
-fn duration(d: &Spanned<String>, at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error) -> anyhow::Result<Duration> {
-    let v = humantime::parse_duration(d.get_ref()).map_err(|e| at(Some(d.span()), &format!("{e} (use e.g. 500ms, 30s, 5m)")))?;
+fn duration(
+    d: &Spanned<String>,
+    at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error,
+) -> anyhow::Result<Duration> {
+    let v = humantime::parse_duration(d.get_ref())
+        .map_err(|e| at(Some(d.span()), &format!("{e} (use e.g. 500ms, 30s, 5m)")))?;
     if v.is_zero() {
         return Err(at(Some(d.span()), "a timeout must be more than 0s"));
     }
@@ -257,13 +344,16 @@ fn header_map(
 ) -> anyhow::Result<reqwest::header::HeaderMap> {
     let mut e = Endpoint::new("");
     for (k, v) in h {
-        e = e.header(k, v.get_ref()).map_err(|r| at(Some(v.span()), &r.to_string()))?;
+        e = e
+            .header(k, v.get_ref())
+            .map_err(|r| at(Some(v.span()), &r.to_string()))?;
     }
     Ok(e.headers)
 }
 
 fn read_key(path: &Path) -> Result<String, String> {
-    let k = std::fs::read_to_string(path).map_err(|e| format!("cannot read api_key_file {}: {e}", path.display()))?;
+    let k = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read api_key_file {}: {e}", path.display()))?;
     if k.trim().is_empty() {
         return Err(format!("api_key_file {} is empty", path.display()));
     }
@@ -274,7 +364,12 @@ fn read_key(path: &Path) -> Result<String, String> {
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
-    let col = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
+    let col = before
+        .rsplit('\n')
+        .next()
+        .map(|l| l.chars().count())
+        .unwrap_or(0)
+        + 1;
     (line, col)
 }
 
@@ -325,12 +420,20 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
     fn a_good_file_declares_its_agents_and_default() {
         let f = parse(GOOD, Path::new("agents.toml"), &opts()).unwrap();
         assert_eq!(f.default.as_deref(), Some("support"));
-        assert_eq!(f.agents.iter().map(|a| a.name().to_owned()).collect::<Vec<_>>(), vec!["support"]);
+        assert_eq!(
+            f.agents
+                .iter()
+                .map(|a| a.name().to_owned())
+                .collect::<Vec<_>>(),
+            vec!["support"]
+        );
     }
 
     #[test]
     fn a_syntax_error_names_file_line_and_reason() {
-        let e = err("[agents.a]\ndescription = \"x\"\nmodel = { base_url = \"http://x\", model = \"m\" \n");
+        let e = err(
+            "[agents.a]\ndescription = \"x\"\nmodel = { base_url = \"http://x\", model = \"m\" \n",
+        );
         assert!(e.starts_with("agents.toml:3:"), "{e}");
     }
 

@@ -67,7 +67,10 @@ pub struct Event {
 
 /// Nanoseconds since the Unix epoch, for event timestamps.
 pub fn now_unix_nanos() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
 }
 
 impl Event {
@@ -92,7 +95,12 @@ impl Event {
         }
     }
 
-    pub fn tool_result(tool: &str, call_id: &str, summary: String, result: &serde_json::Value) -> Self {
+    pub fn tool_result(
+        tool: &str,
+        call_id: &str,
+        summary: String,
+        result: &serde_json::Value,
+    ) -> Self {
         Event {
             tool_name: tool.to_owned(),
             tool_call_id: call_id.to_owned(),
@@ -144,7 +152,10 @@ pub struct RunContext {
 pub enum AgentError {
     /// A dependency (model server, tool) is down or overloaded; retry later.
     #[error("{message}")]
-    Unavailable { message: String, retry_after: Option<Duration> },
+    Unavailable {
+        message: String,
+        retry_after: Option<Duration>,
+    },
     /// The request cannot be served as configured (e.g. the model rejected it).
     #[error("{0}")]
     FailedPrecondition(String),
@@ -190,7 +201,10 @@ impl AgentRegistry {
                 map.keys().cloned().collect::<Vec<_>>().join(", ")
             );
         }
-        Ok(Self { agents: map, default: default.to_owned() })
+        Ok(Self {
+            agents: map,
+            default: default.to_owned(),
+        })
     }
 
     /// The agent for `name`, or the default for `None`.

@@ -22,7 +22,9 @@ impl Agent for Echo {
         "Answers with the message it was sent."
     }
     fn run(&self, _ctx: RunContext, input: String) -> EventStream {
-        Box::pin(futures::stream::once(async move { Ok(Event::final_answer("echo", input)) }))
+        Box::pin(futures::stream::once(async move {
+            Ok(Event::final_answer("echo", input))
+        }))
     }
 }
 
@@ -39,7 +41,13 @@ pub struct StreamSpec {
 
 impl Default for StreamSpec {
     fn default() -> Self {
-        Self { count: 10, size: 16, rate: 0.0, yield_each: false, wait: Duration::ZERO }
+        Self {
+            count: 10,
+            size: 16,
+            rate: 0.0,
+            yield_each: false,
+            wait: Duration::ZERO,
+        }
     }
 }
 
@@ -52,14 +60,19 @@ impl StreamSpec {
     pub fn parse(text: &str) -> Result<Self, String> {
         let mut spec = StreamSpec::default();
         for word in text.split_whitespace() {
-            let (k, v) = word.split_once('=').ok_or_else(|| "expected key=value, got a bare word".to_string())?;
+            let (k, v) = word
+                .split_once('=')
+                .ok_or_else(|| "expected key=value, got a bare word".to_string())?;
             let bad = |what: &str| format!("{k} must be {what}");
             match k {
                 "n" => spec.count = v.parse().map_err(|_| bad("a whole number"))?,
                 "size" => spec.size = v.parse().map_err(|_| bad("a whole number of bytes"))?,
                 "rate" => spec.rate = v.parse().map_err(|_| bad("events per second"))?,
                 "yield" => spec.yield_each = matches!(v, "1" | "true" | "yes"),
-                "wait" => spec.wait = humantime::parse_duration(v).map_err(|_| bad("a duration like 5s"))?,
+                "wait" => {
+                    spec.wait =
+                        humantime::parse_duration(v).map_err(|_| bad("a duration like 5s"))?
+                }
                 _ => return Err("unknown parameter; use n, size, rate, yield, wait".to_string()),
             }
         }
@@ -123,7 +136,16 @@ mod tests {
     #[test]
     fn parses_parameters_and_rejects_unknown_ones() {
         let s = StreamSpec::parse("n=5 size=3 rate=100 yield=1 wait=2s").unwrap();
-        assert_eq!(s, StreamSpec { count: 5, size: 3, rate: 100.0, yield_each: true, wait: Duration::from_secs(2) });
+        assert_eq!(
+            s,
+            StreamSpec {
+                count: 5,
+                size: 3,
+                rate: 100.0,
+                yield_each: true,
+                wait: Duration::from_secs(2)
+            }
+        );
         assert_eq!(StreamSpec::parse("").unwrap(), StreamSpec::default());
         assert!(StreamSpec::parse("frobnicate=1").is_err());
         assert!(StreamSpec::parse("n=many").is_err());

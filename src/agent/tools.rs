@@ -25,7 +25,10 @@ impl ToolOutcome {
     /// A failure the model is told about (`{"error": ...}`).
     pub fn error(message: impl Into<String>) -> Self {
         let message = message.into();
-        Self { summary: format!("error: {message}"), result: json!({ "error": message }) }
+        Self {
+            summary: format!("error: {message}"),
+            result: json!({ "error": message }),
+        }
     }
 }
 
@@ -40,21 +43,41 @@ pub struct ToolDef {
 
 impl std::fmt::Debug for ToolDef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ToolDef").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("ToolDef")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
 impl ToolDef {
     /// Fails when `parameters` is not a valid JSON schema.
     pub fn new(name: &str, description: &str, parameters: Value) -> Result<Self, String> {
-        let validator = jsonschema::validator_for(&parameters).map_err(|e| format!("invalid JSON schema: {e}"))?;
-        Ok(Self { name: name.to_owned(), description: description.to_owned(), parameters, validator })
+        let validator = jsonschema::validator_for(&parameters)
+            .map_err(|e| format!("invalid JSON schema: {e}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            description: description.to_owned(),
+            parameters,
+            validator,
+        })
     }
 
     /// Checks arguments; the error lists what is wrong, for the model.
     pub fn check(&self, args: &Value) -> Result<(), String> {
-        let errors: Vec<String> = self.validator.iter_errors(args).take(5).map(|e| e.to_string()).collect();
-        if errors.is_empty() { Ok(()) } else { Err(format!("arguments do not match the schema: {}", errors.join("; "))) }
+        let errors: Vec<String> = self
+            .validator
+            .iter_errors(args)
+            .take(5)
+            .map(|e| e.to_string())
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "arguments do not match the schema: {}",
+                errors.join("; ")
+            ))
+        }
     }
 }
 
@@ -72,7 +95,10 @@ pub const BUILT_IN: &[&str] = &[demo::TOOL];
 /// The built-in tool called `name`.
 pub fn built_in(name: &str, tool_delay: Duration) -> Option<Arc<dyn Tool>> {
     match name {
-        demo::TOOL => Some(Arc::new(LookupOrderTool::new(LookupOrder { delay: tool_delay, stats: Arc::default() }))),
+        demo::TOOL => Some(Arc::new(LookupOrderTool::new(LookupOrder {
+            delay: tool_delay,
+            stats: Arc::default(),
+        }))),
         _ => None,
     }
 }
@@ -113,14 +139,22 @@ impl Tool for LookupOrderTool {
     }
 
     async fn call(&self, args: Value, cancel: &CancellationToken) -> ToolOutcome {
-        let id = args.get("order_id").and_then(Value::as_str).unwrap_or_default().trim().to_owned();
+        let id = args
+            .get("order_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
         match self.inner.call(&id, cancel).await {
             None => ToolOutcome::error("cancelled"),
             Some(Some(o)) => ToolOutcome {
                 summary: format!("order {} is {}", o.id, o.status),
                 result: json!({ "found": true, "order_id": o.id, "status": o.status, "carrier": o.carrier, "eta": o.eta, "items": o.items }),
             },
-            Some(None) => ToolOutcome { summary: format!("no order {id}"), result: json!({ "found": false, "order_id": id }) },
+            Some(None) => ToolOutcome {
+                summary: format!("no order {id}"),
+                result: json!({ "found": false, "order_id": id }),
+            },
         }
     }
 }
@@ -146,7 +180,14 @@ impl HttpTool {
         timeout: Duration,
         max_response_bytes: usize,
     ) -> Self {
-        Self { def, http, url, headers, timeout, max_response_bytes }
+        Self {
+            def,
+            http,
+            url,
+            headers,
+            timeout,
+            max_response_bytes,
+        }
     }
 
     async fn post(&self, args: &Value) -> Result<ToolOutcome, String> {
@@ -168,14 +209,22 @@ impl HttpTool {
             match resp.chunk().await {
                 Ok(Some(chunk)) => {
                     if body.len() + chunk.len() > self.max_response_bytes {
-                        return Err(format!("the tool's response exceeded {} bytes", self.max_response_bytes));
+                        return Err(format!(
+                            "the tool's response exceeded {} bytes",
+                            self.max_response_bytes
+                        ));
                     }
                     body.extend_from_slice(&chunk);
                 }
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(tool = %self.def.name, error = %e, "HTTP tool response broke");
-                    return Err(if e.is_timeout() { "the tool timed out" } else { "the tool's response broke off" }.into());
+                    return Err(if e.is_timeout() {
+                        "the tool timed out"
+                    } else {
+                        "the tool's response broke off"
+                    }
+                    .into());
                 }
             }
         }
@@ -188,7 +237,10 @@ impl HttpTool {
                 result: json!({ "error": format!("the tool answered HTTP {}", status.as_u16()), "body": result }),
             });
         }
-        Ok(ToolOutcome { summary: format!("{} answered ({} bytes)", self.def.name, body.len()), result })
+        Ok(ToolOutcome {
+            summary: format!("{} answered ({} bytes)", self.def.name, body.len()),
+            result,
+        })
     }
 }
 
@@ -213,7 +265,10 @@ mod tests {
 
     #[test]
     fn arguments_are_checked_against_the_schema() {
-        let t = LookupOrderTool::new(LookupOrder { delay: Duration::ZERO, stats: Arc::default() });
+        let t = LookupOrderTool::new(LookupOrder {
+            delay: Duration::ZERO,
+            stats: Arc::default(),
+        });
         assert!(t.def().check(&json!({"order_id": "1187"})).is_ok());
         assert!(t.def().check(&json!({})).unwrap_err().contains("order_id"));
         assert!(t.def().check(&json!({"order_id": 1187})).is_err());
@@ -226,10 +281,17 @@ mod tests {
 
     #[tokio::test]
     async fn lookup_order_answers_from_the_table() {
-        let t = LookupOrderTool::new(LookupOrder { delay: Duration::ZERO, stats: Arc::default() });
-        let out = t.call(json!({"order_id": "1187"}), &CancellationToken::new()).await;
+        let t = LookupOrderTool::new(LookupOrder {
+            delay: Duration::ZERO,
+            stats: Arc::default(),
+        });
+        let out = t
+            .call(json!({"order_id": "1187"}), &CancellationToken::new())
+            .await;
         assert_eq!(out.result["status"], "shipped");
-        let out = t.call(json!({"order_id": "9999"}), &CancellationToken::new()).await;
+        let out = t
+            .call(json!({"order_id": "9999"}), &CancellationToken::new())
+            .await;
         assert_eq!(out.result["found"], false);
     }
 }

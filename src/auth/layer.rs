@@ -27,7 +27,10 @@ impl AuthLayer {
 impl<S> Layer<S> for AuthLayer {
     type Service = AuthService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        AuthService { inner, auth: self.auth.clone() }
+        AuthService {
+            inner,
+            auth: self.auth.clone(),
+        }
     }
 }
 
@@ -51,8 +54,16 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
-        let Some(auth) = &self.auth else { return Either::Left(self.inner.call(req)) };
-        let service = req.uri().path().trim_start_matches('/').split('/').next().unwrap_or_default();
+        let Some(auth) = &self.auth else {
+            return Either::Left(self.inner.call(req));
+        };
+        let service = req
+            .uri()
+            .path()
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .unwrap_or_default();
         if auth.is_open(service) {
             return Either::Left(self.inner.call(req));
         }
@@ -60,8 +71,15 @@ where
             .extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()
             .and_then(|i| i.peer_certs())
-            .and_then(|certs| certs.first().and_then(|c| tls::certificate_name(c.as_ref())));
-        let authorization = req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes());
+            .and_then(|certs| {
+                certs
+                    .first()
+                    .and_then(|c| tls::certificate_name(c.as_ref()))
+            });
+        let authorization = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
         match auth.authenticate(authorization, certificate.as_deref()) {
             Ok(caller) => {
                 tracing::Span::current().record("caller", &*caller.name);
@@ -70,7 +88,9 @@ where
             }
             Err(why) => {
                 tracing::info!(reason = %why, "call refused: unauthenticated");
-                Either::Right(ready(Ok(crate::grpc::status::unauthenticated(why).into_http())))
+                Either::Right(ready(Ok(
+                    crate::grpc::status::unauthenticated(why).into_http()
+                )))
             }
         }
     }

@@ -25,7 +25,10 @@ pub use layer::{AuthLayer, AuthService};
 use crate::domain::UserId;
 
 /// Services reachable without credentials by default: probes and tooling.
-pub const DEFAULT_OPEN_SERVICES: &[&str] = &["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"];
+pub const DEFAULT_OPEN_SERVICES: &[&str] = &[
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+];
 
 /// The user ids a caller may act for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +50,8 @@ impl Scope {
             anyhow::bail!("{whose}: user_ids is empty (list users, or \"*\" for any)");
         }
         for u in &user_ids {
-            UserId::parse(u.clone()).map_err(|e| anyhow::anyhow!("{whose}: a user id is not valid: {e}"))?;
+            UserId::parse(u.clone())
+                .map_err(|e| anyhow::anyhow!("{whose}: a user id is not valid: {e}"))?;
         }
         Ok(Scope::Users(user_ids.into_iter().collect()))
     }
@@ -106,7 +110,9 @@ struct TokenEntry {
 
 impl std::fmt::Debug for TokenEntry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenEntry").field("caller", &self.caller).finish_non_exhaustive()
+        f.debug_struct("TokenEntry")
+            .field("caller", &self.caller)
+            .finish_non_exhaustive()
     }
 }
 
@@ -155,11 +161,16 @@ impl Authenticator {
     /// `tokens_file`: the `--auth-tokens` JSON; `mtls`: whether client
     /// certificates are verified; `open_services`: reachable without
     /// credentials.
-    pub fn new(tokens_file: Option<&Path>, mtls: bool, open_services: &[String]) -> anyhow::Result<Self> {
+    pub fn new(
+        tokens_file: Option<&Path>,
+        mtls: bool,
+        open_services: &[String],
+    ) -> anyhow::Result<Self> {
         let (tokens, clients, listed_clients) = match tokens_file {
             None => (Vec::new(), Vec::new(), false),
             Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --auth-tokens {}", path.display()))?;
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read --auth-tokens {}", path.display()))?;
                 Self::parse(&text).with_context(|| format!("--auth-tokens {}", path.display()))?
             }
         };
@@ -167,7 +178,11 @@ impl Authenticator {
             tokens,
             clients,
             trust_any_certificate: mtls && !listed_clients,
-            open_services: open_services.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+            open_services: open_services
+                .iter()
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect(),
         })
     }
 
@@ -175,29 +190,54 @@ impl Authenticator {
     fn parse(text: &str) -> anyhow::Result<(Vec<TokenEntry>, Vec<Caller>, bool)> {
         // Only the position and kind of error: serde_json messages can quote values.
         let file: TokensFile = serde_json::from_str(text).map_err(|e| {
-            anyhow::anyhow!("not a valid tokens file (line {}, column {}): {}", e.line(), e.column(), match e.classify() { serde_json::error::Category::Syntax => "syntax error", serde_json::error::Category::Eof => "unexpected end", serde_json::error::Category::Data => "a field is missing, unknown or of the wrong type", serde_json::error::Category::Io => "read error" })
+            anyhow::anyhow!(
+                "not a valid tokens file (line {}, column {}): {}",
+                e.line(),
+                e.column(),
+                match e.classify() {
+                    serde_json::error::Category::Syntax => "syntax error",
+                    serde_json::error::Category::Eof => "unexpected end",
+                    serde_json::error::Category::Data =>
+                        "a field is missing, unknown or of the wrong type",
+                    serde_json::error::Category::Io => "read error",
+                }
+            )
         })?;
         let mut tokens = Vec::new();
         for (i, t) in file.tokens.into_iter().enumerate() {
             let whose = format!("tokens[{i}] (caller {:?})", t.caller);
             if t.token.len() < MIN_TOKEN_BYTES || !t.token.bytes().all(|b| b.is_ascii_graphic()) {
-                anyhow::bail!("{whose}: a token must be at least {MIN_TOKEN_BYTES} printable ASCII characters");
+                anyhow::bail!(
+                    "{whose}: a token must be at least {MIN_TOKEN_BYTES} printable ASCII characters"
+                );
             }
             if t.caller.is_empty() {
                 anyhow::bail!("tokens[{i}]: caller is empty");
             }
-            if tokens.iter().any(|e: &TokenEntry| e.token == t.token.as_bytes()) {
+            if tokens
+                .iter()
+                .any(|e: &TokenEntry| e.token == t.token.as_bytes())
+            {
                 anyhow::bail!("{whose}: the same token is listed twice");
             }
             let scope = Scope::parse(t.user_ids, &whose)?;
-            tokens.push(TokenEntry { token: t.token.into_bytes(), caller: Caller { name: t.caller.into(), scope } });
+            tokens.push(TokenEntry {
+                token: t.token.into_bytes(),
+                caller: Caller {
+                    name: t.caller.into(),
+                    scope,
+                },
+            });
         }
         let listed = !file.clients.is_empty();
         let mut clients = Vec::new();
         for (i, c) in file.clients.into_iter().enumerate() {
             let whose = format!("clients[{i}] ({:?})", c.name);
             let scope = Scope::parse(c.user_ids, &whose)?;
-            clients.push(Caller { name: c.name.into(), scope });
+            clients.push(Caller {
+                name: c.name.into(),
+                scope,
+            });
         }
         Ok((tokens, clients, listed))
     }
@@ -222,23 +262,35 @@ impl Authenticator {
     /// The caller a verified client certificate named `name` is.
     pub fn by_certificate(&self, name: &str) -> Option<Caller> {
         if self.trust_any_certificate {
-            return Some(Caller { name: name.into(), scope: Scope::AnyUser });
+            return Some(Caller {
+                name: name.into(),
+                scope: Scope::AnyUser,
+            });
         }
         self.clients.iter().find(|c| &*c.name == name).cloned()
     }
 
     /// Who sent a request: its bearer token if it has one, else its client
     /// certificate's name.
-    pub fn authenticate(&self, authorization: Option<&[u8]>, certificate_name: Option<&str>) -> Result<Caller, Unauthenticated> {
+    pub fn authenticate(
+        &self,
+        authorization: Option<&[u8]>,
+        certificate_name: Option<&str>,
+    ) -> Result<Caller, Unauthenticated> {
         if let Some(value) = authorization {
             let token = value
                 .strip_prefix(b"Bearer ")
                 .or_else(|| value.strip_prefix(b"bearer "))
                 .ok_or(Unauthenticated::Malformed)?;
-            return self.by_token(token).cloned().ok_or(Unauthenticated::BadToken);
+            return self
+                .by_token(token)
+                .cloned()
+                .ok_or(Unauthenticated::BadToken);
         }
         match certificate_name {
-            Some(name) => self.by_certificate(name).ok_or(Unauthenticated::UnknownCertificate),
+            Some(name) => self
+                .by_certificate(name)
+                .ok_or(Unauthenticated::UnknownCertificate),
             None => Err(Unauthenticated::Missing),
         }
     }
@@ -257,16 +309,25 @@ mod tests {
 
     fn auth() -> Authenticator {
         let (tokens, clients, listed) = Authenticator::parse(FILE).unwrap();
-        Authenticator { tokens, clients, trust_any_certificate: !listed, open_services: HashSet::new() }
+        Authenticator {
+            tokens,
+            clients,
+            trust_any_certificate: !listed,
+            open_services: HashSet::new(),
+        }
     }
 
     #[test]
     fn a_token_names_its_caller_and_scope() {
         let a = auth();
-        let c = a.authenticate(Some(b"Bearer tok-web-0123456789abc"), None).unwrap();
+        let c = a
+            .authenticate(Some(b"Bearer tok-web-0123456789abc"), None)
+            .unwrap();
         assert_eq!(&*c.name, "web");
         assert!(c.scope.allows("alice") && !c.scope.allows("mallory"));
-        let c = a.authenticate(Some(b"Bearer tok-billing-0123456789"), None).unwrap();
+        let c = a
+            .authenticate(Some(b"Bearer tok-billing-0123456789"), None)
+            .unwrap();
         assert!(c.scope.allows("anyone"));
     }
 
@@ -274,16 +335,28 @@ mod tests {
     fn missing_malformed_and_unknown_tokens_are_refused() {
         let a = auth();
         assert_eq!(a.authenticate(None, None), Err(Unauthenticated::Missing));
-        assert_eq!(a.authenticate(Some(b"Basic abc"), None), Err(Unauthenticated::Malformed));
-        assert_eq!(a.authenticate(Some(b"Bearer tok-web-0123456789abX"), None), Err(Unauthenticated::BadToken));
-        assert_eq!(a.authenticate(Some(b"Bearer tok-web"), None), Err(Unauthenticated::BadToken));
+        assert_eq!(
+            a.authenticate(Some(b"Basic abc"), None),
+            Err(Unauthenticated::Malformed)
+        );
+        assert_eq!(
+            a.authenticate(Some(b"Bearer tok-web-0123456789abX"), None),
+            Err(Unauthenticated::BadToken)
+        );
+        assert_eq!(
+            a.authenticate(Some(b"Bearer tok-web"), None),
+            Err(Unauthenticated::BadToken)
+        );
     }
 
     #[test]
     fn a_bad_file_is_refused_without_quoting_its_tokens() {
         let short = r#"{"tokens": [{"token": "short-secret", "caller": "x", "user_ids": ["*"]}]}"#;
         let err = format!("{:#}", Authenticator::parse(short).unwrap_err());
-        assert!(err.contains("at least 16") && !err.contains("short-secret"), "{err}");
+        assert!(
+            err.contains("at least 16") && !err.contains("short-secret"),
+            "{err}"
+        );
         let broken = r#"{"tokens": [{"token": "a-very-secret-token-value", "caller": "x", "user_ids": ["*"]"#;
         let err = format!("{:#}", Authenticator::parse(broken).unwrap_err());
         assert!(!err.contains("a-very-secret"), "{err}");
@@ -295,15 +368,29 @@ mod tests {
     fn debug_output_never_shows_a_token() {
         let a = auth();
         let shown = format!("{a:?}");
-        assert!(shown.contains("billing") && !shown.contains("tok-billing"), "{shown}");
+        assert!(
+            shown.contains("billing") && !shown.contains("tok-billing"),
+            "{shown}"
+        );
     }
 
     #[test]
     fn listed_clients_restrict_certificates() {
         let text = r#"{"clients": [{"name": "web.internal", "user_ids": ["alice"]}]}"#;
         let (tokens, clients, listed) = Authenticator::parse(text).unwrap();
-        let a = Authenticator { tokens, clients, trust_any_certificate: !listed, open_services: HashSet::new() };
-        assert_eq!(&*a.authenticate(None, Some("web.internal")).unwrap().name, "web.internal");
-        assert_eq!(a.authenticate(None, Some("other")), Err(Unauthenticated::UnknownCertificate));
+        let a = Authenticator {
+            tokens,
+            clients,
+            trust_any_certificate: !listed,
+            open_services: HashSet::new(),
+        };
+        assert_eq!(
+            &*a.authenticate(None, Some("web.internal")).unwrap().name,
+            "web.internal"
+        );
+        assert_eq!(
+            a.authenticate(None, Some("other")),
+            Err(Unauthenticated::UnknownCertificate)
+        );
     }
 }

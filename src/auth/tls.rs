@@ -18,7 +18,9 @@ pub struct TlsFiles {
 
 impl std::fmt::Debug for TlsFiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsFiles").field("mtls", &self.client_ca.is_some()).finish_non_exhaustive()
+        f.debug_struct("TlsFiles")
+            .field("mtls", &self.client_ca.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -29,13 +31,21 @@ fn read(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
 impl TlsFiles {
     /// Reads and checks the files, so a bad one fails at start-up.
     pub fn load(cert: &Path, key: &Path, client_ca: Option<&PathBuf>) -> anyhow::Result<Self> {
-        let files = Self::from_pem(read(cert, "--tls-cert")?, read(key, "--tls-key")?, client_ca.map(|p| read(p, "--tls-client-ca")).transpose()?);
+        let files = Self::from_pem(
+            read(cert, "--tls-cert")?,
+            read(key, "--tls-key")?,
+            client_ca.map(|p| read(p, "--tls-client-ca")).transpose()?,
+        );
         files.server_config()?;
         Ok(files)
     }
 
     pub fn from_pem(cert: Vec<u8>, key: Vec<u8>, client_ca: Option<Vec<u8>>) -> Self {
-        Self { cert, key, client_ca }
+        Self {
+            cert,
+            key,
+            client_ca,
+        }
     }
 
     pub fn mtls(&self) -> bool {
@@ -47,7 +57,9 @@ impl TlsFiles {
     pub fn server_config(&self) -> anyhow::Result<ServerTlsConfig> {
         let mut cfg = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
         if let Some(ca) = &self.client_ca {
-            cfg = cfg.client_ca_root(Certificate::from_pem(ca)).client_auth_optional(false);
+            cfg = cfg
+                .client_ca_root(Certificate::from_pem(ca))
+                .client_auth_optional(false);
         }
         // Building the acceptor checks that the key matches and parses.
         tonic::transport::Server::builder()
@@ -69,7 +81,11 @@ pub fn certificate_name(der: &[u8]) -> Option<String> {
             }
         }
     }
-    cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).map(str::to_owned)
+    cert.subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(str::to_owned)
 }
 
 #[cfg(test)]
@@ -81,7 +97,11 @@ mod tests {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.subject_alt_names = sans;
         params.distinguished_name.push(DnType::CommonName, cn);
-        params.self_signed(&KeyPair::generate().unwrap()).unwrap().der().to_vec()
+        params
+            .self_signed(&KeyPair::generate().unwrap())
+            .unwrap()
+            .der()
+            .to_vec()
     }
 
     #[test]
@@ -89,9 +109,18 @@ mod tests {
         let spiffe = "spiffe://cluster.local/ns/billing/sa/worker";
         let uri = der(vec![SanType::URI(spiffe.try_into().unwrap())], "ignored");
         assert_eq!(certificate_name(&uri).as_deref(), Some(spiffe));
-        let dns = der(vec![SanType::IpAddress("10.0.0.1".parse().unwrap()), SanType::DnsName("web.internal".try_into().unwrap())], "x");
+        let dns = der(
+            vec![
+                SanType::IpAddress("10.0.0.1".parse().unwrap()),
+                SanType::DnsName("web.internal".try_into().unwrap()),
+            ],
+            "x",
+        );
         assert_eq!(certificate_name(&dns).as_deref(), Some("web.internal"));
-        assert_eq!(certificate_name(&der(vec![], "batch-job")).as_deref(), Some("batch-job"));
+        assert_eq!(
+            certificate_name(&der(vec![], "batch-job")).as_deref(),
+            Some("batch-job")
+        );
         assert_eq!(certificate_name(b"not a certificate"), None);
     }
 }

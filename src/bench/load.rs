@@ -106,7 +106,12 @@ impl Report {
     pub fn summary(&self) -> String {
         let mut s = format!(
             "{} {} streams={} conns={}: {:.0} events/s, {:.1} calls/s",
-            self.server, self.workload, self.streams, self.connections, self.events_per_second, self.calls_per_second
+            self.server,
+            self.workload,
+            self.streams,
+            self.connections,
+            self.events_per_second,
+            self.calls_per_second
         );
         if let Some(l) = &self.latency_us {
             s += &format!(", latency p50 {} us p99 {} us", l.p50, l.p99);
@@ -133,7 +138,11 @@ impl Report {
             s += &format!(", machine busy {:.0}%", m * 100.0);
         }
         if self.errors > 0 {
-            s += &format!(", {} errors (first: {})", self.errors, self.first_error.as_deref().unwrap_or("?"));
+            s += &format!(
+                ", {} errors (first: {})",
+                self.errors,
+                self.first_error.as_deref().unwrap_or("?")
+            );
         }
         s + &format!(", load {}", self.load_average)
     }
@@ -151,7 +160,14 @@ struct StreamStats {
 
 impl StreamStats {
     fn new() -> Self {
-        Self { events: 0, calls: 0, errors: 0, first_error: None, latency: histogram(), first_event: histogram() }
+        Self {
+            events: 0,
+            calls: 0,
+            errors: 0,
+            first_error: None,
+            latency: histogram(),
+            first_event: histogram(),
+        }
     }
 
     fn error(&mut self, what: String) {
@@ -213,16 +229,32 @@ async fn connect(args: &BenchArgs) -> anyhow::Result<Vec<AgentServiceClient<Chan
 }
 
 /// One session per stream, created on the stream's connection.
-async fn targets(args: &BenchArgs, clients: &[AgentServiceClient<Channel>]) -> anyhow::Result<Vec<Target>> {
+async fn targets(
+    args: &BenchArgs,
+    clients: &[AgentServiceClient<Channel>],
+) -> anyhow::Result<Vec<Target>> {
     let user = "bench".to_string();
     let text = args.workload.text(args);
     let mut out = Vec::with_capacity(args.streams);
     for i in 0..args.streams {
         let mut client = clients[i % clients.len()].clone();
-        let mut req = Request::new(pb::CreateSessionRequest { user_id: user.clone() });
+        let mut req = Request::new(pb::CreateSessionRequest {
+            user_id: user.clone(),
+        });
         req.set_timeout(Duration::from_secs(10));
-        let session = client.create_session(req).await.context("CreateSession")?.into_inner().session_id;
-        out.push(Target { client, user: user.clone(), session, agent: args.agent.clone(), text: text.clone() });
+        let session = client
+            .create_session(req)
+            .await
+            .context("CreateSession")?
+            .into_inner()
+            .session_id;
+        out.push(Target {
+            client,
+            user: user.clone(),
+            session,
+            agent: args.agent.clone(),
+            text: text.clone(),
+        });
     }
     Ok(out)
 }
@@ -246,17 +278,26 @@ pub async fn run(args: &BenchArgs, server: Option<&Server>) -> anyhow::Result<Re
 
 /// Every stream runs calls back to back; events and calls are counted from
 /// the end of the warm-up to the end of the duration, then everything stops.
-async fn timed(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) -> anyhow::Result<Report> {
+async fn timed(
+    args: &BenchArgs,
+    server: Option<&Server>,
+    targets: Vec<Target>,
+) -> anyhow::Result<Report> {
     let begin = Instant::now();
     let measure_from = begin + args.warmup;
     let end = measure_from + args.duration;
     let text = targets[0].text.clone();
-    let tasks: Vec<_> = targets.into_iter().map(|t| tokio::spawn(drive(t, measure_from, end))).collect();
+    let tasks: Vec<_> = targets
+        .into_iter()
+        .map(|t| tokio::spawn(drive(t, measure_from, end)))
+        .collect();
 
     tokio::time::sleep_until(measure_from).await;
-    let (before, machine_before, read_before) = (usages(server), process::machine_busy(), Instant::now());
+    let (before, machine_before, read_before) =
+        (usages(server), process::machine_busy(), Instant::now());
     tokio::time::sleep_until(end).await;
-    let (after, machine_after, read_after) = (usages(server), process::machine_busy(), Instant::now());
+    let (after, machine_after, read_after) =
+        (usages(server), process::machine_busy(), Instant::now());
     // A starved client reads late: divide CPU time by the time between readings.
     let cpu_secs = (read_after - read_before).as_secs_f64();
 
@@ -267,7 +308,8 @@ async fn timed(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) 
     let secs = args.duration.as_secs_f64();
     let (server_cpu, client_cpu) = match (&before, &after) {
         (Ok((sb, cb)), Ok((sa, ca))) => (
-            sb.zip(*sa).map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / cpu_secs),
+            sb.zip(*sa)
+                .map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / cpu_secs),
             Some((ca.cpu_seconds - cb.cpu_seconds) / cpu_secs),
         ),
         _ => (None, None),
@@ -349,7 +391,9 @@ async fn drive(mut t: Target, measure_from: Instant, end: Instant) -> StreamStat
                     }
                     if received >= measure_from {
                         stats.events += 1;
-                        stats.latency.saturating_record((lat_ns / 1000).max(1) as u64);
+                        stats
+                            .latency
+                            .saturating_record((lat_ns / 1000).max(1) as u64);
                         if ev.is_final {
                             stats.calls += 1;
                         }
@@ -368,8 +412,13 @@ async fn drive(mut t: Target, measure_from: Instant, end: Instant) -> StreamStat
 
 /// Opens every stream, waits until all are open (headers received), lets the
 /// server settle, and reads its RSS; then drops them all.
-async fn idle(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) -> anyhow::Result<Report> {
-    let server = server.context("the idle workload measures server memory: start the server with `-- CMD...`")?;
+async fn idle(
+    args: &BenchArgs,
+    server: Option<&Server>,
+    targets: Vec<Target>,
+) -> anyhow::Result<Report> {
+    let server = server
+        .context("the idle workload measures server memory: start the server with `-- CMD...`")?;
     let text = targets[0].text.clone();
     let rss_before = server.usage()?.rss_bytes;
     let opened = Arc::new(AtomicUsize::new(0));
@@ -396,8 +445,13 @@ async fn idle(args: &BenchArgs, server: Option<&Server>, targets: Vec<Target>) -
         }));
     }
     // Bounded: the runs end by themselves after idle_wait anyway.
-    let give_up = begin + args.idle_wait.saturating_sub(args.settle + Duration::from_secs(5));
-    while opened.load(Ordering::SeqCst) + failed.load(Ordering::SeqCst) < args.streams && Instant::now() < give_up {
+    let give_up = begin
+        + args
+            .idle_wait
+            .saturating_sub(args.settle + Duration::from_secs(5));
+    while opened.load(Ordering::SeqCst) + failed.load(Ordering::SeqCst) < args.streams
+        && Instant::now() < give_up
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let open_seconds = begin.elapsed().as_secs_f64();

@@ -65,7 +65,10 @@ impl Workload {
                 let n = (args.rate * (args.duration + args.warmup).as_secs_f64()).ceil() as u64 + 1;
                 format!("n={n} size={size} rate={} yield=0", args.rate)
             }
-            Workload::Idle => format!("n=1 size={size} rate=0 yield=0 wait={}s", args.idle_wait.as_secs().max(1)),
+            Workload::Idle => format!(
+                "n=1 size={size} rate=0 yield=0 wait={}s",
+                args.idle_wait.as_secs().max(1)
+            ),
         }
     }
 }
@@ -155,7 +158,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     println!("{}", report.summary());
     if let Some(path) = &args.json_out {
         use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
         writeln!(f, "{}", serde_json::to_string(&report)?)?;
     }
     Ok(())

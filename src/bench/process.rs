@@ -29,7 +29,11 @@ impl Server {
     pub async fn spawn(argv: &[String], addr: SocketAddr) -> anyhow::Result<Self> {
         let log = match std::env::var_os("AGENTD_BENCH_SERVER_LOG") {
             Some(p) => Stdio::from(
-                std::fs::OpenOptions::new().create(true).append(true).open(&p).context("opening the server log")?,
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&p)
+                    .context("opening the server log")?,
             ),
             None => Stdio::null(),
         };
@@ -79,8 +83,15 @@ pub fn own_usage() -> anyhow::Result<Usage> {
 /// Busy and total jiffies of all CPUs since boot, from /proc/stat.
 pub fn machine_busy() -> anyhow::Result<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
-    let line = stat.lines().find(|l| l.starts_with("cpu ")).context("no cpu line in /proc/stat")?;
-    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let line = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .context("no cpu line in /proc/stat")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     // user nice system idle iowait irq softirq steal (guest is in user).
     let total: u64 = v.iter().take(8).sum();
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
@@ -88,7 +99,8 @@ pub fn machine_busy() -> anyhow::Result<(u64, u64)> {
 }
 
 fn usage_of(proc_dir: &str) -> anyhow::Result<Usage> {
-    let status = std::fs::read_to_string(format!("{proc_dir}/status")).context("reading /proc status")?;
+    let status =
+        std::fs::read_to_string(format!("{proc_dir}/status")).context("reading /proc status")?;
     let rss_kb: u64 = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -97,11 +109,22 @@ fn usage_of(proc_dir: &str) -> anyhow::Result<Usage> {
     let stat = std::fs::read_to_string(format!("{proc_dir}/stat")).context("reading /proc stat")?;
     // Fields after the parenthesised command name; utime and stime are the
     // 14th and 15th fields of the whole line.
-    let after = stat.rsplit_once(')').map(|(_, r)| r).context("malformed /proc stat")?;
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("malformed /proc stat")?;
     let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     let cpu_seconds = (ticks(11) + ticks(12)) as f64 / TICKS_PER_SECOND;
-    Ok(Usage { rss_bytes: rss_kb * 1024, cpu_seconds })
+    Ok(Usage {
+        rss_bytes: rss_kb * 1024,
+        cpu_seconds,
+    })
 }
 
 #[cfg(test)]

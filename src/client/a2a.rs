@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use a2a::{
-    A2AError, Artifact, CancelTaskRequest, GetTaskRequest, Message, Part, PartContent, Role, SendMessageRequest,
-    StreamResponse, SubscribeToTaskRequest, Task, TaskState,
+    A2AError, Artifact, CancelTaskRequest, GetTaskRequest, Message, Part, PartContent, Role,
+    SendMessageRequest, StreamResponse, SubscribeToTaskRequest, Task, TaskState,
 };
 use a2a_client::{A2AClient, A2AClientFactory, Transport};
 use futures::StreamExt;
@@ -156,8 +156,13 @@ impl CallState {
             self.status_message = task.status.message.clone();
         }
         if let Some(artifacts) = task.artifacts.as_ref().filter(|a| !a.is_empty()) {
-            self.artifacts =
-                artifacts.iter().map(|a| BufferedArtifact { artifact: a.clone(), ready: true }).collect();
+            self.artifacts = artifacts
+                .iter()
+                .map(|a| BufferedArtifact {
+                    artifact: a.clone(),
+                    ready: true,
+                })
+                .collect();
             self.incomplete = false;
         }
     }
@@ -176,25 +181,39 @@ impl CallState {
             StreamResponse::ArtifactUpdate(u) => {
                 self.ids(&u.task_id, &u.context_id);
                 let ready = u.last_chunk.unwrap_or(false);
-                let existing = self.artifacts.iter_mut().find(|b| b.artifact.artifact_id == u.artifact.artifact_id);
+                let existing = self
+                    .artifacts
+                    .iter_mut()
+                    .find(|b| b.artifact.artifact_id == u.artifact.artifact_id);
                 match (existing, u.append.unwrap_or(false)) {
                     (Some(b), true) => {
                         b.artifact.parts.extend(u.artifact.parts.iter().cloned());
                         b.ready = ready;
                     }
-                    (Some(b), false) => *b = BufferedArtifact { artifact: u.artifact.clone(), ready },
+                    (Some(b), false) => {
+                        *b = BufferedArtifact {
+                            artifact: u.artifact.clone(),
+                            ready,
+                        }
+                    }
                     (None, append) => {
                         // An append to an artifact we never saw: its start
                         // was lost.
                         if append {
                             self.incomplete = true;
                         }
-                        self.artifacts.push(BufferedArtifact { artifact: u.artifact.clone(), ready });
+                        self.artifacts.push(BufferedArtifact {
+                            artifact: u.artifact.clone(),
+                            ready,
+                        });
                     }
                 }
             }
             StreamResponse::Message(m) => {
-                let (t, c) = (m.task_id.clone().unwrap_or_default(), m.context_id.clone().unwrap_or_default());
+                let (t, c) = (
+                    m.task_id.clone().unwrap_or_default(),
+                    m.context_id.clone().unwrap_or_default(),
+                );
                 self.ids(&t, &c);
             }
         }
@@ -238,7 +257,12 @@ impl<F: FnMut(&StreamResponse, &CallState) -> Control + Send> Listener for F {
 #[derive(Debug, Clone)]
 pub enum Outcome {
     /// The task completed. Every artifact it produced is here.
-    Completed { task_id: String, context_id: String, artifacts: Vec<Artifact>, incomplete: bool },
+    Completed {
+        task_id: String,
+        context_id: String,
+        artifacts: Vec<Artifact>,
+        incomplete: bool,
+    },
     /// The agent answered with a message instead of a task.
     Message(Message),
     /// The agent waits for the caller (INPUT_REQUIRED or AUTH_REQUIRED):
@@ -251,7 +275,12 @@ pub enum Outcome {
         artifacts: Vec<Artifact>,
     },
     /// A listener stopped the call; the remote task was left running.
-    Stopped { task_id: Option<String>, response: Option<String>, artifacts: Vec<Artifact>, incomplete: bool },
+    Stopped {
+        task_id: Option<String>,
+        response: Option<String>,
+        artifacts: Vec<Artifact>,
+        incomplete: bool,
+    },
 }
 
 /// How a call failed.
@@ -259,17 +288,32 @@ pub enum Outcome {
 pub enum CallError {
     /// The task ended FAILED or REJECTED (or was CANCELED remotely).
     #[error("the remote task ended {state:?}: {message}")]
-    Task { state: TaskState, task_id: String, message: String, artifacts: Vec<Artifact> },
+    Task {
+        state: TaskState,
+        task_id: String,
+        message: String,
+        artifacts: Vec<Artifact>,
+    },
     /// The deadline passed; the remote task was cancelled.
-    #[error("the deadline passed; the remote task was cancelled (last state: {})", state_name(last_state))]
-    Deadline { task_id: Option<String>, last_state: Option<TaskState>, artifacts: Vec<Artifact> },
+    #[error(
+        "the deadline passed; the remote task was cancelled (last state: {})",
+        state_name(last_state)
+    )]
+    Deadline {
+        task_id: Option<String>,
+        last_state: Option<TaskState>,
+        artifacts: Vec<Artifact>,
+    },
     /// The stream was lost before the task had an id; not resent, since
     /// that would start a second task.
     #[error("the stream was lost before the task had an id; not resent: {cause}")]
     LostBeforeTask { cause: String },
     /// Recovery gave up (the agent stayed silent or unreachable); the remote
     /// task was cancelled.
-    #[error("the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})", state_name(last_state))]
+    #[error(
+        "the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})",
+        state_name(last_state)
+    )]
     Unrecoverable {
         task_id: String,
         last_state: Option<TaskState>,
@@ -283,7 +327,8 @@ pub enum CallError {
 }
 
 fn state_name(s: &Option<TaskState>) -> String {
-    s.as_ref().map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
+    s.as_ref()
+        .map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
 }
 
 /// A client of one remote A2A agent.
@@ -298,28 +343,43 @@ impl A2aClient {
         let card = a2a_client::agent_card::AgentCardResolver::new(None)
             .resolve(base_url)
             .await
-            .map_err(|e| anyhow::anyhow!("cannot read the agent card at {base_url}: {}", e.message))?;
-        let mut preferred = vec![a2a::TRANSPORT_PROTOCOL_JSONRPC.to_owned(), a2a::TRANSPORT_PROTOCOL_GRPC.to_owned()];
+            .map_err(|e| {
+                anyhow::anyhow!("cannot read the agent card at {base_url}: {}", e.message)
+            })?;
+        let mut preferred = vec![
+            a2a::TRANSPORT_PROTOCOL_JSONRPC.to_owned(),
+            a2a::TRANSPORT_PROTOCOL_GRPC.to_owned(),
+        ];
         if let Some(b) = binding {
             preferred.retain(|p| p == b.protocol());
-            if !card.supported_interfaces.iter().any(|i| i.protocol_binding.eq_ignore_ascii_case(b.protocol())) {
-                anyhow::bail!("the agent card at {base_url} offers no {} interface", b.protocol());
+            if !card
+                .supported_interfaces
+                .iter()
+                .any(|i| i.protocol_binding.eq_ignore_ascii_case(b.protocol()))
+            {
+                anyhow::bail!(
+                    "the agent card at {base_url} offers no {} interface",
+                    b.protocol()
+                );
             }
         }
         let factory = A2AClientFactory::builder()
             .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
             .preferred_bindings(preferred)
             .build();
-        let client = factory
-            .create_from_card(&card)
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot connect to the agent at {base_url}: {}", e.message))?;
-        Ok(Self { inner: Arc::new(client) })
+        let client = factory.create_from_card(&card).await.map_err(|e| {
+            anyhow::anyhow!("cannot connect to the agent at {base_url}: {}", e.message)
+        })?;
+        Ok(Self {
+            inner: Arc::new(client),
+        })
     }
 
     /// A client over an existing transport (e.g. gRPC on an in-process channel).
     pub fn from_transport(transport: Box<dyn Transport>) -> Self {
-        Self { inner: Arc::new(A2AClient::new(transport)) }
+        Self {
+            inner: Arc::new(A2AClient::new(transport)),
+        }
     }
 
     /// The underlying SDK client, for calls this wrapper does not cover.
@@ -328,11 +388,23 @@ impl A2aClient {
     }
 
     pub async fn get_task(&self, task_id: &str) -> Result<Task, A2AError> {
-        self.inner.get_task(&GetTaskRequest { id: task_id.to_owned(), history_length: Some(0), tenant: None }).await
+        self.inner
+            .get_task(&GetTaskRequest {
+                id: task_id.to_owned(),
+                history_length: Some(0),
+                tenant: None,
+            })
+            .await
     }
 
     pub async fn cancel(&self, task_id: &str) -> Result<Task, A2AError> {
-        self.inner.cancel_task(&CancelTaskRequest { id: task_id.to_owned(), metadata: None, tenant: None }).await
+        self.inner
+            .cancel_task(&CancelTaskRequest {
+                id: task_id.to_owned(),
+                metadata: None,
+                tenant: None,
+            })
+            .await
     }
 
     /// Sends `text` (with optional message metadata) and follows the task to
@@ -344,7 +416,10 @@ impl A2aClient {
         opts: &CallOptions,
         listener: Option<&mut dyn Listener>,
     ) -> Result<Outcome, CallError> {
-        let message = Message { metadata, ..Message::new(Role::User, vec![Part::text(text)]) };
+        let message = Message {
+            metadata,
+            ..Message::new(Role::User, vec![Part::text(text)])
+        };
         self.send(message, opts, listener).await
     }
 
@@ -357,11 +432,27 @@ impl A2aClient {
     ) -> Result<Outcome, CallError> {
         let deadline = Instant::now() + opts.deadline;
         let mut st = CallState::new();
-        let req = SendMessageRequest { message, configuration: None, metadata: None, tenant: None };
-        let mut stream = match tokio::time::timeout_at(deadline, self.inner.send_streaming_message(&req)).await {
+        let req = SendMessageRequest {
+            message,
+            configuration: None,
+            metadata: None,
+            tenant: None,
+        };
+        let mut stream = match tokio::time::timeout_at(
+            deadline,
+            self.inner.send_streaming_message(&req),
+        )
+        .await
+        {
             Ok(Ok(s)) => Some(s),
             Ok(Err(e)) => return Err(CallError::Refused(e)),
-            Err(_) => return Err(CallError::Deadline { task_id: None, last_state: None, artifacts: vec![] }),
+            Err(_) => {
+                return Err(CallError::Deadline {
+                    task_id: None,
+                    last_state: None,
+                    artifacts: vec![],
+                });
+            }
         };
         let mut backoff = opts.initial_backoff;
         loop {
@@ -383,7 +474,10 @@ impl A2aClient {
             }
             st.recoveries += 1;
             tracing::warn!(task = %task_id, attempt = st.recoveries, %cause, "a2a: stream lost; recovering from a snapshot");
-            if tokio::time::timeout_at(deadline, tokio::time::sleep(backoff)).await.is_err() {
+            if tokio::time::timeout_at(deadline, tokio::time::sleep(backoff))
+                .await
+                .is_err()
+            {
                 return Err(self.abandon_at_deadline(&st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
@@ -401,11 +495,16 @@ impl A2aClient {
                     }
                 }
             }
-            let sub = SubscribeToTaskRequest { id: task_id.clone(), tenant: None };
+            let sub = SubscribeToTaskRequest {
+                id: task_id.clone(),
+                tenant: None,
+            };
             match tokio::time::timeout_at(deadline, self.inner.subscribe_to_task(&sub)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Ok(s)) => stream = Some(s),
-                Ok(Err(e)) => tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed"),
+                Ok(Err(e)) => {
+                    tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed")
+                }
             }
         }
     }
@@ -424,7 +523,12 @@ impl A2aClient {
             let idle_at = (Instant::now() + opts.idle_timeout).min(deadline);
             let next = match tokio::time::timeout_at(idle_at, stream.next()).await {
                 Err(_) if Instant::now() >= deadline => return Step::Deadline,
-                Err(_) => return Step::Dropped(format!("no event for {:?} (idle timeout)", opts.idle_timeout)),
+                Err(_) => {
+                    return Step::Dropped(format!(
+                        "no event for {:?} (idle timeout)",
+                        opts.idle_timeout
+                    ));
+                }
                 Ok(None) => return Step::Dropped("the stream ended before the task did".into()),
                 Ok(Some(Err(e))) => return Step::Dropped(format!("stream error: {}", e.message)),
                 Ok(Some(Ok(ev))) => ev,
@@ -436,7 +540,9 @@ impl A2aClient {
                     Control::StopWithResponse(text) => {
                         return Step::Done(Box::new(Ok(stopped(st, Some(text)))));
                     }
-                    Control::StopWithArtifacts => return Step::Done(Box::new(Ok(stopped(st, None)))),
+                    Control::StopWithArtifacts => {
+                        return Step::Done(Box::new(Ok(stopped(st, None))));
+                    }
                 }
             }
             if let Some(end) = end_of(st, Some(&next)) {
@@ -449,7 +555,11 @@ impl A2aClient {
         if let Some(id) = &st.task_id {
             self.cancel_logged(id, st, "deadline").await;
         }
-        CallError::Deadline { task_id: st.task_id.clone(), last_state: st.last_state.clone(), artifacts: st.artifacts() }
+        CallError::Deadline {
+            task_id: st.task_id.clone(),
+            last_state: st.last_state.clone(),
+            artifacts: st.artifacts(),
+        }
     }
 
     async fn give_up(&self, st: &CallState, task_id: String, cause: String) -> CallError {
@@ -481,7 +591,12 @@ enum Step {
 }
 
 fn stopped(st: &CallState, response: Option<String>) -> Outcome {
-    Outcome::Stopped { task_id: st.task_id.clone(), response, artifacts: st.artifacts(), incomplete: st.incomplete }
+    Outcome::Stopped {
+        task_id: st.task_id.clone(),
+        response,
+        artifacts: st.artifacts(),
+        incomplete: st.incomplete,
+    }
 }
 
 /// Whether the call ends here, and how. `event` is the update just applied
@@ -491,19 +606,44 @@ fn end_of(st: &CallState, event: Option<&StreamResponse>) -> Option<Result<Outco
         return Some(Ok(Outcome::Message(m.clone())));
     }
     let state = st.last_state.clone()?;
-    let ids = || (st.task_id.clone().unwrap_or_default(), st.context_id.clone().unwrap_or_default());
+    let ids = || {
+        (
+            st.task_id.clone().unwrap_or_default(),
+            st.context_id.clone().unwrap_or_default(),
+        )
+    };
     match state {
         TaskState::Completed => {
             let (task_id, context_id) = ids();
-            Some(Ok(Outcome::Completed { task_id, context_id, artifacts: st.artifacts(), incomplete: st.incomplete }))
+            Some(Ok(Outcome::Completed {
+                task_id,
+                context_id,
+                artifacts: st.artifacts(),
+                incomplete: st.incomplete,
+            }))
         }
         TaskState::Failed | TaskState::Rejected | TaskState::Canceled => {
-            let message = st.status_message.as_ref().map(|m| parts_text(&m.parts)).unwrap_or_default();
-            Some(Err(CallError::Task { state, task_id: ids().0, message, artifacts: st.artifacts() }))
+            let message = st
+                .status_message
+                .as_ref()
+                .map(|m| parts_text(&m.parts))
+                .unwrap_or_default();
+            Some(Err(CallError::Task {
+                state,
+                task_id: ids().0,
+                message,
+                artifacts: st.artifacts(),
+            }))
         }
         TaskState::InputRequired | TaskState::AuthRequired => {
             let (task_id, context_id) = ids();
-            Some(Ok(Outcome::Waiting { state, task_id, context_id, message: st.status_message.clone(), artifacts: st.artifacts() }))
+            Some(Ok(Outcome::Waiting {
+                state,
+                task_id,
+                context_id,
+                message: st.status_message.clone(),
+                artifacts: st.artifacts(),
+            }))
         }
         TaskState::Submitted | TaskState::Working | TaskState::Unspecified => None,
     }
@@ -535,11 +675,21 @@ mod tests {
     #[test]
     fn appends_extend_and_a_non_append_replaces_per_artifact_id() {
         let mut st = CallState::new();
-        for e in [chunk("a", "1", false, false), chunk("b", "x", false, true), chunk("a", "2", true, true)] {
+        for e in [
+            chunk("a", "1", false, false),
+            chunk("b", "x", false, true),
+            chunk("a", "2", true, true),
+        ] {
             st.apply(&e);
         }
         assert_eq!(st.task_id.as_deref(), Some("t"));
-        assert_eq!(st.artifacts.iter().map(|b| (b.text(), b.ready)).collect::<Vec<_>>(), [("12".into(), true), ("x".into(), true)]);
+        assert_eq!(
+            st.artifacts
+                .iter()
+                .map(|b| (b.text(), b.ready))
+                .collect::<Vec<_>>(),
+            [("12".into(), true), ("x".into(), true)]
+        );
         st.apply(&chunk("a", "new", false, true));
         assert_eq!(st.artifacts[0].text(), "new");
         assert!(!st.incomplete);
@@ -553,21 +703,34 @@ mod tests {
         let mut st = CallState::new();
         st.apply(&chunk("a", "1", false, false));
         st.mark_gap();
-        assert!(st.incomplete, "a gap while an artifact streams may lose chunks");
+        assert!(
+            st.incomplete,
+            "a gap while an artifact streams may lose chunks"
+        );
         let mut task = Task {
             id: "t".into(),
             context_id: "c".into(),
-            status: a2a::TaskStatus { state: TaskState::Working, message: None, timestamp: None },
+            status: a2a::TaskStatus {
+                state: TaskState::Working,
+                message: None,
+                timestamp: None,
+            },
             artifacts: None,
             history: None,
             metadata: None,
         };
         st.apply_task(&task);
-        assert!(st.incomplete, "a snapshot without artifacts restores nothing");
-        task.artifacts = Some(vec![Artifact { parts: vec![Part::text("1"), Part::text("2")], ..match chunk("a", "", false, false) {
-            StreamResponse::ArtifactUpdate(u) => u.artifact,
-            _ => unreachable!(),
-        } }]);
+        assert!(
+            st.incomplete,
+            "a snapshot without artifacts restores nothing"
+        );
+        task.artifacts = Some(vec![Artifact {
+            parts: vec![Part::text("1"), Part::text("2")],
+            ..match chunk("a", "", false, false) {
+                StreamResponse::ArtifactUpdate(u) => u.artifact,
+                _ => unreachable!(),
+            }
+        }]);
         st.apply_task(&task);
         assert!(!st.incomplete, "the snapshot's artifacts are authoritative");
         assert_eq!(st.artifacts[0].text(), "12");
@@ -578,11 +741,26 @@ mod tests {
         let mut st = CallState::new();
         st.task_id = Some("t".into());
         st.last_state = Some(TaskState::Rejected);
-        assert!(matches!(end_of(&st, None), Some(Err(CallError::Task { state: TaskState::Rejected, .. }))));
+        assert!(matches!(
+            end_of(&st, None),
+            Some(Err(CallError::Task {
+                state: TaskState::Rejected,
+                ..
+            }))
+        ));
         st.last_state = Some(TaskState::Failed);
-        assert!(matches!(end_of(&st, None), Some(Err(CallError::Task { state: TaskState::Failed, .. }))));
+        assert!(matches!(
+            end_of(&st, None),
+            Some(Err(CallError::Task {
+                state: TaskState::Failed,
+                ..
+            }))
+        ));
         st.last_state = Some(TaskState::InputRequired);
-        assert!(matches!(end_of(&st, None), Some(Ok(Outcome::Waiting { .. }))));
+        assert!(matches!(
+            end_of(&st, None),
+            Some(Ok(Outcome::Waiting { .. }))
+        ));
         st.last_state = Some(TaskState::Working);
         assert!(end_of(&st, None).is_none());
     }

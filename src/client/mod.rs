@@ -117,20 +117,27 @@ impl ClientConfig {
                     Some(name) => tls.clone().domain_name(name),
                     None => tls.clone(),
                 };
-                endpoint.tls_config(tls).map_err(|e| anyhow::anyhow!("bad TLS settings: {e}"))
+                endpoint
+                    .tls_config(tls)
+                    .map_err(|e| anyhow::anyhow!("bad TLS settings: {e}"))
             }
         }
     }
 
     /// The scheme of the endpoints this configuration dials.
     fn scheme(&self) -> &'static str {
-        if self.security.tls.is_some() { "https" } else { "http" }
+        if self.security.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 }
 
 /// The `authorization` value of a bearer token.
 fn bearer(token: &str) -> anyhow::Result<AsciiMetadataValue> {
-    AsciiMetadataValue::try_from(format!("Bearer {token}")).map_err(|_| anyhow::anyhow!("the token must be printable ASCII"))
+    AsciiMetadataValue::try_from(format!("Bearer {token}"))
+        .map_err(|_| anyhow::anyhow!("the token must be printable ASCII"))
 }
 
 #[derive(Clone)]
@@ -193,7 +200,14 @@ impl AgentClient {
     /// Connects to `target` with TLS and/or a bearer token, and otherwise
     /// the default configuration.
     pub async fn connect_with(target: &str, security: &ClientSecurity) -> anyhow::Result<Self> {
-        Self::connect_config(target, ClientConfig { security: security.clone(), ..Default::default() }).await
+        Self::connect_config(
+            target,
+            ClientConfig {
+                security: security.clone(),
+                ..Default::default()
+            },
+        )
+        .await
     }
 
     /// Connects to `target`. A direct target is connected to now (so a
@@ -203,19 +217,32 @@ impl AgentClient {
         if let Some(token) = &cfg.security.token {
             bearer(token)?;
         }
-        match target.parse::<Target>().map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))? {
+        match target
+            .parse::<Target>()
+            .map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))?
+        {
             Target::Direct(uri) => {
-                let channel =
-                    cfg.endpoint(uri, None)?.connect().await.map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e:#}"))?;
+                let channel = cfg
+                    .endpoint(uri, None)?
+                    .connect()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e:#}"))?;
                 Ok(Self::new(channel, cfg, None))
             }
-            Target::Dns { host, port } => Self::balanced(&host, port, Arc::new(DnsResolver), cfg).await,
+            Target::Dns { host, port } => {
+                Self::balanced(&host, port, Arc::new(DnsResolver), cfg).await
+            }
         }
     }
 
     /// Balances over every address `resolver` gives for `host:port`,
     /// re-resolving every `cfg.resolve_interval`.
-    pub async fn balanced(host: &str, port: u16, resolver: Arc<dyn Resolve>, cfg: ClientConfig) -> anyhow::Result<Self> {
+    pub async fn balanced(
+        host: &str,
+        port: u16,
+        resolver: Arc<dyn Resolve>,
+        cfg: ClientConfig,
+    ) -> anyhow::Result<Self> {
         if cfg.resolve_interval.is_zero() {
             anyhow::bail!("the resolve interval must be more than 0s");
         }
@@ -235,17 +262,24 @@ impl AgentClient {
             .parse()
             .map_err(|e| anyhow::anyhow!("bad host name {host:?}: {e}"))?;
         let addr_uri = move |addr: SocketAddr| {
-            Uri::try_from(format!("{scheme}://{addr}")).expect("a socket address is a valid authority")
+            Uri::try_from(format!("{scheme}://{addr}"))
+                .expect("a socket address is a valid authority")
         };
         // Every address gets the same settings: check them once here.
-        cfg.endpoint(addr_uri(SocketAddr::from(([127, 0, 0, 1], port))), Some(host))?;
+        cfg.endpoint(
+            addr_uri(SocketAddr::from(([127, 0, 0, 1], port))),
+            Some(host),
+        )?;
         let mut task = resolve::Task {
             resolver,
             host: host.to_owned(),
             port,
             interval: cfg.resolve_interval,
             endpoint: Arc::new(move |addr| {
-                endpoint_cfg.endpoint(addr_uri(addr), Some(&server_name)).expect("checked when the client was made").origin(origin.clone())
+                endpoint_cfg
+                    .endpoint(addr_uri(addr), Some(&server_name))
+                    .expect("checked when the client was made")
+                    .origin(origin.clone())
             }),
             health_check: cfg.health_check,
             changes,
@@ -269,7 +303,11 @@ impl AgentClient {
         Self::new(channel, ClientConfig::default(), None)
     }
 
-    fn new(channel: Channel, cfg: ClientConfig, refresh: Option<mpsc::Sender<resolve::Refresh>>) -> Self {
+    fn new(
+        channel: Channel,
+        cfg: ClientConfig,
+        refresh: Option<mpsc::Sender<resolve::Refresh>>,
+    ) -> Self {
         Self {
             agents: AgentServiceClient::new(channel.clone()),
             health: HealthClient::new(channel),
@@ -322,7 +360,9 @@ impl AgentClient {
     /// CreateSession that reached a server is not deduplicated).
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
         let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
-        let msg = pb::CreateSessionRequest { user_id: user_id.to_owned() };
+        let msg = pb::CreateSessionRequest {
+            user_id: user_id.to_owned(),
+        };
         self.unary(retry::is_connect_error, move |req_timeout| {
             let mut agents = agents.clone();
             let req = cfg.request(msg.clone(), req_timeout);
@@ -334,7 +374,9 @@ impl AgentClient {
     /// Asks grpc.health.v1 about `service` ("" for the whole server).
     pub async fn health(&mut self, service: &str) -> Result<ServingStatus, Status> {
         let (health, cfg) = (self.health.clone(), self.cfg.clone());
-        let msg = tonic_health::pb::HealthCheckRequest { service: service.to_owned() };
+        let msg = tonic_health::pb::HealthCheckRequest {
+            service: service.to_owned(),
+        };
         let status = self
             .unary(retry::is_unavailable, move |req_timeout| {
                 let mut health = health.clone();
@@ -347,7 +389,11 @@ impl AgentClient {
 
     /// One unary call under the configured deadline, resent while
     /// `retryable` says so and the policy allows.
-    async fn unary<T, F, Fut>(&self, retryable: fn(&Status) -> bool, mut call: F) -> Result<T, Status>
+    async fn unary<T, F, Fut>(
+        &self,
+        retryable: fn(&Status) -> bool,
+        mut call: F,
+    ) -> Result<T, Status>
     where
         F: FnMut(Duration) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
@@ -374,7 +420,11 @@ impl AgentClient {
     /// passes). An empty request_id is filled in here so that a retry is
     /// the same turn. UNAVAILABLE before any event is retried with the same
     /// request_id, within the deadline and the retry policy.
-    pub async fn run(&mut self, mut req: pb::RunRequest, deadline: Duration) -> Result<RunCall, Status> {
+    pub async fn run(
+        &mut self,
+        mut req: pb::RunRequest,
+        deadline: Duration,
+    ) -> Result<RunCall, Status> {
         if req.request_id.is_empty() {
             req.request_id = uuid::Uuid::new_v4().to_string();
         }
@@ -385,11 +435,22 @@ impl AgentClient {
             attempts: Attempts::new(self.cfg.retry, Instant::now() + deadline),
         };
         let started = run.start().await?;
-        let request_id = if started.request_id.is_empty() { run.req.request_id.clone() } else { started.request_id };
+        let request_id = if started.request_id.is_empty() {
+            run.req.request_id.clone()
+        } else {
+            started.request_id
+        };
         let attempts = run.attempts.count.clone();
         let mode = started.mode.clone();
         let events = follow(run, started.stream, started.mode);
-        Ok(RunCall { request_id, mode, events: RunEvents { inner: Box::pin(events), attempts } })
+        Ok(RunCall {
+            request_id,
+            mode,
+            events: RunEvents {
+                inner: Box::pin(events),
+                attempts,
+            },
+        })
     }
 
     /// A Run under the configured deadline.
@@ -417,7 +478,11 @@ impl AgentClient {
 }
 
 fn bracket_v6(host: &str) -> String {
-    if host.contains(':') { format!("[{host}]") } else { host.to_owned() }
+    if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
 }
 
 /// The events of a Run, in seq order, ending with the call's status.
@@ -456,7 +521,11 @@ struct Attempts {
 
 impl Attempts {
     fn new(policy: RetryPolicy, until: Instant) -> Self {
-        Self { policy, until, count: Arc::new(AtomicU32::new(0)) }
+        Self {
+            policy,
+            until,
+            count: Arc::new(AtomicU32::new(0)),
+        }
     }
 
     /// The status the caller gets, stamped with the attempts it took.
@@ -471,7 +540,11 @@ impl Attempts {
     fn begin(&mut self) -> Result<Duration, Status> {
         self.count.fetch_add(1, Ordering::Relaxed);
         let remaining = self.until.saturating_duration_since(Instant::now());
-        if remaining.is_zero() { Err(retry::deadline_exceeded()) } else { Ok(remaining) }
+        if remaining.is_zero() {
+            Err(retry::deadline_exceeded())
+        } else {
+            Ok(remaining)
+        }
     }
 
     /// Waits before the next attempt, or gives `status` back when the policy
@@ -481,7 +554,10 @@ impl Attempts {
         if made >= self.policy.max_attempts.max(1) {
             return Err(self.final_status(status));
         }
-        let wait = self.policy.backoff(made).max(retry::pushback(&status).unwrap_or_default());
+        let wait = self
+            .policy
+            .backoff(made)
+            .max(retry::pushback(&status).unwrap_or_default());
         if Instant::now() + wait >= self.until {
             return Err(self.final_status(status));
         }
@@ -514,7 +590,9 @@ impl RunAttempts {
         loop {
             match self.once().await {
                 Ok(s) => return Ok(s),
-                Err(s) if retry::run_is_retryable(&s) => self.attempts.backoff_or_give_up(s).await?,
+                Err(s) if retry::run_is_retryable(&s) => {
+                    self.attempts.backoff_or_give_up(s).await?
+                }
                 Err(s) => return Err(self.attempts.final_status(s)),
             }
         }
@@ -527,10 +605,20 @@ impl RunAttempts {
             Err(_) => return Err(retry::deadline_exceeded()),
             Ok(r) => r.map_err(retry::deadline_passed)?,
         };
-        let header = |name: &str| resp.metadata().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+        let header = |name: &str| {
+            resp.metadata()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
         let request_id = header(crate::grpc::agents::REQUEST_ID_HEADER);
         let mode = header(crate::grpc::agents::TURN_MODE_HEADER);
-        Ok(Started { request_id, mode, stream: resp.into_inner() })
+        Ok(Started {
+            request_id,
+            mode,
+            stream: resp.into_inner(),
+        })
     }
 }
 

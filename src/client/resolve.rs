@@ -75,7 +75,10 @@ impl Resolve for StaticResolver {
 /// (every pod restarting, a DNS hiccup) keeps the last known addresses, whose
 /// calls fail fast with UNAVAILABLE, instead of leaving calls waiting for an
 /// endpoint until their deadline.
-pub fn diff(current: &BTreeSet<SocketAddr>, wanted: &BTreeSet<SocketAddr>) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
+pub fn diff(
+    current: &BTreeSet<SocketAddr>,
+    wanted: &BTreeSet<SocketAddr>,
+) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
     if wanted.is_empty() {
         return (Vec::new(), Vec::new());
     }
@@ -129,7 +132,11 @@ impl State {
     /// endpoint until its deadline).
     fn wanted(&self) -> BTreeSet<SocketAddr> {
         let up: BTreeSet<SocketAddr> = self.listed.difference(&self.down).copied().collect();
-        if up.is_empty() { self.listed.clone() } else { up }
+        if up.is_empty() {
+            self.listed.clone()
+        } else {
+            up
+        }
     }
 }
 
@@ -137,7 +144,12 @@ impl Task {
     /// Resolves once and tells the balancer; returns how many addresses it
     /// has. An error or an empty answer keeps the current set.
     pub async fn resolve_once(&mut self, health: &mpsc::Sender<HealthReport>) -> io::Result<usize> {
-        let listed: BTreeSet<SocketAddr> = self.resolver.resolve(&self.host, self.port).await?.into_iter().collect();
+        let listed: BTreeSet<SocketAddr> = self
+            .resolver
+            .resolve(&self.host, self.port)
+            .await?
+            .into_iter()
+            .collect();
         if listed.is_empty() {
             tracing::warn!(host = %self.host, kept = self.state.current.len(), "the name resolved to no addresses; keeping the last known ones");
             return Ok(self.state.current.len());
@@ -147,7 +159,12 @@ impl Task {
         st.down.retain(|addr| listed.contains(addr));
         if self.health_check {
             for addr in listed.difference(&st.listed) {
-                let watcher = tokio::spawn(watch_health(*addr, (self.endpoint)(*addr), health.clone(), self.interval));
+                let watcher = tokio::spawn(watch_health(
+                    *addr,
+                    (self.endpoint)(*addr),
+                    health.clone(),
+                    self.interval,
+                ));
                 st.watchers.insert(*addr, AbortOnDropHandle::new(watcher));
             }
         }
@@ -161,7 +178,12 @@ impl Task {
         let (insert, remove) = diff(&self.state.current, &self.state.wanted());
         for addr in insert {
             tracing::debug!(%addr, host = %self.host, "balancing over an address");
-            if self.changes.send(Change::Insert(addr, (self.endpoint)(addr))).await.is_err() {
+            if self
+                .changes
+                .send(Change::Insert(addr, (self.endpoint)(addr)))
+                .await
+                .is_err()
+            {
                 return;
             }
             self.state.current.insert(addr);
@@ -180,13 +202,22 @@ impl Task {
         if !self.state.listed.contains(&addr) {
             return false;
         }
-        if serving { self.state.down.remove(&addr) } else { self.state.down.insert(addr) }
+        if serving {
+            self.state.down.remove(&addr)
+        } else {
+            self.state.down.insert(addr)
+        }
     }
 
     /// Re-resolves every interval, or when asked, and follows health, until
     /// the channel is gone.
-    pub async fn run(mut self, health_tx: mpsc::Sender<HealthReport>, mut health_rx: mpsc::Receiver<HealthReport>) {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + self.interval, self.interval);
+    pub async fn run(
+        mut self,
+        health_tx: mpsc::Sender<HealthReport>,
+        mut health_rx: mpsc::Receiver<HealthReport>,
+    ) {
+        let mut tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + self.interval, self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ack = tokio::select! {
@@ -220,7 +251,12 @@ impl Task {
 /// stream or a failed connection is down. A server that does not offer
 /// health (or refuses this client its use) counts as up. Tries again every
 /// `retry` after a failure, until aborted.
-async fn watch_health(addr: SocketAddr, endpoint: Endpoint, report: mpsc::Sender<HealthReport>, retry: Duration) {
+async fn watch_health(
+    addr: SocketAddr,
+    endpoint: Endpoint,
+    report: mpsc::Sender<HealthReport>,
+    retry: Duration,
+) {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
@@ -232,7 +268,12 @@ async fn watch_health(addr: SocketAddr, endpoint: Endpoint, report: mpsc::Sender
                 tracing::debug!(%addr, error = %e, "health: cannot connect");
                 false
             }
-            Ok(channel) => match HealthClient::new(channel).watch(HealthCheckRequest { service: String::new() }).await {
+            Ok(channel) => match HealthClient::new(channel)
+                .watch(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+            {
                 Ok(resp) => {
                     let mut statuses = resp.into_inner();
                     // Watch while serving. At NOT_SERVING the replica is
@@ -250,7 +291,12 @@ async fn watch_health(addr: SocketAddr, endpoint: Endpoint, report: mpsc::Sender
                         }
                     }
                 }
-                Err(s) if matches!(s.code(), Code::Unimplemented | Code::Unauthenticated | Code::PermissionDenied) => {
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        Code::Unimplemented | Code::Unauthenticated | Code::PermissionDenied
+                    ) =>
+                {
                     let _ = report.send((addr, true)).await;
                     tokio::time::sleep(retry * 10).await;
                     continue;
@@ -270,7 +316,10 @@ mod tests {
     use super::*;
 
     fn set(ports: &[u16]) -> BTreeSet<SocketAddr> {
-        ports.iter().map(|p| SocketAddr::from(([127, 0, 0, 1], *p))).collect()
+        ports
+            .iter()
+            .map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
+            .collect()
     }
 
     #[test]

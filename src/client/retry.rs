@@ -41,7 +41,10 @@ impl RetryPolicy {
     /// into [½, 1] of the exponential value so that clients refused at the
     /// same moment do not come back at the same moment.
     pub fn backoff(&self, failed: u32) -> Duration {
-        let exp = self.multiplier.max(1.0).powi(failed.saturating_sub(1).min(30) as i32);
+        let exp = self
+            .multiplier
+            .max(1.0)
+            .powi(failed.saturating_sub(1).min(30) as i32);
         let full = self.initial_backoff.mul_f64(exp).min(self.max_backoff);
         full.mul_f64(0.5 + fastrand::f64() / 2.0)
     }
@@ -49,7 +52,13 @@ impl RetryPolicy {
 
 /// The server's `grpc-retry-pushback-ms`: wait at least that long.
 pub fn pushback(status: &Status) -> Option<Duration> {
-    let ms: u64 = status.metadata().get("grpc-retry-pushback-ms")?.to_str().ok()?.parse().ok()?;
+    let ms: u64 = status
+        .metadata()
+        .get("grpc-retry-pushback-ms")?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()?;
     Some(Duration::from_millis(ms))
 }
 
@@ -90,7 +99,11 @@ pub fn is_unavailable(status: &Status) -> bool {
 /// A Run failure before any event that a resend with the same request_id
 /// may cure.
 pub fn run_is_retryable(status: &Status) -> bool {
-    is_unavailable(status) && status.metadata().get(crate::grpc::status::TURN_OUTCOME_HEADER).is_none()
+    is_unavailable(status)
+        && status
+            .metadata()
+            .get(crate::grpc::status::TURN_OUTCOME_HEADER)
+            .is_none()
 }
 
 #[cfg(test)]
@@ -107,9 +120,15 @@ mod tests {
         };
         for _ in 0..100 {
             let first = p.backoff(1);
-            assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100), "{first:?}");
+            assert!(
+                first >= Duration::from_millis(50) && first <= Duration::from_millis(100),
+                "{first:?}"
+            );
             let third = p.backoff(3);
-            assert!(third >= Duration::from_millis(200) && third <= Duration::from_millis(400), "{third:?}");
+            assert!(
+                third >= Duration::from_millis(200) && third <= Duration::from_millis(400),
+                "{third:?}"
+            );
             assert!(p.backoff(40) <= Duration::from_millis(1000));
         }
     }
@@ -118,14 +137,21 @@ mod tests {
     fn pushback_is_read_from_the_status() {
         let mut s = Status::unavailable("busy");
         assert_eq!(pushback(&s), None);
-        s.metadata_mut().insert("grpc-retry-pushback-ms", "250".parse().unwrap());
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", "250".parse().unwrap());
         assert_eq!(pushback(&s), Some(Duration::from_millis(250)));
     }
 
     #[test]
     fn only_unavailable_runs_are_retried() {
         assert!(run_is_retryable(&Status::unavailable("x")));
-        for code in [Code::DeadlineExceeded, Code::ResourceExhausted, Code::Internal, Code::Cancelled, Code::NotFound] {
+        for code in [
+            Code::DeadlineExceeded,
+            Code::ResourceExhausted,
+            Code::Internal,
+            Code::Cancelled,
+            Code::NotFound,
+        ] {
             assert!(!run_is_retryable(&Status::new(code, "x")), "{code:?}");
         }
     }

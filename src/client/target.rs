@@ -57,7 +57,10 @@ impl FromStr for Target {
 fn split_host_port(s: &str) -> Result<(String, u16), BadTarget> {
     const NEED_PORT: &str = "dns:///host:port needs a host and a port, e.g. dns:///agentd.default.svc.cluster.local:50051";
     let (host, port) = s.rsplit_once(':').ok_or(BadTarget(NEED_PORT))?;
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     let port: u16 = port.parse().map_err(|_| BadTarget(NEED_PORT))?;
     if host.is_empty() || host.contains('/') || port == 0 {
         return Err(BadTarget(NEED_PORT));
@@ -70,12 +73,18 @@ mod tests {
     use super::*;
 
     fn dns(host: &str, port: u16) -> Target {
-        Target::Dns { host: host.into(), port }
+        Target::Dns {
+            host: host.into(),
+            port,
+        }
     }
 
     #[test]
     fn dns_targets_name_a_host_and_a_port() {
-        assert_eq!("dns:///agents.svc.cluster.local:50051".parse(), Ok(dns("agents.svc.cluster.local", 50051)));
+        assert_eq!(
+            "dns:///agents.svc.cluster.local:50051".parse(),
+            Ok(dns("agents.svc.cluster.local", 50051))
+        );
         assert_eq!("dns:localhost:1".parse(), Ok(dns("localhost", 1)));
         assert_eq!("dns:///[::1]:50051".parse(), Ok(dns("::1", 50051)));
     }

@@ -8,9 +8,11 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use super::{deadline, status};
-use crate::domain::{InvalidInput, OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
-use crate::store::{PageCursor, Session, TurnRecord, TurnState, to_micros};
+use crate::domain::{
+    InvalidInput, OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText,
+};
 use crate::pb;
+use crate::store::{PageCursor, Session, TurnRecord, TurnState, to_micros};
 use crate::turn::{self, Failure, Turns};
 
 pub use pb::agent_service_server::AgentServiceServer;
@@ -51,19 +53,35 @@ pub fn parse_run(req: pb::RunRequest, limits: &Limits) -> Result<RunInput, Inval
     let agent = if req.agent.is_empty() {
         None
     } else {
-        if req.agent.len() > 64 || !req.agent.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-            return Err(InvalidInput::Malformed { field: "agent", rule: "1-64 characters of [A-Za-z0-9_-]" });
+        if req.agent.len() > 64
+            || !req
+                .agent
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(InvalidInput::Malformed {
+                field: "agent",
+                rule: "1-64 characters of [A-Za-z0-9_-]",
+            });
         }
         Some(req.agent)
     };
     let on_disconnect = match pb::OnDisconnect::try_from(req.on_disconnect) {
         Ok(pb::OnDisconnect::Unspecified | pb::OnDisconnect::Cancel) => OnDisconnect::Cancel,
         Ok(pb::OnDisconnect::Continue) => OnDisconnect::Continue,
-        Err(_) => return Err(InvalidInput::Malformed { field: "on_disconnect", rule: "CANCEL or CONTINUE" }),
+        Err(_) => {
+            return Err(InvalidInput::Malformed {
+                field: "on_disconnect",
+                rule: "CANCEL or CONTINUE",
+            });
+        }
     };
     Ok(RunInput {
         user_id,
-        key: TurnKey { session_id, request_id },
+        key: TurnKey {
+            session_id,
+            request_id,
+        },
         generated_request_id: generated,
         text,
         agent,
@@ -90,7 +108,11 @@ fn turn_to_wire(t: &TurnRecord) -> pb::TurnInfo {
         request_id: t.key.request_id.to_string(),
         state: state_to_wire(t.state) as i32,
         status_code: t.outcome.as_ref().map(|o| o.code),
-        status_message: t.outcome.as_ref().map(|o| o.message.clone()).unwrap_or_default(),
+        status_message: t
+            .outcome
+            .as_ref()
+            .map(|o| o.message.clone())
+            .unwrap_or_default(),
         agent: t.agent.clone(),
         owner: t.owner.clone(),
         created_unix_micros: to_micros(t.created_at),
@@ -112,31 +134,58 @@ type EventResult = Result<pb::AgentEvent, Status>;
 
 #[tonic::async_trait]
 impl pb::agent_service_server::AgentService for AgentsService {
-    async fn create_session(&self, req: Request<pb::CreateSessionRequest>) -> Result<Response<pb::SessionRef>, Status> {
+    async fn create_session(
+        &self,
+        req: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::SessionRef>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let user_id = UserId::parse(req.into_inner().user_id).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
-        let session = self.turns.store().create_session(&user_id).await.map_err(status::store)?;
+        let session = self
+            .turns
+            .store()
+            .create_session(&user_id)
+            .await
+            .map_err(status::store)?;
         tracing::info!(method = "CreateSession", session = %session.id, "session created");
-        Ok(Response::new(pb::SessionRef { user_id: user_id.to_string(), session_id: session.id.to_string() }))
+        Ok(Response::new(pb::SessionRef {
+            user_id: user_id.to_string(),
+            session_id: session.id.to_string(),
+        }))
     }
 
-    type RunStream = futures::stream::Map<turn::RunStream, fn(Result<pb::AgentEvent, Failure>) -> EventResult>;
+    type RunStream =
+        futures::stream::Map<turn::RunStream, fn(Result<pb::AgentEvent, Failure>) -> EventResult>;
     type AttachStream = Self::RunStream;
 
-    async fn get_session(&self, req: Request<pb::GetSessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+    async fn get_session(
+        &self,
+        req: Request<pb::GetSessionRequest>,
+    ) -> Result<Response<pb::SessionInfo>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         let run_error = |e| status::run_error(e, self.turns.agents());
-        let session = self.turns.owned_session(id, &user_id).await.map_err(run_error)?;
-        let turns = self.turns.store().list_turns(id).await.map_err(status::store)?;
+        let session = self
+            .turns
+            .owned_session(id, &user_id)
+            .await
+            .map_err(run_error)?;
+        let turns = self
+            .turns
+            .store()
+            .list_turns(id)
+            .await
+            .map_err(status::store)?;
         Ok(Response::new(session_to_wire(&session, &turns)))
     }
 
-    async fn list_sessions(&self, req: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
+    async fn list_sessions(
+        &self,
+        req: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
@@ -149,25 +198,43 @@ impl pb::agent_service_server::AgentService for AgentsService {
             "" => None,
             t => Some(PageCursor::decode(t).ok_or_else(status::bad_page_token)?),
         };
-        let page = self.turns.store().list_sessions(&user_id, limit, after.as_ref()).await.map_err(status::store)?;
+        let page = self
+            .turns
+            .store()
+            .list_sessions(&user_id, limit, after.as_ref())
+            .await
+            .map_err(status::store)?;
         Ok(Response::new(pb::ListSessionsResponse {
-            sessions: page.sessions.iter().map(|s| session_to_wire(s, &[])).collect(),
+            sessions: page
+                .sessions
+                .iter()
+                .map(|s| session_to_wire(s, &[]))
+                .collect(),
             next_page_token: page.next.map(|c| c.encode()).unwrap_or_default(),
         }))
     }
 
-    async fn delete_session(&self, req: Request<pb::DeleteSessionRequest>) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+    async fn delete_session(
+        &self,
+        req: Request<pb::DeleteSessionRequest>,
+    ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
-        self.turns.delete_session(id, &user_id).await.map_err(|e| status::run_error(e, self.turns.agents()))?;
+        self.turns
+            .delete_session(id, &user_id)
+            .await
+            .map_err(|e| status::run_error(e, self.turns.agents()))?;
         tracing::info!(method = "DeleteSession", session = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }
 
-    async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<Self::AttachStream>, Status> {
+    async fn attach(
+        &self,
+        req: Request<pb::AttachRequest>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
         let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
@@ -175,7 +242,10 @@ impl pb::agent_service_server::AgentService for AgentsService {
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
-        let key = TurnKey { session_id, request_id };
+        let key = TurnKey {
+            session_id,
+            request_id,
+        };
         let started = self.turns.attach(&user_id, key, req.after_seq, timeout).await.map_err(|e| {
             let s = status::run_error(e, self.turns.agents());
             tracing::info!(method = "Attach", code = ?s.code(), reason = s.message(), "attach refused");
@@ -194,11 +264,15 @@ impl pb::agent_service_server::AgentService for AgentsService {
 }
 
 impl AgentsService {
-    async fn start(&self, req: Request<pb::RunRequest>) -> Result<Response<<Self as pb::agent_service_server::AgentService>::RunStream>, Status> {
+    async fn start(
+        &self,
+        req: Request<pb::RunRequest>,
+    ) -> Result<Response<<Self as pb::agent_service_server::AgentService>::RunStream>, Status> {
         let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let input = parse_run(req.into_inner(), &self.limits).map_err(status::invalid)?;
-        crate::auth::authorize(caller.as_ref(), &input.user_id).map_err(status::permission_denied)?;
+        crate::auth::authorize(caller.as_ref(), &input.user_id)
+            .map_err(status::permission_denied)?;
         let started = self
             .turns
             .start(input, timeout)
@@ -210,12 +284,18 @@ impl AgentsService {
 
 /// A started turn as a response: its events, with the request id and the
 /// mode in the headers.
-fn stream_response(started: turn::Started) -> Response<<AgentsService as pb::agent_service_server::AgentService>::RunStream> {
-    let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult = |r| r.map_err(status::failure);
+fn stream_response(
+    started: turn::Started,
+) -> Response<<AgentsService as pb::agent_service_server::AgentService>::RunStream> {
+    let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult =
+        |r| r.map_err(status::failure);
     let mut resp = Response::new(started.stream.map(to_status));
     if let Ok(v) = MetadataValue::try_from(started.request_id.as_str()) {
         resp.metadata_mut().insert(REQUEST_ID_HEADER, v);
     }
-    resp.metadata_mut().insert(TURN_MODE_HEADER, MetadataValue::from_static(started.mode.as_str()));
+    resp.metadata_mut().insert(
+        TURN_MODE_HEADER,
+        MetadataValue::from_static(started.mode.as_str()),
+    );
     resp
 }

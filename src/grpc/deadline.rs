@@ -7,7 +7,9 @@ use tonic::metadata::MetadataMap;
 
 /// The `grpc-timeout` of a call: `Ok(None)` when absent, `Err` when malformed.
 pub fn from_metadata(md: &MetadataMap) -> Result<Option<Duration>, &'static str> {
-    let Some(v) = md.get("grpc-timeout") else { return Ok(None) };
+    let Some(v) = md.get("grpc-timeout") else {
+        return Ok(None);
+    };
     let s = v.to_str().map_err(|_| "grpc-timeout is not ASCII")?;
     parse(s).map(Some)
 }

@@ -47,17 +47,19 @@ pub fn run_error(e: RunError, agents: &crate::agent::AgentRegistry) -> Status {
             "unknown agent; this server serves: {}",
             agents.names().collect::<Vec<_>>().join(", ")
         )),
-        RunError::RequestIdReused => {
-            Status::already_exists("request_id was already used for a different message in this session")
+        RunError::RequestIdReused => Status::already_exists(
+            "request_id was already used for a different message in this session",
+        ),
+        RunError::Busy { limit } => Status::resource_exhausted(format!(
+            "too many runs in progress (limit {limit}); retry later"
+        )),
+        RunError::ShuttingDown => {
+            Status::unavailable("the server is shutting down; retry on another replica")
         }
-        RunError::Busy { limit } => {
-            Status::resource_exhausted(format!("too many runs in progress (limit {limit}); retry later"))
-        }
-        RunError::ShuttingDown => Status::unavailable("the server is shutting down; retry on another replica"),
         RunError::TurnNotFound => Status::not_found("turn not found"),
-        RunError::SessionBusy => {
-            Status::failed_precondition("the session has a turn in progress; retry when it has ended")
-        }
+        RunError::SessionBusy => Status::failed_precondition(
+            "the session has a turn in progress; retry when it has ended",
+        ),
         RunError::Store(e) => store(e),
     }
 }
@@ -74,7 +76,9 @@ pub fn replica_stopped() -> TurnOutcome {
 
 /// A `page_token` that this server did not hand out.
 pub fn bad_page_token() -> Status {
-    Status::invalid_argument("page_token is malformed; pass the next_page_token of the previous page")
+    Status::invalid_argument(
+        "page_token is malformed; pass the next_page_token of the previous page",
+    )
 }
 
 /// How a turn that ended with `result` is recorded (and so replayed).
@@ -97,27 +101,53 @@ pub fn outcome(result: &Result<(), Failure>) -> TurnOutcome {
                 Code::ResourceExhausted,
                 "the client stopped reading events; the run was cancelled".into(),
             ),
-            Failure::Shutdown => {
-                (TurnState::Failed, Code::Unavailable, "the server shut down before the run finished".into())
+            Failure::Shutdown => (
+                TurnState::Failed,
+                Code::Unavailable,
+                "the server shut down before the run finished".into(),
+            ),
+            Failure::ClientGone => (
+                TurnState::Cancelled,
+                Code::Cancelled,
+                "the client cancelled the call".into(),
+            ),
+            Failure::Agent(AgentError::Unavailable { message, .. }) => {
+                (TurnState::Failed, Code::Unavailable, message.clone())
             }
-            Failure::ClientGone => (TurnState::Cancelled, Code::Cancelled, "the client cancelled the call".into()),
-            Failure::Agent(AgentError::Unavailable { message, .. }) => (TurnState::Failed, Code::Unavailable, message.clone()),
-            Failure::Agent(AgentError::FailedPrecondition(m)) => (TurnState::Failed, Code::FailedPrecondition, m.clone()),
-            Failure::Agent(AgentError::InvalidInput(m)) => (TurnState::Failed, Code::InvalidArgument, m.clone()),
-            Failure::Agent(AgentError::Unexpected(_)) => {
-                (TurnState::Failed, Code::Internal, "the agent failed; the server log has the cause".into())
+            Failure::Agent(AgentError::FailedPrecondition(m)) => {
+                (TurnState::Failed, Code::FailedPrecondition, m.clone())
             }
-            Failure::NoFinalAnswer => (TurnState::Failed, Code::Internal, "the agent ended without a final answer".into()),
-            Failure::Store(StoreError::Unavailable(_)) => {
-                (TurnState::Failed, Code::Unavailable, "the session store is unavailable; retry later".into())
+            Failure::Agent(AgentError::InvalidInput(m)) => {
+                (TurnState::Failed, Code::InvalidArgument, m.clone())
             }
-            Failure::Store(StoreError::Unexpected(_)) => {
-                (TurnState::Failed, Code::Internal, "internal error in the session store".into())
-            }
+            Failure::Agent(AgentError::Unexpected(_)) => (
+                TurnState::Failed,
+                Code::Internal,
+                "the agent failed; the server log has the cause".into(),
+            ),
+            Failure::NoFinalAnswer => (
+                TurnState::Failed,
+                Code::Internal,
+                "the agent ended without a final answer".into(),
+            ),
+            Failure::Store(StoreError::Unavailable(_)) => (
+                TurnState::Failed,
+                Code::Unavailable,
+                "the session store is unavailable; retry later".into(),
+            ),
+            Failure::Store(StoreError::Unexpected(_)) => (
+                TurnState::Failed,
+                Code::Internal,
+                "internal error in the session store".into(),
+            ),
             Failure::Stored(o) => return o.clone(),
         },
     };
-    TurnOutcome { state, code: code as i32, message }
+    TurnOutcome {
+        state,
+        code: code as i32,
+        message,
+    }
 }
 
 /// Trailer on a status that is a turn's recorded outcome: a retry with the
@@ -136,7 +166,10 @@ pub fn failure(f: Failure) -> Status {
     let o = outcome(&Err(f));
     let mut status = Status::new(Code::from(o.code), o.message);
     if recorded {
-        status.metadata_mut().insert(TURN_OUTCOME_HEADER, tonic::metadata::MetadataValue::from_static("recorded"));
+        status.metadata_mut().insert(
+            TURN_OUTCOME_HEADER,
+            tonic::metadata::MetadataValue::from_static("recorded"),
+        );
     }
     if let Some(after) = retry_after {
         // The standard gRPC retry pushback, honoured by retrying clients.
@@ -153,7 +186,9 @@ mod tests {
 
     #[test]
     fn unexpected_agent_errors_do_not_leak_their_cause() {
-        let f = Failure::Agent(AgentError::Unexpected(anyhow::anyhow!("prompt said: my password is hunter2")));
+        let f = Failure::Agent(AgentError::Unexpected(anyhow::anyhow!(
+            "prompt said: my password is hunter2"
+        )));
         let s = failure(f);
         assert_eq!(s.code(), Code::Internal);
         assert!(!s.message().contains("hunter2"), "{}", s.message());
@@ -161,7 +196,11 @@ mod tests {
 
     #[test]
     fn a_stored_outcome_is_reproduced_exactly() {
-        let o = TurnOutcome { state: TurnState::Failed, code: Code::Unavailable as i32, message: "x".into() };
+        let o = TurnOutcome {
+            state: TurnState::Failed,
+            code: Code::Unavailable as i32,
+            message: "x".into(),
+        };
         assert_eq!(outcome(&Err(Failure::Stored(o.clone()))), o);
         let s = failure(Failure::Stored(o));
         assert_eq!((s.code(), s.message()), (Code::Unavailable, "x"));

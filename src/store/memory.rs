@@ -48,7 +48,12 @@ impl Store for MemoryStore {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
         // At the precision of the durable stores and of page tokens.
         let now = from_micros(to_micros(SystemTime::now()));
-        let s = Session { id: SessionId::generate(), user_id: user_id.clone(), created_at: now, updated_at: now };
+        let s = Session {
+            id: SessionId::generate(),
+            user_id: user_id.clone(),
+            created_at: now,
+            updated_at: now,
+        };
         self.lock().sessions.insert(s.id, s.clone());
         Ok(s)
     }
@@ -95,7 +100,10 @@ impl Store for MemoryStore {
 
     async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
         let mut inner = self.lock();
-        let turn = inner.turns.get_mut(key).ok_or_else(|| anyhow::anyhow!("append to an unclaimed turn {key}"))?;
+        let turn = inner
+            .turns
+            .get_mut(key)
+            .ok_or_else(|| anyhow::anyhow!("append to an unclaimed turn {key}"))?;
         turn.events.extend(events);
         Ok(())
     }
@@ -115,11 +123,24 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>> {
+    async fn events_after(
+        &self,
+        key: &TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<SeqEvent>> {
         let inner = self.lock();
-        let Some(turn) = inner.turns.get(key) else { return Ok(Vec::new()) };
+        let Some(turn) = inner.turns.get(key) else {
+            return Ok(Vec::new());
+        };
         let start = after.map_or(0, |a| a as usize + 1);
-        Ok(turn.events.iter().skip(start).take(limit).cloned().collect())
+        Ok(turn
+            .events
+            .iter()
+            .skip(start)
+            .take(limit)
+            .cloned()
+            .collect())
     }
 
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
@@ -127,7 +148,9 @@ impl Store for MemoryStore {
         let mut turns: Vec<&Turn> = inner
             .turns
             .iter()
-            .filter(|(k, t)| k.session_id == session && t.record.as_ref().is_some_and(|r| r.state.is_terminal()))
+            .filter(|(k, t)| {
+                k.session_id == session && t.record.as_ref().is_some_and(|r| r.state.is_terminal())
+            })
             .map(|(_, t)| t)
             .collect();
         turns.sort_by_key(|t| t.order);
@@ -144,12 +167,21 @@ impl Store for MemoryStore {
                     .find(|e| e.event.kind == EventKind::FinalAnswer)
                     .map(|e| e.event.text.clone())
                     .unwrap_or_default();
-                Some(PriorTurn { request_id: r.key.request_id.to_string(), user_text: r.user_text.clone(), answer })
+                Some(PriorTurn {
+                    request_id: r.key.request_id.to_string(),
+                    user_text: r.user_text.clone(),
+                    answer,
+                })
             })
             .collect())
     }
 
-    async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {
+    async fn list_sessions(
+        &self,
+        user_id: &UserId,
+        limit: usize,
+        after: Option<&PageCursor>,
+    ) -> StoreResult<SessionPage> {
         let inner = self.lock();
         let mut mine: Vec<&Session> = inner
             .sessions
@@ -160,7 +192,14 @@ impl Store for MemoryStore {
         mine.sort_by_key(|s| (s.created_at, s.id));
         let more = mine.len() > limit;
         let sessions: Vec<Session> = mine.into_iter().take(limit).cloned().collect();
-        let next = more.then(|| sessions.last().map(|s| PageCursor { created_at: s.created_at, id: s.id })).flatten();
+        let next = more
+            .then(|| {
+                sessions.last().map(|s| PageCursor {
+                    created_at: s.created_at,
+                    id: s.id,
+                })
+            })
+            .flatten();
         Ok(SessionPage { sessions, next })
     }
 
@@ -172,12 +211,22 @@ impl Store for MemoryStore {
 
     async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
         let inner = self.lock();
-        let mut turns: Vec<&Turn> = inner.turns.iter().filter(|(k, _)| k.session_id == session).map(|(_, t)| t).collect();
+        let mut turns: Vec<&Turn> = inner
+            .turns
+            .iter()
+            .filter(|(k, _)| k.session_id == session)
+            .map(|(_, t)| t)
+            .collect();
         turns.sort_by_key(|t| t.order);
         Ok(turns.into_iter().filter_map(|t| t.record.clone()).collect())
     }
 
-    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool> {
+    async fn renew_lease(
+        &self,
+        key: &TurnKey,
+        owner: &str,
+        until: SystemTime,
+    ) -> StoreResult<bool> {
         let mut inner = self.lock();
         match inner.turns.get_mut(key).and_then(|t| t.record.as_mut()) {
             Some(r) if r.state == TurnState::Running && r.owner == owner => {
@@ -205,7 +254,11 @@ impl Store for MemoryStore {
     async fn prune(&self, before: SystemTime) -> StoreResult<u64> {
         let mut inner = self.lock();
         let n = inner.turns.len();
-        inner.turns.retain(|_, t| t.record.as_ref().is_none_or(|r| !r.state.is_terminal() || r.updated_at >= before));
+        inner.turns.retain(|_, t| {
+            t.record
+                .as_ref()
+                .is_none_or(|r| !r.state.is_terminal() || r.updated_at >= before)
+        });
         Ok((n - inner.turns.len()) as u64)
     }
 

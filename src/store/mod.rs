@@ -140,7 +140,10 @@ impl PageCursor {
 
     pub fn decode(token: &str) -> Option<Self> {
         let (micros, id) = token.split_once('.')?;
-        Some(Self { created_at: from_micros(micros.parse().ok()?), id: SessionId::parse(id).ok()? })
+        Some(Self {
+            created_at: from_micros(micros.parse().ok()?),
+            id: SessionId::parse(id).ok()?,
+        })
     }
 }
 
@@ -186,7 +189,9 @@ pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
             postgres::PostgresStore::connect(url)
                 .await
                 .map_err(one_line)
-                .with_context(|| format!("cannot open the PostgreSQL session store {}", redact(url)))?,
+                .with_context(|| {
+                    format!("cannot open the PostgreSQL session store {}", redact(url))
+                })?,
         ),
         _ => anyhow::bail!("--store must be sqlite://PATH, postgres://... or memory:"),
     })
@@ -223,19 +228,30 @@ pub trait Store: Send + Sync + 'static {
     /// running (its lease expired and someone failed it) keeps its outcome.
     async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()>;
     /// Events with seq greater than `after` (all with `None`), at most `limit`.
-    async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>>;
+    async fn events_after(
+        &self,
+        key: &TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<SeqEvent>>;
     /// The session's terminal turns, oldest first, at most the last `limit`.
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>>;
 
     /// A user's sessions, oldest first, at most `limit`, after `after`.
-    async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage>;
+    async fn list_sessions(
+        &self,
+        user_id: &UserId,
+        limit: usize,
+        after: Option<&PageCursor>,
+    ) -> StoreResult<SessionPage>;
     /// Removes a session with its turns and events; false if there was none.
     async fn delete_session(&self, id: SessionId) -> StoreResult<bool>;
     /// Every turn of a session, oldest first.
     async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>>;
     /// Extends the lease of a turn `owner` runs; false when the turn is no
     /// longer running under that owner.
-    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool>;
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime)
+    -> StoreResult<bool>;
     /// Ends every running turn whose lease expired before `now` with
     /// `outcome`; returns how many. Such a turn is never run again.
     async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64>;
@@ -252,9 +268,17 @@ mod tests {
 
     #[test]
     fn a_page_token_round_trips_and_garbage_is_refused() {
-        let c = PageCursor { created_at: from_micros(1_733_000_000_123_456), id: SessionId::generate() };
+        let c = PageCursor {
+            created_at: from_micros(1_733_000_000_123_456),
+            id: SessionId::generate(),
+        };
         assert_eq!(PageCursor::decode(&c.encode()), Some(c));
-        for bad in ["", "x", "12.not-a-uuid", "abc.00000000-0000-0000-0000-000000000000"] {
+        for bad in [
+            "",
+            "x",
+            "12.not-a-uuid",
+            "abc.00000000-0000-0000-0000-000000000000",
+        ] {
             assert_eq!(PageCursor::decode(bad), None, "{bad}");
         }
     }
@@ -268,7 +292,10 @@ mod tests {
 
     #[test]
     fn a_store_url_is_shown_without_its_password() {
-        assert_eq!(redact("postgres://agentd:s3cret@db:5432/agentd"), "postgres://agentd@db:5432/agentd");
+        assert_eq!(
+            redact("postgres://agentd:s3cret@db:5432/agentd"),
+            "postgres://agentd@db:5432/agentd"
+        );
         assert_eq!(redact("postgres://db/agentd"), "postgres://db/agentd");
         assert_eq!(redact("sqlite://agentd.db"), "sqlite://agentd.db");
     }

@@ -27,9 +27,12 @@ impl PostgresStore {
         let opts = PgConnectOptions::from_str(url)?.application_name("agentd");
         // One direct connection first: its error says why (refused, auth,
         // unknown database), where the pool's would only say it timed out.
-        let probe = tokio::time::timeout(ACQUIRE_TIMEOUT, <sqlx::PgConnection as sqlx::Connection>::connect_with(&opts))
-            .await
-            .map_err(|_| anyhow::anyhow!("no answer within {ACQUIRE_TIMEOUT:?}"))??;
+        let probe = tokio::time::timeout(
+            ACQUIRE_TIMEOUT,
+            <sqlx::PgConnection as sqlx::Connection>::connect_with(&opts),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer within {ACQUIRE_TIMEOUT:?}"))??;
         sqlx::Connection::close(probe).await?;
         let pool = PgPoolOptions::new()
             .max_connections(MAX_CONNECTIONS)
@@ -37,7 +40,10 @@ impl PostgresStore {
             .connect_with(opts)
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
-        Ok(Self { read: pool.clone(), write: pool })
+        Ok(Self {
+            read: pool.clone(),
+            write: pool,
+        })
     }
 }
 

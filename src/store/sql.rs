@@ -21,11 +21,19 @@ pub(super) fn db_err(e: sqlx::Error) -> StoreError {
             // PostgreSQL: class 08 connection exception, 57P0x shutdown /
             // cannot connect now, 53 insufficient resources. SQLite: 5 BUSY,
             // 6 LOCKED (after the busy timeout).
-            c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") || c == "5" || c == "6"
+            c.starts_with("08")
+                || c.starts_with("57P")
+                || c.starts_with("53")
+                || c == "5"
+                || c == "6"
         }),
         _ => false,
     };
-    if unavailable { StoreError::Unavailable(e.into()) } else { StoreError::Unexpected(e.into()) }
+    if unavailable {
+        StoreError::Unavailable(e.into())
+    } else {
+        StoreError::Unexpected(e.into())
+    }
 }
 
 pub(super) fn bad_row(what: &str) -> StoreError {

@@ -7,7 +7,9 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
 
 /// How long a statement waits for the database lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -56,7 +58,10 @@ impl SqliteStore {
         .await?
         .rows_affected();
         if orphans > 0 {
-            tracing::warn!(turns = orphans, "turns interrupted by the previous process were marked failed (UNAVAILABLE)");
+            tracing::warn!(
+                turns = orphans,
+                "turns interrupted by the previous process were marked failed (UNAVAILABLE)"
+            );
         }
         Ok(store)
     }

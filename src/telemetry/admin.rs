@@ -55,15 +55,27 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    let result = axum::serve(listener, router(readiness)).with_graceful_shutdown(shutdown).await;
+    let result = axum::serve(listener, router(readiness))
+        .with_graceful_shutdown(shutdown)
+        .await;
     upkeep.abort();
     result.map_err(|e| anyhow::anyhow!("admin server failed: {e}"))
 }
 
 async fn metrics() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], super::metrics::render())
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        super::metrics::render(),
+    )
 }
 
 async fn ready(State(r): State<Readiness>) -> impl IntoResponse {
-    if r.get() { (StatusCode::OK, "serving\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "not serving\n") }
+    if r.get() {
+        (StatusCode::OK, "serving\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not serving\n")
+    }
 }

@@ -30,9 +30,13 @@ pub const SLOW_CONSUMER: &str = "agentd_slow_consumer_terminations_total";
 pub const DEDUP: &str = "agentd_dedup_total";
 
 /// Call durations from 1 ms to the longest run a server allows by default.
-const SECONDS_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 /// Events per run: a tool-using turn is a handful, a streamed answer hundreds.
-const EVENTS_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 10000.0];
+const EVENTS_BUCKETS: &[f64] = &[
+    0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 10000.0,
+];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -41,7 +45,9 @@ pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let builder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(RUN_EVENTS.into()), EVENTS_BUCKETS))
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(RUN_EVENTS.into()), EVENTS_BUCKETS)
+            })
             .expect("bucket lists are non-empty");
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
@@ -60,13 +66,26 @@ pub fn render() -> String {
 
 fn describe() {
     metrics::describe_counter!(STARTED, "gRPC calls received");
-    metrics::describe_counter!(HANDLED, "gRPC calls ended, by final status (trailer status for streams)");
-    metrics::describe_histogram!(HANDLING_SECONDS, metrics::Unit::Seconds, "gRPC call duration to the end of the response stream");
+    metrics::describe_counter!(
+        HANDLED,
+        "gRPC calls ended, by final status (trailer status for streams)"
+    );
+    metrics::describe_histogram!(
+        HANDLING_SECONDS,
+        metrics::Unit::Seconds,
+        "gRPC call duration to the end of the response stream"
+    );
     metrics::describe_gauge!(RUNS_IN_FLIGHT, "agent runs executing now");
     metrics::describe_histogram!(RUN_EVENTS, "events sent per Run");
     metrics::describe_counter!(CANCELLATIONS, "agent runs cancelled, by cause");
-    metrics::describe_counter!(SLOW_CONSUMER, "Runs ended because the client stopped reading");
-    metrics::describe_counter!(DEDUP, "repeated request ids answered without running the agent");
+    metrics::describe_counter!(
+        SLOW_CONSUMER,
+        "Runs ended because the client stopped reading"
+    );
+    metrics::describe_counter!(
+        DEDUP,
+        "repeated request ids answered without running the agent"
+    );
 }
 
 /// Counts an agent run in flight for as long as it lives.

@@ -44,7 +44,11 @@ struct Labels {
     name: &'static str,
 }
 
-const UNKNOWN: Labels = Labels { service: "unknown", method: "unknown", name: "unknown/unknown" };
+const UNKNOWN: Labels = Labels {
+    service: "unknown",
+    method: "unknown",
+    name: "unknown/unknown",
+};
 
 impl RpcLayer {
     /// `descriptor_sets`: encoded `FileDescriptorSet`s of the served services.
@@ -56,26 +60,41 @@ impl RpcLayer {
                 let package = file.package.unwrap_or_default();
                 for service in file.service {
                     let service_name = service.name.unwrap_or_default();
-                    let prefix = if package.is_empty() { String::new() } else { format!("{package}.") };
-                    let full: &'static str = Box::leak(format!("{prefix}{service_name}").into_boxed_str());
+                    let prefix = if package.is_empty() {
+                        String::new()
+                    } else {
+                        format!("{package}.")
+                    };
+                    let full: &'static str =
+                        Box::leak(format!("{prefix}{service_name}").into_boxed_str());
                     for method in service.method {
                         let method = method.name.unwrap_or_default();
-                        let name: &'static str = Box::leak(format!("{full}/{method}").into_boxed_str());
-                        let labels = Labels { service: full, method: &name[full.len() + 1..], name };
+                        let name: &'static str =
+                            Box::leak(format!("{full}/{method}").into_boxed_str());
+                        let labels = Labels {
+                            service: full,
+                            method: &name[full.len() + 1..],
+                            name,
+                        };
                         known.insert(format!("/{name}"), labels);
                     }
                 }
             }
         }
         m::handle();
-        Ok(Self { known: Arc::new(known) })
+        Ok(Self {
+            known: Arc::new(known),
+        })
     }
 }
 
 impl<S> Layer<S> for RpcLayer {
     type Service = RpcService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        RpcService { inner, known: self.known.clone() }
+        RpcService {
+            inner,
+            known: self.known.clone(),
+        }
     }
 }
 
@@ -103,7 +122,10 @@ where
         // Entered while the handler is called, so its spans (the run's) are
         // children of this one.
         let inner = call.span.in_scope(|| self.inner.call(req));
-        RpcFuture { inner, call: Some(call) }
+        RpcFuture {
+            inner,
+            call: Some(call),
+        }
     }
 }
 
@@ -135,7 +157,12 @@ impl Call {
             span.record("trace_id", tracing::field::display(&id));
         }
         metrics::counter!(m::STARTED, "grpc_service" => labels.service, "grpc_method" => labels.method).increment(1);
-        Call { labels, started: Instant::now(), span, done: false }
+        Call {
+            labels,
+            started: Instant::now(),
+            span,
+            done: false,
+        }
     }
 
     fn finish(&mut self, code: Code) {
@@ -169,7 +196,12 @@ impl Drop for Call {
 fn is_server_error(code: Code) -> bool {
     matches!(
         code,
-        Code::Unknown | Code::DeadlineExceeded | Code::Unimplemented | Code::Internal | Code::Unavailable | Code::DataLoss
+        Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Unimplemented
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DataLoss
     )
 }
 
@@ -230,7 +262,10 @@ impl<B: Body> Body for RpcBody<B> {
     type Data = B::Data;
     type Error = B::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
         let _enter = this.call.as_ref().map(|c| c.span.clone().entered());
         let frame = ready!(this.inner.poll_frame(cx));

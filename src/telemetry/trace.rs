@@ -27,7 +27,10 @@ struct HeaderInjector<'a>(&'a mut http::HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(key.as_bytes()), http::HeaderValue::from_str(&value)) {
+        if let (Ok(k), Ok(v)) = (
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::from_str(&value),
+        ) {
             self.0.insert(k, v);
         }
     }
@@ -68,7 +71,12 @@ pub fn trace_id(span: &Span) -> Option<String> {
 
 /// The span of one agent run (or of a replay/attach of one), a child of the
 /// RPC span that started it.
-pub fn run_span(mode: &'static str, agent: &str, session: &dyn std::fmt::Display, request_id: &dyn std::fmt::Display) -> Span {
+pub fn run_span(
+    mode: &'static str,
+    agent: &str,
+    session: &dyn std::fmt::Display,
+    request_id: &dyn std::fmt::Display,
+) -> Span {
     tracing::info_span!("run", otel.name = "run", mode, agent, session = %session, request_id = %request_id)
 }
 

@@ -17,7 +17,13 @@ use crate::store::{Store, TurnRecord};
 /// Events read from the store per query.
 const PAGE: usize = 512;
 
-pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadline: Deadline, mode: Mode) -> RunStream {
+pub(super) fn spawn(
+    turns: &Arc<Turns>,
+    key: TurnKey,
+    after: Option<u64>,
+    deadline: Deadline,
+    mode: Mode,
+) -> RunStream {
     let (tx, rx) = mpsc::channel(turns.cfg.channel_capacity);
     let end = Arc::new(End::default());
     let follower = Follower {
@@ -32,7 +38,12 @@ pub(super) fn spawn(turns: &Arc<Turns>, key: TurnKey, after: Option<u64>, deadli
     };
     let end2 = end.clone();
     crate::telemetry::metrics::dedup(mode);
-    let span = crate::telemetry::trace::run_span(mode.as_str(), "", &follower.key.session_id, &follower.key.request_id);
+    let span = crate::telemetry::trace::run_span(
+        mode.as_str(),
+        "",
+        &follower.key.session_id,
+        &follower.key.request_id,
+    );
     turns.tracker.spawn(tracing::Instrument::instrument(async move {
         let mut follower = follower;
         let started = Instant::now();
@@ -75,34 +86,45 @@ impl Follower {
             }
             *sent += self.drain().await?;
             let record = self.record().await?;
-            if !record.state.is_terminal() && self.live.is_none() && record.lease_expires_at < std::time::SystemTime::now() {
+            if !record.state.is_terminal()
+                && self.live.is_none()
+                && record.lease_expires_at < std::time::SystemTime::now()
+            {
                 // Its replica stopped renewing: end it for everyone, then
                 // re-read (another follower may have done so first).
-                self.store.fail_expired(std::time::SystemTime::now(), &status::replica_stopped()).await?;
+                self.store
+                    .fail_expired(std::time::SystemTime::now(), &status::replica_stopped())
+                    .await?;
                 continue;
             }
             if let Some(outcome) = record.outcome.filter(|_| record.state.is_terminal()) {
                 // The outcome is written after the last event: one more read
                 // delivers whatever landed between the drain and the check.
                 *sent += self.drain().await?;
-                return if outcome.code == tonic::Code::Ok as i32 { Ok(()) } else { Err(Failure::Stored(outcome)) };
+                return if outcome.code == tonic::Code::Ok as i32 {
+                    Ok(())
+                } else {
+                    Err(Failure::Stored(outcome))
+                };
             }
             self.wait().await?;
         }
     }
 
     async fn record(&self) -> Result<TurnRecord, Failure> {
-        self.store
-            .get_turn(&self.key)
-            .await?
-            .ok_or_else(|| Failure::Store(anyhow::anyhow!("turn {} vanished while followed", self.key).into()))
+        self.store.get_turn(&self.key).await?.ok_or_else(|| {
+            Failure::Store(anyhow::anyhow!("turn {} vanished while followed", self.key).into())
+        })
     }
 
     /// Sends every stored event after the cursor.
     async fn drain(&mut self) -> Result<u64, Failure> {
         let mut n = 0;
         loop {
-            let page = self.store.events_after(&self.key, self.cursor, PAGE).await?;
+            let page = self
+                .store
+                .events_after(&self.key, self.cursor, PAGE)
+                .await?;
             let full = page.len() == PAGE;
             for e in page {
                 self.cursor = Some(e.seq);

@@ -229,13 +229,22 @@ impl Turns {
 
     /// Starts (or joins) the turn `input` names. `client_timeout` is the
     /// call's grpc-timeout, if it sent one.
-    pub async fn start(self: &Arc<Self>, input: RunInput, client_timeout: Option<Duration>) -> Result<Started, RunError> {
+    pub async fn start(
+        self: &Arc<Self>,
+        input: RunInput,
+        client_timeout: Option<Duration>,
+    ) -> Result<Started, RunError> {
         if self.draining.load(Ordering::SeqCst) {
             return Err(RunError::ShuttingDown);
         }
-        let agent = self.agents.get(input.agent.as_deref()).ok_or(RunError::UnknownAgent)?.clone();
+        let agent = self
+            .agents
+            .get(input.agent.as_deref())
+            .ok_or(RunError::UnknownAgent)?
+            .clone();
         self.check_store()?;
-        self.owned_session(input.key.session_id, &input.user_id).await?;
+        self.owned_session(input.key.session_id, &input.user_id)
+            .await?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
         if let Some(existing) = self.store.get_turn(&key).await? {
@@ -245,8 +254,13 @@ impl Turns {
             .permits
             .clone()
             .try_acquire_owned()
-            .map_err(|_| RunError::Busy { limit: self.cfg.max_concurrent_runs })?;
-        let history = self.store.history(key.session_id, self.cfg.history_turns).await?;
+            .map_err(|_| RunError::Busy {
+                limit: self.cfg.max_concurrent_runs,
+            })?;
+        let history = self
+            .store
+            .history(key.session_id, self.cfg.history_turns)
+            .await?;
         let claim = NewTurn {
             key: key.clone(),
             user_text: input.text.as_str().to_owned(),
@@ -261,7 +275,11 @@ impl Turns {
             }
             Claim::New => {
                 let stream = pump::spawn(self, agent, input, history, deadline, permit);
-                Ok(Started { request_id: key.request_id, mode: Mode::New, stream })
+                Ok(Started {
+                    request_id: key.request_id,
+                    mode: Mode::New,
+                    stream,
+                })
             }
         }
     }
@@ -280,15 +298,37 @@ impl Turns {
         }
         self.check_store()?;
         self.owned_session(key.session_id, user_id).await?;
-        let existing = self.store.get_turn(&key).await?.ok_or(RunError::TurnNotFound)?;
-        let mode = if existing.state.is_terminal() { Mode::Replay } else { Mode::Attach };
-        let stream = follow::spawn(self, key.clone(), after, self.deadline(client_timeout), mode);
-        Ok(Started { request_id: key.request_id, mode, stream })
+        let existing = self
+            .store
+            .get_turn(&key)
+            .await?
+            .ok_or(RunError::TurnNotFound)?;
+        let mode = if existing.state.is_terminal() {
+            Mode::Replay
+        } else {
+            Mode::Attach
+        };
+        let stream = follow::spawn(
+            self,
+            key.clone(),
+            after,
+            self.deadline(client_timeout),
+            mode,
+        );
+        Ok(Started {
+            request_id: key.request_id,
+            mode,
+            stream,
+        })
     }
 
     /// The session `id` if `user_id` owns it. A foreign session is reported
     /// exactly like a missing one.
-    pub async fn owned_session(&self, id: SessionId, user_id: &UserId) -> Result<Session, RunError> {
+    pub async fn owned_session(
+        &self,
+        id: SessionId,
+        user_id: &UserId,
+    ) -> Result<Session, RunError> {
         match self.store.get_session(id).await? {
             Some(s) if &s.user_id == user_id => Ok(s),
             _ => Err(RunError::SessionNotFound),
@@ -299,7 +339,13 @@ impl Turns {
     pub async fn delete_session(&self, id: SessionId, user_id: &UserId) -> Result<(), RunError> {
         self.check_store()?;
         self.owned_session(id, user_id).await?;
-        if self.store.list_turns(id).await?.iter().any(|t| !t.state.is_terminal()) {
+        if self
+            .store
+            .list_turns(id)
+            .await?
+            .iter()
+            .any(|t| !t.state.is_terminal())
+        {
             return Err(RunError::SessionBusy);
         }
         self.store.delete_session(id).await?;
@@ -311,7 +357,9 @@ impl Turns {
         if *self.store_ok.borrow() {
             Ok(())
         } else {
-            Err(RunError::Store(StoreError::Unavailable(anyhow::anyhow!("the last store health check failed"))))
+            Err(RunError::Store(StoreError::Unavailable(anyhow::anyhow!(
+                "the last store health check failed"
+            ))))
         }
     }
 
@@ -333,17 +381,33 @@ impl Turns {
             Some(c) if c < server => (c, false),
             _ => (server, true),
         };
-        Deadline { at: tokio::time::Instant::now() + after, by_server }
+        Deadline {
+            at: tokio::time::Instant::now() + after,
+            by_server,
+        }
     }
 
     /// Replays or attaches to a turn someone else claimed.
-    fn join(self: &Arc<Self>, existing: TurnRecord, input: &RunInput, deadline: Deadline) -> Result<Started, RunError> {
+    fn join(
+        self: &Arc<Self>,
+        existing: TurnRecord,
+        input: &RunInput,
+        deadline: Deadline,
+    ) -> Result<Started, RunError> {
         if existing.user_text != input.text.as_str() {
             return Err(RunError::RequestIdReused);
         }
-        let mode = if existing.state.is_terminal() { Mode::Replay } else { Mode::Attach };
+        let mode = if existing.state.is_terminal() {
+            Mode::Replay
+        } else {
+            Mode::Attach
+        };
         let stream = follow::spawn(self, existing.key.clone(), None, deadline, mode);
-        Ok(Started { request_id: existing.key.request_id, mode, stream })
+        Ok(Started {
+            request_id: existing.key.request_id,
+            mode,
+            stream,
+        })
     }
 
     /// Refuse new Runs from now on (shutdown has stopped accepting).
@@ -368,7 +432,11 @@ impl Turns {
     }
 
     fn live_progress(&self, key: &TurnKey) -> Option<watch::Receiver<Progress>> {
-        self.live.lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+        self.live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
     }
 }
 

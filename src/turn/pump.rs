@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::Instrument;
 use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::stream::End;
 use super::{Deadline, Failure, Progress, RunStream, SlowConsumer, Turns};
@@ -44,10 +44,20 @@ pub(super) fn spawn(
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (writer_tx, writer_rx) = mpsc::channel(WRITER_QUEUE);
     let key = input.key.clone();
-    turns.live.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress_rx.clone());
+    turns
+        .live
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key.clone(), progress_rx.clone());
 
-    let span = crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id);
-    let writer = Writer { turns: turns.clone(), key: key.clone(), rx: writer_rx, progress: progress_tx };
+    let span =
+        crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id);
+    let writer = Writer {
+        turns: turns.clone(),
+        key: key.clone(),
+        rx: writer_rx,
+        progress: progress_tx,
+    };
     let on_disconnect = input.on_disconnect;
     turns.tracker.spawn(writer.run().instrument(span.clone()));
 
@@ -119,17 +129,23 @@ impl Pump {
         let outcome = status::outcome(&result);
         if self.writer.send(ToWriter::Finish(outcome)).await.is_err() {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
-        } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done)).await.is_err() {
+        } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done))
+            .await
+            .is_err()
+        {
             tracing::warn!(turn = %self.key, "the turn's outcome is taking long to store; ending the stream anyway");
         }
         let result = match result {
-            Ok(()) if self.stored.borrow().store_failed => {
-                Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored"))))
-            }
+            Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
+                StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
+            )),
             r => r,
         };
         let code = tonic::Code::from(status::outcome(&result).code);
-        let level_warn = matches!(result, Err(Failure::Agent(_) | Failure::NoFinalAnswer | Failure::Store(_)));
+        let level_warn = matches!(
+            result,
+            Err(Failure::Agent(_) | Failure::NoFinalAnswer | Failure::Store(_))
+        );
         let cause = result.as_ref().err().map(|e| format!("{e:#}"));
         self.end.set(result);
         drop(self.client.take());
@@ -172,10 +188,14 @@ impl Pump {
             let stored = Box::new(SeqEvent { seq, event });
             seq += 1;
             if self.stored.borrow().store_failed {
-                return Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored"))));
+                return Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
+                    "events of the turn could not be stored"
+                ))));
             }
             if self.writer.send(ToWriter::Event(stored)).await.is_err() {
-                return Err(Failure::Store(anyhow::anyhow!("turn writer stopped").into()));
+                return Err(Failure::Store(
+                    anyhow::anyhow!("turn writer stopped").into(),
+                ));
             }
             let sink = Sink {
                 client: self.client.as_ref(),
@@ -227,7 +247,9 @@ impl Sink<'_> {
         deadline: &mut std::pin::Pin<&mut tokio::time::Sleep>,
         cut: &mut std::pin::Pin<&mut tokio_util::sync::WaitForCancellationFuture<'_>>,
     ) -> Result<bool, Failure> {
-        let Some(tx) = self.client else { return Ok(false) };
+        let Some(tx) = self.client else {
+            return Ok(false);
+        };
         let wire = match tx.try_send(wire) {
             Ok(()) => return Ok(true),
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
@@ -258,7 +280,8 @@ impl Sink<'_> {
 /// Pending at the cost of one extra poll.
 fn next_event(
     events: &mut crate::agent::EventStream,
-) -> impl std::future::Future<Output = Option<Result<crate::agent::Event, crate::agent::AgentError>>> + '_ {
+) -> impl std::future::Future<Output = Option<Result<crate::agent::Event, crate::agent::AgentError>>> + '_
+{
     std::future::poll_fn(move |cx| match events.as_mut().poll_next(cx) {
         std::task::Poll::Pending => events.as_mut().poll_next(cx),
         ready => ready,
@@ -299,7 +322,9 @@ impl Writer {
             };
             if received == 0 {
                 // The pump ended without an outcome: it panicked.
-                break status::outcome(&Err(Failure::Agent(anyhow::anyhow!("the run task stopped unexpectedly").into())));
+                break status::outcome(&Err(Failure::Agent(
+                    anyhow::anyhow!("the run task stopped unexpectedly").into(),
+                )));
             }
             let mut finish = None;
             for msg in batch.drain(..) {
@@ -313,32 +338,48 @@ impl Writer {
                 break o;
             }
         };
-        let outcome = if self.progress.borrow().store_failed && outcome.code == tonic::Code::Ok as i32 {
-            // The client may have seen every event, but the log did not get
-            // them all: a replay could not reproduce the turn.
-            status::outcome(&Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!("events lost")))))
-        } else {
-            outcome
-        };
+        let outcome =
+            if self.progress.borrow().store_failed && outcome.code == tonic::Code::Ok as i32 {
+                // The client may have seen every event, but the log did not get
+                // them all: a replay could not reproduce the turn.
+                status::outcome(&Err(Failure::Store(StoreError::Unavailable(
+                    anyhow::anyhow!("events lost"),
+                ))))
+            } else {
+                outcome
+            };
         if let Err(e) = store.finish_turn(&self.key, &outcome).await {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
         }
         self.progress.send_modify(|p| p.done = true);
-        self.turns.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+        self.turns
+            .live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
     }
 
     /// Keeps the turn ours while it runs, so no one takes it for dead.
     async fn renew(&self, store: &dyn Store, lease: Duration) {
         let until = std::time::SystemTime::now() + lease;
-        match store.renew_lease(&self.key, &self.turns.cfg.replica_id, until).await {
+        match store
+            .renew_lease(&self.key, &self.turns.cfg.replica_id, until)
+            .await
+        {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(turn = %self.key, "the turn's lease was lost (it was marked failed elsewhere)"),
-            Err(e) => tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not renew the turn's lease"),
+            Ok(false) => {
+                tracing::warn!(turn = %self.key, "the turn's lease was lost (it was marked failed elsewhere)")
+            }
+            Err(e) => {
+                tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not renew the turn's lease")
+            }
         }
     }
 
     async fn flush(&self, store: &dyn Store, events: &mut Vec<SeqEvent>) {
-        let Some(last) = events.last().map(|e| e.seq) else { return };
+        let Some(last) = events.last().map(|e| e.seq) else {
+            return;
+        };
         if self.progress.borrow().store_failed {
             // The log already has a hole; the pump is ending the run.
             events.clear();

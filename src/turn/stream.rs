@@ -32,7 +32,10 @@ impl End {
     }
 
     fn take(&self) -> Option<Failure> {
-        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 }
 
@@ -49,7 +52,11 @@ pub struct RunStream {
 
 impl RunStream {
     pub(super) fn new(rx: mpsc::Receiver<Box<pb::AgentEvent>>, end: Arc<End>) -> Self {
-        Self { rx, end, finished: false }
+        Self {
+            rx,
+            end,
+            finished: false,
+        }
     }
 }
 

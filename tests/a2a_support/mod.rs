@@ -37,17 +37,27 @@ impl A2aServer {
     pub async fn start_with(tool_delay: Duration, conformance: Option<Duration>) -> Self {
         let helper = OrderHelper::new(tool_delay);
         let tool = helper.stats();
-        let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
+        let agents: Vec<Arc<dyn Agent>> =
+            vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
         let registry = AgentRegistry::new(agents, "order_helper").unwrap();
         let turns = Turns::new(
             Arc::new(MemoryStore::new()),
             registry,
-            TurnConfig { replica_id: "test".into(), ..TurnConfig::default() },
+            TurnConfig {
+                replica_id: "test".into(),
+                ..TurnConfig::default()
+            },
         );
         let grpc_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (grpc, http) = (grpc_listener.local_addr().unwrap(), http_listener.local_addr().unwrap());
-        let a2a = A2aHttp { listener: http_listener, advertised: agentd::a2a::advertised(grpc, http, None) };
+        let (grpc, http) = (
+            grpc_listener.local_addr().unwrap(),
+            http_listener.local_addr().unwrap(),
+        );
+        let a2a = A2aHttp {
+            listener: http_listener,
+            advertised: agentd::a2a::advertised(grpc, http, None),
+        };
         let opts = ServerOptions {
             drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(10),
@@ -55,10 +65,23 @@ impl A2aServer {
             ..ServerOptions::default()
         };
         let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(agentd::server::run_with_a2a(grpc_listener, Some(a2a), turns.clone(), opts, async {
-            let _ = rx.await;
-        }));
-        Self { grpc, http, turns, tool, shutdown: Some(tx), handle: Some(handle) }
+        let handle = tokio::spawn(agentd::server::run_with_a2a(
+            grpc_listener,
+            Some(a2a),
+            turns.clone(),
+            opts,
+            async {
+                let _ = rx.await;
+            },
+        ));
+        Self {
+            grpc,
+            http,
+            turns,
+            tool,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
     }
 
     pub fn base_url(&self) -> String {
@@ -82,7 +105,11 @@ impl A2aServer {
             let _ = tx.send(());
         }
         let handle = self.handle.take().unwrap();
-        tokio::time::timeout(Duration::from_secs(20), handle).await.expect("server did not stop").unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(20), handle)
+            .await
+            .expect("server did not stop")
+            .unwrap()
+            .unwrap();
     }
 }
 
@@ -91,30 +118,44 @@ impl A2aServer {
 pub fn python() -> Option<PathBuf> {
     match std::env::var_os("AGENTD_TEST_VENV") {
         Some(v) => Some(PathBuf::from(v).join("bin/python")),
-        None if std::env::var_os("CI").is_some() => panic!("AGENTD_TEST_VENV is not set; run the tests with scripts/test"),
+        None if std::env::var_os("CI").is_some() => {
+            panic!("AGENTD_TEST_VENV is not set; run the tests with scripts/test")
+        }
         None => {
-            eprintln!("skipped: AGENTD_TEST_VENV is not set (scripts/test installs the Python peers)");
+            eprintln!(
+                "skipped: AGENTD_TEST_VENV is not set (scripts/test installs the Python peers)"
+            );
             None
         }
     }
 }
 
 pub fn script(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(name)
 }
 
 /// Runs a Python script to its end (bounded) and parses its stdout as JSON.
 pub async fn run_json(python: &PathBuf, args: &[&str]) -> serde_json::Value {
     let out = tokio::time::timeout(
         Duration::from_secs(150),
-        tokio::process::Command::new(python).args(args).kill_on_drop(true).output(),
+        tokio::process::Command::new(python)
+            .args(args)
+            .kill_on_drop(true)
+            .output(),
     )
     .await
     .expect("the Python peer did not finish")
     .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "python {args:?} failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("bad JSON from {args:?}: {e}\n{stdout}"))
+    assert!(
+        out.status.success(),
+        "python {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("bad JSON from {args:?}: {e}\n{stdout}"))
 }
 
 /// The Python test agent (tests/a2a_test_agent.py), killed on drop.
@@ -143,25 +184,50 @@ impl PyAgent {
             .expect("the Python agent did not start")
             .unwrap()
             .expect("the Python agent exited before listening");
-        let port = line.strip_prefix("LISTENING ").expect("unexpected first line").trim().to_owned();
-        Self { base_url: format!("http://127.0.0.1:{port}"), _child: child }
+        let port = line
+            .strip_prefix("LISTENING ")
+            .expect("unexpected first line")
+            .trim()
+            .to_owned();
+        Self {
+            base_url: format!("http://127.0.0.1:{port}"),
+            _child: child,
+        }
     }
 }
 
 /// A server reached over an in-memory duplex pipe, and our A2A client on its
 /// gRPC face (tonic's mock-transport pattern).
-pub async fn in_process(tool_delay: Duration) -> (agentd::client::a2a::A2aClient, Arc<ToolStats>, oneshot::Sender<()>, JoinHandle<anyhow::Result<()>>) {
+pub async fn in_process(
+    tool_delay: Duration,
+) -> (
+    agentd::client::a2a::A2aClient,
+    Arc<ToolStats>,
+    oneshot::Sender<()>,
+    JoinHandle<anyhow::Result<()>>,
+) {
     let helper = OrderHelper::new(tool_delay);
     let tool = helper.stats();
     let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
     let registry = AgentRegistry::new(agents, "order_helper").unwrap();
-    let turns = Turns::new(Arc::new(MemoryStore::new()), registry, TurnConfig { replica_id: "test".into(), ..TurnConfig::default() });
+    let turns = Turns::new(
+        Arc::new(MemoryStore::new()),
+        registry,
+        TurnConfig {
+            replica_id: "test".into(),
+            ..TurnConfig::default()
+        },
+    );
     let (client_io, server_io) = tokio::io::duplex(1 << 20);
     let incoming = futures::StreamExt::chain(
         tokio_stream::once(Ok::<_, std::io::Error>(server_io)),
         futures::stream::pending(),
     );
-    let opts = ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_secs(10), ..ServerOptions::default() };
+    let opts = ServerOptions {
+        drain_delay: Duration::ZERO,
+        shutdown_grace: Duration::from_secs(10),
+        ..ServerOptions::default()
+    };
     let (tx, rx) = oneshot::channel::<()>();
     let handle = tokio::spawn(agentd::server::serve(incoming, turns, opts, async {
         let _ = rx.await;
@@ -172,12 +238,15 @@ pub async fn in_process(tool_delay: Duration) -> (agentd::client::a2a::A2aClient
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let io = client_io.take();
             async move {
-                io.map(hyper_util::rt::TokioIo::new)
-                    .ok_or_else(|| std::io::Error::other("the in-process connection was already used"))
+                io.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
+                    std::io::Error::other("the in-process connection was already used")
+                })
             }
         }))
         .await
         .unwrap();
-    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)));
+    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
+        a2a_grpc::GrpcTransport::from_channel(channel),
+    ));
     (client, tool, tx, handle)
 }

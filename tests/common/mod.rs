@@ -29,7 +29,10 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            turn: TurnConfig { replica_id: "test".into(), ..TurnConfig::default() },
+            turn: TurnConfig {
+                replica_id: "test".into(),
+                ..TurnConfig::default()
+            },
             server: ServerOptions {
                 drain_delay: Duration::ZERO,
                 shutdown_grace: Duration::from_secs(10),
@@ -64,7 +67,11 @@ fn turns(opts: &Options) -> (Arc<Turns>, Arc<ToolStats>, Arc<MemoryStore>) {
     let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
     let registry = AgentRegistry::new(agents, "order_helper").unwrap();
     let store = Arc::new(MemoryStore::new());
-    (Turns::new(store.clone(), registry, opts.turn.clone()), stats, store)
+    (
+        Turns::new(store.clone(), registry, opts.turn.clone()),
+        stats,
+        store,
+    )
 }
 
 impl TestServer {
@@ -77,8 +84,17 @@ impl TestServer {
         let handle = tokio::spawn(agentd::server::run(listener, turns, opts.server, async {
             let _ = rx.await;
         }));
-        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
-        Self { addr: Some(addr), client, tool, store, shutdown: Some(tx), handle: Some(handle) }
+        let client = AgentClient::connect(&format!("http://{addr}"))
+            .await
+            .unwrap();
+        Self {
+            addr: Some(addr),
+            client,
+            tool,
+            store,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
     }
 
     /// A server reached over an in-memory duplex pipe (tonic's mock transport).
@@ -101,14 +117,22 @@ impl TestServer {
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let io = client_io.take();
                 async move {
-                    io.map(hyper_util::rt::TokioIo::new)
-                        .ok_or_else(|| std::io::Error::other("the in-process connection was already used"))
+                    io.map(hyper_util::rt::TokioIo::new).ok_or_else(|| {
+                        std::io::Error::other("the in-process connection was already used")
+                    })
                 }
             }))
             .await
             .unwrap();
         let client = AgentClient::from_channel(channel);
-        Self { addr: None, client, tool, store, shutdown: Some(tx), handle: Some(handle) }
+        Self {
+            addr: None,
+            client,
+            tool,
+            store,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
     }
 
     /// Starts the shutdown sequence (as SIGTERM would).
@@ -121,7 +145,9 @@ impl TestServer {
     /// Waits for the server to finish shutting down, at most `within`.
     pub async fn join(&mut self, within: Duration) -> anyhow::Result<()> {
         let handle = self.handle.take().expect("joined twice");
-        tokio::time::timeout(within, handle).await.map_err(|_| anyhow::anyhow!("server did not stop within {within:?}"))??
+        tokio::time::timeout(within, handle)
+            .await
+            .map_err(|_| anyhow::anyhow!("server did not stop within {within:?}"))??
     }
 
     pub async fn stop(mut self) {
@@ -145,10 +171,17 @@ impl TestServer {
     pub async fn ended_turn(&self, session: &str, request_id: &str) -> TurnRecord {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            if let Some(t) = self.turn(session, request_id).await.filter(|t| t.state.is_terminal()) {
+            if let Some(t) = self
+                .turn(session, request_id)
+                .await
+                .filter(|t| t.state.is_terminal())
+            {
                 return t;
             }
-            assert!(tokio::time::Instant::now() < deadline, "turn {session}/{request_id} did not end");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "turn {session}/{request_id} did not end"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -173,7 +206,10 @@ pub fn with_agent(mut req: pb::RunRequest, agent: &str) -> pb::RunRequest {
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
@@ -208,7 +244,12 @@ impl Proxy {
                 t.lock().unwrap().push(h);
             }
         });
-        Self { addr, accepted, tasks, accept }
+        Self {
+            addr,
+            accepted,
+            tasks,
+            accept,
+        }
     }
 
     pub fn cut(&self) {

@@ -29,26 +29,51 @@ pub struct Agentd {
 impl Agentd {
     /// Serves order_helper plus the agents of `agents_toml`.
     pub async fn start(agents_toml: &str) -> Self {
-        let f = file::parse(agents_toml, Path::new("agents.toml"), &LoadOptions::default()).expect("agents file");
-        let mut agents: Vec<Arc<dyn Agent>> = vec![Arc::new(demo::OrderHelper::new(Duration::ZERO))];
+        let f = file::parse(
+            agents_toml,
+            Path::new("agents.toml"),
+            &LoadOptions::default(),
+        )
+        .expect("agents file");
+        let mut agents: Vec<Arc<dyn Agent>> =
+            vec![Arc::new(demo::OrderHelper::new(Duration::ZERO))];
         agents.extend(f.agents);
         let default = f.default.unwrap_or_else(|| demo::NAME.to_owned());
         let registry = AgentRegistry::new(agents, &default).unwrap();
-        let turns = Turns::new(Arc::new(MemoryStore::new()), registry, TurnConfig::default());
+        let turns = Turns::new(
+            Arc::new(MemoryStore::new()),
+            registry,
+            TurnConfig::default(),
+        );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stop_rx) = oneshot::channel::<()>();
-        let opts = ServerOptions { drain_delay: Duration::ZERO, shutdown_grace: Duration::from_secs(5), ..Default::default() };
+        let opts = ServerOptions {
+            drain_delay: Duration::ZERO,
+            shutdown_grace: Duration::from_secs(5),
+            ..Default::default()
+        };
         let task = tokio::spawn(agentd::server::run(listener, turns, opts, async {
             let _ = stop_rx.await;
         }));
-        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
-        Self { client, addr, stop: Some(stop), task }
+        let client = AgentClient::connect(&format!("http://{addr}"))
+            .await
+            .unwrap();
+        Self {
+            client,
+            addr,
+            stop: Some(stop),
+            task,
+        }
     }
 
     pub async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
-        tokio::time::timeout(Duration::from_secs(20), self.task).await.expect("server stops").unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("server stops")
+            .unwrap()
+            .unwrap();
     }
 
     pub async fn session(&mut self, user: &str) -> String {
@@ -101,7 +126,11 @@ pub fn venv_bin(program: &str) -> Option<PathBuf> {
 
 /// A port that was free a moment ago, for peers that cannot take port 0.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A child process killed when dropped.
@@ -132,7 +161,10 @@ impl Peer {
         let until = tokio::time::Instant::now() + limit;
         while tokio::time::Instant::now() < until {
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("peer exited with {status}; log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+                panic!(
+                    "peer exited with {status}; log:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
             }
             if let Ok(r) = http.get(&url).timeout(Duration::from_secs(1)).send().await
                 && r.status().is_success()
@@ -141,7 +173,10 @@ impl Peer {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("peer not ready within {limit:?}; log:\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+        panic!(
+            "peer not ready within {limit:?}; log:\n{}",
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
     }
 }
 
@@ -151,5 +186,9 @@ pub fn kinds(events: &[pb::AgentEvent]) -> Vec<pb::EventKind> {
 
 /// Concatenated PARTIAL_TEXT of a run.
 pub fn partial_text(events: &[pb::AgentEvent]) -> String {
-    events.iter().filter(|e| e.kind() == pb::EventKind::PartialText).map(|e| e.text.as_str()).collect()
+    events
+        .iter()
+        .filter(|e| e.kind() == pb::EventKind::PartialText)
+        .map(|e| e.text.as_str())
+        .collect()
 }

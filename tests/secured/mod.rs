@@ -16,7 +16,9 @@ use agentd::server::{Security, ServerOptions};
 use agentd::store::memory::MemoryStore;
 use agentd::turn::{TurnConfig, Turns};
 use http_body_util::BodyExt;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -38,23 +40,37 @@ impl Ca {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         let key = KeyPair::generate().unwrap();
         let cert = params.self_signed(&key).unwrap();
-        Self { pem: cert.pem(), issuer: Issuer::new(params, key) }
+        Self {
+            pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+        }
     }
 
     fn sign(&self, params: CertificateParams) -> Pem {
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Pem { cert: cert.pem(), key: key.serialize_pem() }
+        Pem {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        }
     }
 
     /// The server's certificate: valid for `localhost` and 127.0.0.1.
     pub fn server(&self) -> Pem {
         let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-        params.subject_alt_names.push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-        params.distinguished_name.push(DnType::CommonName, "agentd test server");
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "agentd test server");
         self.sign(params)
     }
 
@@ -109,29 +125,49 @@ impl SecureServer {
             std::fs::write(&p, json).unwrap();
             p
         });
-        let open = secure.open_services.unwrap_or_else(|| agentd::auth::DEFAULT_OPEN_SERVICES.iter().map(|s| s.to_string()).collect());
+        let open = secure.open_services.unwrap_or_else(|| {
+            agentd::auth::DEFAULT_OPEN_SERVICES
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        });
         let auth = (tokens_path.is_some() || mtls)
             .then(|| Arc::new(Authenticator::new(tokens_path.as_deref(), mtls, &open).unwrap()));
 
         let helper = OrderHelper::new(secure.tool_delay);
         let tool = helper.stats();
-        let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
+        let agents: Vec<Arc<dyn Agent>> =
+            vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
         let registry = AgentRegistry::new(agents, "order_helper").unwrap();
         let store = Arc::new(MemoryStore::new());
-        let turns = Turns::new(store.clone(), registry, TurnConfig { replica_id: "test".into(), ..secure.turn });
+        let turns = Turns::new(
+            store.clone(),
+            registry,
+            TurnConfig {
+                replica_id: "test".into(),
+                ..secure.turn
+            },
+        );
         let opts = ServerOptions {
             drain_delay: Duration::ZERO,
             shutdown_grace: secure.shutdown_grace.unwrap_or(Duration::from_secs(10)),
-            security: Security { tls: Some(tls), auth },
+            security: Security {
+                tls: Some(tls),
+                auth,
+            },
             ..ServerOptions::default()
         };
 
         let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let admin = admin_listener.local_addr().unwrap();
         let (admin_stop, admin_rx) = oneshot::channel::<()>();
-        tokio::spawn(agentd::telemetry::admin::serve(admin_listener, opts.readiness.clone(), async {
-            let _ = admin_rx.await;
-        }));
+        tokio::spawn(agentd::telemetry::admin::serve(
+            admin_listener,
+            opts.readiness.clone(),
+            async {
+                let _ = admin_rx.await;
+            },
+        ));
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -158,9 +194,23 @@ impl SecureServer {
 
     /// A client over TLS trusting the test CA, with optional client
     /// certificate and token.
-    pub async fn client(&self, identity: Option<&Pem>, token: Option<&str>) -> anyhow::Result<AgentClient> {
-        let tls = ClientSecurity::tls_from_pem(self.ca.pem.as_bytes(), identity.map(|p| (p.cert.as_bytes(), p.key.as_bytes())));
-        AgentClient::connect_with(&self.url(), &ClientSecurity { tls: Some(tls), token: token.map(str::to_owned) }).await
+    pub async fn client(
+        &self,
+        identity: Option<&Pem>,
+        token: Option<&str>,
+    ) -> anyhow::Result<AgentClient> {
+        let tls = ClientSecurity::tls_from_pem(
+            self.ca.pem.as_bytes(),
+            identity.map(|p| (p.cert.as_bytes(), p.key.as_bytes())),
+        );
+        AgentClient::connect_with(
+            &self.url(),
+            &ClientSecurity {
+                tls: Some(tls),
+                token: token.map(str::to_owned),
+            },
+        )
+        .await
     }
 
     pub fn begin_shutdown(&mut self) {
@@ -172,7 +222,11 @@ impl SecureServer {
     pub async fn stop(mut self) {
         self.begin_shutdown();
         let h = self.handle.take().unwrap();
-        tokio::time::timeout(Duration::from_secs(20), h).await.expect("server did not stop").unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("server did not stop")
+            .unwrap()
+            .unwrap();
         if let Some(tx) = self.admin_stop.take() {
             let _ = tx.send(());
         }
@@ -197,7 +251,11 @@ impl SecureServer {
             if cond(&m) {
                 return m;
             }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{}", m.0);
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}; metrics:\n{}",
+                m.0
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -206,7 +264,10 @@ impl SecureServer {
 /// A plain HTTP/1.1 GET through hyper.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(conn);
     let req = hyper::Request::get(path)
         .header("host", addr.to_string())
@@ -225,22 +286,28 @@ impl Metrics {
     /// The value of the sample `name` whose labels include every `labels`
     /// pair; `None` when there is no such sample.
     pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.0.lines().filter(|l| !l.starts_with('#')).find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (n, rest) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            if n != name {
-                return None;
-            }
-            let have: Vec<(&str, &str)> = rest
-                .split(',')
-                .filter_map(|kv| kv.split_once('='))
-                .map(|(k, v)| (k, v.trim_matches('"')))
-                .collect();
-            labels.iter().all(|want| have.contains(want)).then(|| value.parse().ok())?
-        })
+        self.0
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (n, rest) = match series.split_once('{') {
+                    Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                    None => (series, ""),
+                };
+                if n != name {
+                    return None;
+                }
+                let have: Vec<(&str, &str)> = rest
+                    .split(',')
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k, v.trim_matches('"')))
+                    .collect();
+                labels
+                    .iter()
+                    .all(|want| have.contains(want))
+                    .then(|| value.parse().ok())?
+            })
     }
 
     /// Like [`Metrics::get`], 0 when absent (a counter not yet incremented).
@@ -251,15 +318,26 @@ impl Metrics {
 
 /// Labels of one gRPC method of the agents service.
 pub fn rpc<'a>(method: &'a str, code: &'a str) -> [(&'a str, &'a str); 3] {
-    [("grpc_service", "agents.v1.AgentService"), ("grpc_method", method), ("grpc_code", code)]
+    [
+        ("grpc_service", "agents.v1.AgentService"),
+        ("grpc_method", method),
+        ("grpc_code", code),
+    ]
 }
 
 impl SecureServer {
     /// The stored turn `(session, request_id)`, if any.
-    pub async fn turn_exists(&self, session: &str, request_id: &str) -> Option<agentd::store::TurnRecord> {
+    pub async fn turn_exists(
+        &self,
+        session: &str,
+        request_id: &str,
+    ) -> Option<agentd::store::TurnRecord> {
         use agentd::domain::{RequestId, SessionId, TurnKey};
         use agentd::store::Store;
-        let key = TurnKey { session_id: SessionId::parse(session).unwrap(), request_id: RequestId::parse(request_id).unwrap() };
+        let key = TurnKey {
+            session_id: SessionId::parse(session).unwrap(),
+            request_id: RequestId::parse(request_id).unwrap(),
+        };
         self.store.get_turn(&key).await.unwrap()
     }
 }

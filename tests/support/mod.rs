@@ -49,15 +49,30 @@ impl TestDb {
     /// when the backend is PostgreSQL and AGENTD_TEST_POSTGRES_URL is unset.
     pub async fn fresh(backend: Backend) -> Option<TestDb> {
         match backend {
-            Backend::Memory => Some(TestDb { backend, url: "memory:".into(), _dir: None, pg: None }),
+            Backend::Memory => Some(TestDb {
+                backend,
+                url: "memory:".into(),
+                _dir: None,
+                pg: None,
+            }),
             Backend::Sqlite => {
                 let dir = tempfile::tempdir().expect("temp dir");
                 let url = format!("sqlite://{}", dir.path().join("agentd.db").display());
-                Some(TestDb { backend, url, _dir: Some(dir), pg: None })
+                Some(TestDb {
+                    backend,
+                    url,
+                    _dir: Some(dir),
+                    pg: None,
+                })
             }
             Backend::Postgres => {
                 let pg = PgDatabase::create().await?;
-                Some(TestDb { backend, url: pg.url.clone(), _dir: None, pg: Some(pg) })
+                Some(TestDb {
+                    backend,
+                    url: pg.url.clone(),
+                    _dir: None,
+                    pg: Some(pg),
+                })
             }
         }
     }
@@ -65,7 +80,9 @@ impl TestDb {
     /// Opens (another) store on this database. For `memory:` every call is a
     /// new, empty store: open it once.
     pub async fn open(&self) -> Arc<dyn Store> {
-        agentd::store::open(&self.url).await.expect("open the store")
+        agentd::store::open(&self.url)
+            .await
+            .expect("open the store")
     }
 
     /// The database's URL as seen through `port` on 127.0.0.1 (PostgreSQL).
@@ -91,22 +108,49 @@ struct PgDatabase {
 impl PgDatabase {
     async fn create() -> Option<PgDatabase> {
         let Ok(admin) = std::env::var("AGENTD_TEST_POSTGRES_URL") else {
-            assert!(std::env::var_os("CI").is_none(), "CI must set AGENTD_TEST_POSTGRES_URL (.ci/run does)");
-            eprintln!("SKIPPED: AGENTD_TEST_POSTGRES_URL is not set (scripts/test and .ci/run set it)");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must set AGENTD_TEST_POSTGRES_URL (.ci/run does)"
+            );
+            eprintln!(
+                "SKIPPED: AGENTD_TEST_POSTGRES_URL is not set (scripts/test and .ci/run set it)"
+            );
             return None;
         };
         use sqlx::Connection;
-        let opts = sqlx::postgres::PgConnectOptions::from_str(&admin).expect("AGENTD_TEST_POSTGRES_URL");
+        let opts =
+            sqlx::postgres::PgConnectOptions::from_str(&admin).expect("AGENTD_TEST_POSTGRES_URL");
         let name = format!("agentd_test_{}", uuid::Uuid::new_v4().simple());
-        let mut conn = sqlx::PgConnection::connect_with(&opts).await.expect("connect to AGENTD_TEST_POSTGRES_URL");
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create a test database");
+        let mut conn = sqlx::PgConnection::connect_with(&opts)
+            .await
+            .expect("connect to AGENTD_TEST_POSTGRES_URL");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .expect("create a test database");
         let _ = conn.close().await;
         let user = opts.get_username().to_owned();
-        let host = if opts.get_host().starts_with('/') { "127.0.0.1" } else { opts.get_host() };
-        let addr = tokio::net::lookup_host((host, opts.get_port())).await.ok()?.next()?;
+        let host = if opts.get_host().starts_with('/') {
+            "127.0.0.1"
+        } else {
+            opts.get_host()
+        };
+        let addr = tokio::net::lookup_host((host, opts.get_port()))
+            .await
+            .ok()?
+            .next()?;
         let base = admin.split('?').next().unwrap_or(&admin);
-        let url = format!("{}/{name}", &base[..base.rfind('/').expect("a database path in the URL")]);
-        Some(PgDatabase { admin, name, user, addr, url })
+        let url = format!(
+            "{}/{name}",
+            &base[..base.rfind('/').expect("a database path in the URL")]
+        );
+        Some(PgDatabase {
+            admin,
+            name,
+            user,
+            addr,
+            url,
+        })
     }
 }
 
@@ -115,11 +159,16 @@ impl Drop for PgDatabase {
         let (admin, name) = (self.admin.clone(), self.name.clone());
         // Drop runs outside async; a thread with its own runtime does it.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async {
                 use sqlx::Connection;
                 if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut c).await;
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut c)
+                        .await;
                 }
             })
         })
@@ -164,7 +213,11 @@ impl Server {
     pub async fn start(store: Arc<dyn Store>, opts: Opts) -> Server {
         let helper = OrderHelper::new(opts.tool_delay);
         let stats = helper.stats();
-        let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(helper), Arc::new(synthetic::Echo), Arc::new(synthetic::Streamer)];
+        let agents: Vec<Arc<dyn Agent>> = vec![
+            Arc::new(helper),
+            Arc::new(synthetic::Echo),
+            Arc::new(synthetic::Streamer),
+        ];
         let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
         let cfg = TurnConfig {
             replica_id: opts.replica_id,
@@ -184,11 +237,25 @@ impl Server {
             shutdown_grace: Duration::from_secs(70),
             ..ServerOptions::default()
         };
-        let join = tokio::spawn(agentd::server::run(listener, turns.clone(), server_opts, async {
-            let _ = stopped.await;
-        }));
-        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
-        Server { addr, client, stats, turns, stop: Some(stop), join: Some(join) }
+        let join = tokio::spawn(agentd::server::run(
+            listener,
+            turns.clone(),
+            server_opts,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let client = AgentClient::connect(&format!("http://{addr}"))
+            .await
+            .unwrap();
+        Server {
+            addr,
+            client,
+            stats,
+            turns,
+            stop: Some(stop),
+            join: Some(join),
+        }
     }
 
     pub fn raw(&self) -> AgentServiceClient<Channel> {
@@ -206,16 +273,30 @@ impl Server {
     }
 
     pub async fn session(&self, user: &str) -> String {
-        self.client.clone().create_session(user).await.unwrap().session_id
+        self.client
+            .clone()
+            .create_session(user)
+            .await
+            .unwrap()
+            .session_id
     }
 
     /// A Run collected to its end.
-    pub async fn run(&self, user: &str, session: &str, request_id: &str, text: &str) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+    pub async fn run(
+        &self,
+        user: &str,
+        session: &str,
+        request_id: &str,
+        text: &str,
+    ) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
         run_on(&self.client, user, session, request_id, text).await
     }
 
     pub async fn get_session(&self, user: &str, session: &str) -> Result<pb::SessionInfo, Status> {
-        let req = pb::GetSessionRequest { user_id: user.into(), session_id: session.into() };
+        let req = pb::GetSessionRequest {
+            user_id: user.into(),
+            session_id: session.into(),
+        };
         self.raw().get_session(req).await.map(|r| r.into_inner())
     }
 
@@ -227,7 +308,12 @@ impl Server {
         request_id: &str,
         after_seq: Option<u64>,
     ) -> Result<(Vec<pb::AgentEvent>, Result<(), Status>), Status> {
-        let req = pb::AttachRequest { user_id: user.into(), session_id: session.into(), request_id: request_id.into(), after_seq };
+        let req = pb::AttachRequest {
+            user_id: user.into(),
+            session_id: session.into(),
+            request_id: request_id.into(),
+            after_seq,
+        };
         let mut r = Request::new(req);
         r.set_timeout(Duration::from_secs(30));
         let mut stream = self.raw().attach(r).await?.into_inner();
@@ -238,7 +324,9 @@ impl Server {
     pub async fn ended_turn(&self, user: &str, session: &str, request_id: &str) -> pb::TurnInfo {
         eventually("the turn to end", || async {
             let s = self.get_session(user, session).await.ok()?;
-            s.turns.into_iter().find(|t| t.request_id == request_id && t.state() != pb::TurnState::Running)
+            s.turns
+                .into_iter()
+                .find(|t| t.request_id == request_id && t.state() != pb::TurnState::Running)
         })
         .await
     }
@@ -257,11 +345,30 @@ impl Drop for Server {
 }
 
 pub fn run_request(user: &str, session: &str, request_id: &str, text: &str) -> pb::RunRequest {
-    pb::RunRequest { user_id: user.into(), session_id: session.into(), text: text.into(), request_id: request_id.into(), ..Default::default() }
+    pb::RunRequest {
+        user_id: user.into(),
+        session_id: session.into(),
+        text: text.into(),
+        request_id: request_id.into(),
+        ..Default::default()
+    }
 }
 
-pub async fn run_on(client: &AgentClient, user: &str, session: &str, request_id: &str, text: &str) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
-    client.clone().run_to_end(run_request(user, session, request_id, text), Duration::from_secs(30)).await.unwrap()
+pub async fn run_on(
+    client: &AgentClient,
+    user: &str,
+    session: &str,
+    request_id: &str,
+    text: &str,
+) -> (Vec<pb::AgentEvent>, Result<(), Status>) {
+    client
+        .clone()
+        .run_to_end(
+            run_request(user, session, request_id, text),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
 }
 
 /// Every event of a stream, then its status: a tonic `Streaming` or the
@@ -337,7 +444,12 @@ impl Proxy {
                 conns2.lock().unwrap().push(task.abort_handle());
             }
         });
-        Proxy { port, up, conns, accept }
+        Proxy {
+            port,
+            up,
+            conns,
+            accept,
+        }
     }
 
     pub fn down(&self) {
@@ -371,7 +483,17 @@ impl Child {
     /// "agentd starting" log line to learn the port.
     pub async fn serve(args: &[&str]) -> Child {
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-            .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain-delay", "0s"])
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--drain-delay",
+                "0s",
+            ])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -383,7 +505,9 @@ impl Child {
         let mut lines = tokio::io::BufReader::new(stderr).lines();
         let addr = tokio::time::timeout(Duration::from_secs(30), async {
             while let Ok(Some(line)) = lines.next_line().await {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
                 if let Some(a) = v.get("listen").and_then(|l| l.as_str()) {
                     return a.parse::<SocketAddr>().ok();
                 }
@@ -396,8 +520,14 @@ impl Child {
         .expect("agentd serve printed its address");
         // Keep draining stderr so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        let client = AgentClient::connect(&format!("http://{addr}")).await.unwrap();
-        Child { child, addr, client }
+        let client = AgentClient::connect(&format!("http://{addr}"))
+            .await
+            .unwrap();
+        Child {
+            child,
+            addr,
+            client,
+        }
     }
 
     /// SIGKILL, and wait until the process is gone.

@@ -112,17 +112,25 @@ impl Accumulator {
         if data.is_empty() {
             return Ok(Vec::new());
         }
-        let chunk: Chunk = serde_json::from_str(data)
-            .map_err(|e| StreamError::Malformed { detail: format!("{e}; payload {}", clip(data)) })?;
+        let chunk: Chunk = serde_json::from_str(data).map_err(|e| StreamError::Malformed {
+            detail: format!("{e}; payload {}", clip(data)),
+        })?;
         if let Some(err) = chunk.error {
-            return Err(StreamError::Server { code: error_code(&err), detail: clip(&err.to_string()) });
+            return Err(StreamError::Server {
+                code: error_code(&err),
+                detail: clip(&err.to_string()),
+            });
         }
         if chunk.usage.is_some() {
             self.usage = chunk.usage;
         }
         let mut out = Vec::new();
         // Only the first choice is followed (we never ask for n > 1).
-        for choice in chunk.choices.into_iter().filter(|c| c.index.unwrap_or(0) == 0) {
+        for choice in chunk
+            .choices
+            .into_iter()
+            .filter(|c| c.index.unwrap_or(0) == 0)
+        {
             if let Some(text) = choice.delta.content.filter(|t| !t.is_empty()) {
                 self.text.push_str(&text);
                 out.push(Output::Text(text));
@@ -147,7 +155,10 @@ impl Accumulator {
                     out.push(Output::ToolCallReady(i));
                 }
                 self.ready = self.slots.len();
-                self.slots.push(Slot { index: d.index, ..Slot::default() });
+                self.slots.push(Slot {
+                    index: d.index,
+                    ..Slot::default()
+                });
                 self.slots.len() - 1
             }
         };
@@ -200,8 +211,16 @@ impl Accumulator {
     pub fn call(&self, n: usize) -> ToolCall {
         let s = &self.slots[n];
         ToolCall {
-            id: if s.id.is_empty() { format!("{}_{n}", self.id_prefix) } else { s.id.clone() },
-            kind: if s.kind.is_empty() { "function".into() } else { s.kind.clone() },
+            id: if s.id.is_empty() {
+                format!("{}_{n}", self.id_prefix)
+            } else {
+                s.id.clone()
+            },
+            kind: if s.kind.is_empty() {
+                "function".into()
+            } else {
+                s.kind.clone()
+            },
             function: FunctionCall {
                 name: s.name.clone(),
                 arguments: s.arguments.clone(),
@@ -225,7 +244,12 @@ impl Accumulator {
             None => Finish::Stop,
             Some(_) => Finish::Other,
         };
-        Ok(Completion { text: self.text, tool_calls, finish, usage: self.usage })
+        Ok(Completion {
+            text: self.text,
+            tool_calls,
+            finish,
+            usage: self.usage,
+        })
     }
 }
 
@@ -271,7 +295,9 @@ mod tests {
         let mut acc = Accumulator::new("call");
         let mut outs = Vec::new();
         for line in transcript.lines() {
-            let Some(data) = line.strip_prefix("data:") else { continue };
+            let Some(data) = line.strip_prefix("data:") else {
+                continue;
+            };
             match acc.push(data) {
                 Ok(o) => outs.extend(o),
                 Err(e) => return (outs, Err(e)),
@@ -308,7 +334,14 @@ data: [DONE]
         assert_eq!(args(&c.tool_calls[0]), json!({"order_id": "1187"}));
         assert_eq!(c.tool_calls[1].id, "chatcmpl-tool-b");
         assert_eq!(args(&c.tool_calls[1]), json!({"order_id": "1042"}));
-        assert_eq!(c.usage, Some(Usage { prompt_tokens: 120, completion_tokens: 31, total_tokens: 151 }));
+        assert_eq!(
+            c.usage,
+            Some(Usage {
+                prompt_tokens: 120,
+                completion_tokens: 31,
+                total_tokens: 151
+            })
+        );
         // The first call is announced as soon as the second starts.
         assert_eq!(outs, vec![Output::ToolCallReady(0)]);
     }
@@ -326,8 +359,15 @@ data: [DONE]
         let (_, done) = run(OLLAMA);
         let c = done.unwrap();
         assert_eq!(c.finish, Finish::ToolCalls);
-        let names: Vec<_> = c.tool_calls.iter().map(|t| (t.id.as_str(), t.function.name.as_str())).collect();
-        assert_eq!(names, vec![("call_x1", "lookup_order"), ("call_x2", "check_stock")]);
+        let names: Vec<_> = c
+            .tool_calls
+            .iter()
+            .map(|t| (t.id.as_str(), t.function.name.as_str()))
+            .collect();
+        assert_eq!(
+            names,
+            vec![("call_x1", "lookup_order"), ("call_x2", "check_stock")]
+        );
         assert_eq!(args(&c.tool_calls[1]), json!({"sku": "cup-2"}));
     }
 
@@ -353,7 +393,11 @@ data: [DONE]
     #[test]
     fn a_gemini_stream_without_index_that_stops_with_calls_is_a_tool_call_turn() {
         let c = run(GEMINI).1.unwrap();
-        assert_eq!(c.finish, Finish::ToolCalls, "stop with tool calls present means: run the tools");
+        assert_eq!(
+            c.finish,
+            Finish::ToolCalls,
+            "stop with tool calls present means: run the tools"
+        );
         assert_eq!(c.tool_calls.len(), 1);
         let call = &c.tool_calls[0];
         assert_eq!(call.id, "function-call-1");
@@ -361,7 +405,10 @@ data: [DONE]
         assert_eq!(c.usage.map(|u| u.total_tokens), Some(92));
         // Sent back exactly as it came.
         let back = serde_json::to_value(call).unwrap();
-        assert_eq!(back["extra_content"]["google"]["thought_signature"], "CiQBVKhc7sig==");
+        assert_eq!(
+            back["extra_content"]["google"]["thought_signature"],
+            "CiQBVKhc7sig=="
+        );
         assert_eq!(back["function"]["name"], "lookup_order");
         assert_eq!(back["type"], "function");
     }
@@ -375,7 +422,13 @@ data: [DONE]
 "#;
         let (outs, done) = run(t);
         let c = done.unwrap();
-        assert_eq!(c.tool_calls.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), vec!["fc-1", "fc-2"]);
+        assert_eq!(
+            c.tool_calls
+                .iter()
+                .map(|t| t.id.as_str())
+                .collect::<Vec<_>>(),
+            vec!["fc-1", "fc-2"]
+        );
         assert_eq!(outs, vec![Output::ToolCallReady(0)]);
     }
 
@@ -389,9 +442,18 @@ data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}
 data: [DONE]
 "#;
         let (outs, done) = run(t);
-        assert_eq!(outs, vec![Output::Text("Order 1187 ".into()), Output::Text("has shipped.".into())]);
+        assert_eq!(
+            outs,
+            vec![
+                Output::Text("Order 1187 ".into()),
+                Output::Text("has shipped.".into())
+            ]
+        );
         let c = done.unwrap();
-        assert_eq!((c.text.as_str(), c.finish), ("Order 1187 has shipped.", Finish::Stop));
+        assert_eq!(
+            (c.text.as_str(), c.finish),
+            ("Order 1187 has shipped.", Finish::Stop)
+        );
         assert!(c.tool_calls.is_empty());
     }
 
@@ -419,7 +481,10 @@ data: [DONE]
 
     #[test]
     fn a_chunk_that_is_not_json_is_malformed() {
-        assert!(matches!(run("data: {not json\n").1, Err(StreamError::Malformed { .. })));
+        assert!(matches!(
+            run("data: {not json\n").1,
+            Err(StreamError::Malformed { .. })
+        ));
     }
 
     #[test]
@@ -431,7 +496,10 @@ data: [DONE]
 "#;
         let c = run(t).1.unwrap();
         assert_eq!(args(&c.tool_calls[0]), json!({"a": [1, 2]}));
-        assert_eq!(c.tool_calls[0].id, "call_0", "a call without an id gets a generated one");
+        assert_eq!(
+            c.tool_calls[0].id, "call_0",
+            "a call without an id gets a generated one"
+        );
         assert_eq!(c.usage.map(|u| u.total_tokens), Some(3));
     }
 

@@ -15,7 +15,9 @@ use tokio::time::Instant;
 
 use super::accumulate::{Finish, parse_arguments};
 use super::client::{ChatClient, ChatStream, Step};
-use super::wire::{ChatRequest, FunctionSpec, Message, Sampling, StreamOptions, ToolCall, ToolSpec};
+use super::wire::{
+    ChatRequest, FunctionSpec, Message, Sampling, StreamOptions, ToolCall, ToolSpec,
+};
 use crate::agent::tools::{Tool, ToolOutcome};
 use crate::agent::{Agent, AgentError, Event, EventStream, RunContext};
 
@@ -67,7 +69,10 @@ impl ModelAgent {
                 },
             })
             .collect();
-        Self { cfg: Arc::new(cfg), specs: Arc::new(specs) }
+        Self {
+            cfg: Arc::new(cfg),
+            specs: Arc::new(specs),
+        }
     }
 }
 
@@ -175,11 +180,18 @@ impl Agent for ModelAgent {
 fn initial_messages(instruction: &str, ctx: &RunContext, input: String) -> Vec<Message> {
     let mut m = Vec::with_capacity(2 + ctx.history.len() * 2);
     if !instruction.trim().is_empty() {
-        m.push(Message::System { content: instruction.to_owned() });
+        m.push(Message::System {
+            content: instruction.to_owned(),
+        });
     }
     for t in ctx.history.iter().filter(|t| !t.answer.is_empty()) {
-        m.push(Message::User { content: t.user_text.clone() });
-        m.push(Message::Assistant { content: Some(t.answer.clone()), tool_calls: Vec::new() });
+        m.push(Message::User {
+            content: t.user_text.clone(),
+        });
+        m.push(Message::Assistant {
+            content: Some(t.answer.clone()),
+            tool_calls: Vec::new(),
+        });
     }
     m.push(Message::User { content: input });
     m
@@ -187,7 +199,8 @@ fn initial_messages(instruction: &str, ctx: &RunContext, input: String) -> Vec<M
 
 fn call_event(agent: &str, c: &ToolCall) -> Event {
     // An argument string that is not JSON is still shown, as a JSON string.
-    let args = parse_arguments(&c.function.arguments).unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+    let args = parse_arguments(&c.function.arguments)
+        .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
     Event::tool_call(agent, &c.function.name, &c.id, &args)
 }
 

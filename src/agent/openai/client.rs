@@ -44,13 +44,18 @@ impl std::fmt::Debug for Endpoint {
 
 impl Endpoint {
     pub fn new(base_url: &str) -> Self {
-        Self { base_url: base_url.trim_end_matches('/').to_owned(), api_key: None, headers: HeaderMap::new() }
+        Self {
+            base_url: base_url.trim_end_matches('/').to_owned(),
+            api_key: None,
+            headers: HeaderMap::new(),
+        }
     }
 
     pub fn header(mut self, name: &str, value: &str) -> anyhow::Result<Self> {
-        let name = HeaderName::try_from(name).map_err(|_| anyhow::anyhow!("{name:?} is not a valid header name"))?;
-        let mut value =
-            HeaderValue::try_from(value).map_err(|_| anyhow::anyhow!("the value of header {name} is not valid"))?;
+        let name = HeaderName::try_from(name)
+            .map_err(|_| anyhow::anyhow!("{name:?} is not a valid header name"))?;
+        let mut value = HeaderValue::try_from(value)
+            .map_err(|_| anyhow::anyhow!("the value of header {name} is not valid"))?;
         value.set_sensitive(true);
         self.headers.insert(name, value);
         Ok(self)
@@ -87,7 +92,12 @@ pub enum Step {
     Done(Completion),
 }
 
-type Events = Pin<Box<dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>> + Send>>;
+type Events = Pin<
+    Box<
+        dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>
+            + Send,
+    >,
+>;
 
 /// A completion in progress. Dropping it closes the HTTP request.
 pub struct ChatStream {
@@ -106,12 +116,20 @@ const MAX_MERGED_TEXT: usize = 16 * 1024;
 
 impl ChatClient {
     pub fn new(http: reqwest::Client, endpoint: Endpoint, agent: &str) -> Self {
-        Self { http, endpoint, agent: agent.to_owned() }
+        Self {
+            http,
+            endpoint,
+            agent: agent.to_owned(),
+        }
     }
 
     /// Sends `req` and returns its stream once the response headers are in.
     /// `id_prefix` names tool calls that came without an id.
-    pub async fn start(&self, req: &ChatRequest<'_>, id_prefix: &str) -> Result<ChatStream, AgentError> {
+    pub async fn start(
+        &self,
+        req: &ChatRequest<'_>,
+        id_prefix: &str,
+    ) -> Result<ChatStream, AgentError> {
         let url = format!("{}/chat/completions", self.endpoint.base_url);
         let mut builder = self
             .http
@@ -120,8 +138,11 @@ impl ChatClient {
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .json(req);
         if let Some(key) = &self.endpoint.api_key {
-            let mut v = HeaderValue::try_from(format!("Bearer {key}"))
-                .map_err(|_| AgentError::FailedPrecondition("the model's API key is not a valid header value".into()))?;
+            let mut v = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+                AgentError::FailedPrecondition(
+                    "the model's API key is not a valid header value".into(),
+                )
+            })?;
             v.set_sensitive(true);
             builder = builder.header(AUTHORIZATION, v);
         }
@@ -147,7 +168,10 @@ impl ChatClient {
         } else {
             "the model server is unreachable; retry later"
         };
-        AgentError::Unavailable { message: message.into(), retry_after: None }
+        AgentError::Unavailable {
+            message: message.into(),
+            retry_after: None,
+        }
     }
 
     async fn http_error(&self, resp: reqwest::Response) -> AgentError {
@@ -167,17 +191,24 @@ impl ChatClient {
 
 /// The table from a model server's HTTP status to what a caller sees.
 pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>) -> AgentError {
-    let unavailable = |message: &str| AgentError::Unavailable { message: message.into(), retry_after };
+    let unavailable = |message: &str| AgentError::Unavailable {
+        message: message.into(),
+        retry_after,
+    };
     match status.as_u16() {
         429 => unavailable("the model server is rate-limiting requests; retry later"),
         408 | 504 => unavailable("the model server timed out; retry later"),
         500..=599 => unavailable("the model server failed; retry later"),
-        401 | 403 => AgentError::FailedPrecondition("the model server rejected agentd's credentials".into()),
-        404 => AgentError::FailedPrecondition("the model server does not serve the configured model or path".into()),
-        413 => AgentError::InvalidInput("the conversation is too large for the model".into()),
-        400 | 422 if is_context_length(body) => {
-            AgentError::InvalidInput("the conversation is too long for the model's context window".into())
+        401 | 403 => {
+            AgentError::FailedPrecondition("the model server rejected agentd's credentials".into())
         }
+        404 => AgentError::FailedPrecondition(
+            "the model server does not serve the configured model or path".into(),
+        ),
+        413 => AgentError::InvalidInput("the conversation is too large for the model".into()),
+        400 | 422 if is_context_length(body) => AgentError::InvalidInput(
+            "the conversation is too long for the model's context window".into(),
+        ),
         _ => AgentError::FailedPrecondition(format!(
             "the model server rejected the request (HTTP {}); the server log has the details",
             status.as_u16()
@@ -187,11 +218,24 @@ pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>
 
 /// Whether an error body says the prompt exceeded the context window.
 fn is_context_length(body: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else { return false };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return false;
+    };
     let e = v.get("error").unwrap_or(&v);
-    let fields = ["code", "type"].map(|k| e.get(k).and_then(|c| c.as_str()).unwrap_or_default().to_owned());
-    let message = e.get("message").and_then(|m| m.as_str()).unwrap_or_default().to_lowercase();
-    fields.iter().any(|f| f.contains("context_length") || f == "exceed_context_size_error")
+    let fields = ["code", "type"].map(|k| {
+        e.get(k)
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    });
+    let message = e
+        .get("message")
+        .and_then(|m| m.as_str())
+        .unwrap_or_default()
+        .to_lowercase();
+    fields
+        .iter()
+        .any(|f| f.contains("context_length") || f == "exceed_context_size_error")
         || message.contains("context length")
         || message.contains("context window")
         || message.contains("maximum context")
@@ -199,7 +243,11 @@ fn is_context_length(body: &[u8]) -> bool {
 
 /// `Retry-After` as seconds or an HTTP date, or OpenAI's `retry-after-ms`.
 pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
-    if let Some(ms) = h.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok()) {
+    if let Some(ms) = h
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+    {
         return (ms >= 0.0 && ms.is_finite()).then(|| Duration::from_secs_f64(ms / 1000.0));
     }
     let v = h.get(RETRY_AFTER)?.to_str().ok()?.trim();
@@ -207,7 +255,10 @@ pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
         return (secs >= 0.0 && secs.is_finite()).then(|| Duration::from_secs_f64(secs));
     }
     let at = httpdate::parse_http_date(v).ok()?;
-    Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+    Some(
+        at.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 /// Reads at most `cap` bytes of a body (the rest is dropped).
@@ -242,7 +293,9 @@ impl ChatStream {
     /// step: fewer, larger events, never a wait for more.
     pub async fn next(&mut self) -> Result<Step, AgentError> {
         let step = self.next_one().await?;
-        let Step::Text(mut text) = step else { return Ok(step) };
+        let Step::Text(mut text) = step else {
+            return Ok(step);
+        };
         while text.len() < MAX_MERGED_TEXT {
             match self.pending.front() {
                 Some(Output::Text(_)) => {
@@ -252,7 +305,9 @@ impl ChatStream {
                 }
                 Some(Output::ToolCallReady(_)) => break,
                 None => {
-                    let Some(acc) = self.acc.as_mut().filter(|a| !a.is_done()) else { break };
+                    let Some(acc) = self.acc.as_mut().filter(|a| !a.is_done()) else {
+                        break;
+                    };
                     if self.lookahead.is_some() || self.deferred.is_some() {
                         break;
                     }
@@ -278,7 +333,10 @@ impl ChatStream {
 
     async fn next_one(&mut self) -> Result<Step, AgentError> {
         loop {
-            let acc = self.acc.as_mut().ok_or_else(|| anyhow::anyhow!("ChatStream polled after Done"))?;
+            let acc = self
+                .acc
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("ChatStream polled after Done"))?;
             if let Some(out) = self.pending.pop_front() {
                 return Ok(match out {
                     Output::Text(t) => Step::Text(t),
@@ -292,7 +350,10 @@ impl ChatStream {
                 // Nothing may follow [DONE]; do not wait for the server to
                 // close the connection.
                 let acc = self.acc.take().expect("checked above");
-                return acc.finish().map(Step::Done).map_err(|e| self.stream_error(e));
+                return acc
+                    .finish()
+                    .map(Step::Done)
+                    .map_err(|e| self.stream_error(e));
             }
             let item = match self.lookahead.take() {
                 Some(item) => item,
@@ -306,16 +367,22 @@ impl ChatStream {
                 Some(Err(EventStreamError::Transport(e))) => {
                     tracing::warn!(agent = %self.agent, error = %error_chain(&e), "model stream broke");
                     return Err(AgentError::Unavailable {
-                        message: "the connection to the model server broke mid-answer; retry later".into(),
+                        message: "the connection to the model server broke mid-answer; retry later"
+                            .into(),
                         retry_after: None,
                     });
                 }
                 Some(Err(e)) => {
-                    return Err(self.stream_error(StreamError::Malformed { detail: e.to_string() }));
+                    return Err(self.stream_error(StreamError::Malformed {
+                        detail: e.to_string(),
+                    }));
                 }
                 None => {
                     let acc = self.acc.take().expect("checked above");
-                    return acc.finish().map(Step::Done).map_err(|e| self.stream_error(e));
+                    return acc
+                        .finish()
+                        .map(Step::Done)
+                        .map_err(|e| self.stream_error(e));
                 }
             }
         }
@@ -328,7 +395,9 @@ impl ChatStream {
                 message: "the model server ended its answer early; retry later".into(),
                 retry_after: None,
             },
-            StreamError::Server { code: Some(c), .. } if (400..500).contains(&c) && c != 429 && c != 408 => {
+            StreamError::Server { code: Some(c), .. }
+                if (400..500).contains(&c) && c != 429 && c != 408 =>
+            {
                 AgentError::FailedPrecondition(format!(
                     "the model server rejected the request mid-answer (code {c}); the server log has the details"
                 ))
@@ -350,12 +419,17 @@ mod tests {
 
     #[test]
     fn statuses_map_to_retryable_or_caller_errors() {
-        let m = |code: u16, body: &str| map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None);
+        let m = |code: u16, body: &str| {
+            map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None)
+        };
         assert!(matches!(m(429, ""), AgentError::Unavailable { .. }));
         assert!(matches!(m(503, ""), AgentError::Unavailable { .. }));
         assert!(matches!(m(401, ""), AgentError::FailedPrecondition(_)));
         assert!(matches!(m(404, ""), AgentError::FailedPrecondition(_)));
-        assert!(matches!(m(400, r#"{"error":{"message":"bad temperature"}}"#), AgentError::FailedPrecondition(_)));
+        assert!(matches!(
+            m(400, r#"{"error":{"message":"bad temperature"}}"#),
+            AgentError::FailedPrecondition(_)
+        ));
         let too_long = r#"{"error":{"message":"This model's maximum context length is 8192 tokens","code":"context_length_exceeded"}}"#;
         assert!(matches!(m(400, too_long), AgentError::InvalidInput(_)));
     }
@@ -364,7 +438,8 @@ mod tests {
     fn error_messages_never_carry_the_body() {
         let body = r#"{"error":{"message":"you said: my card is 4111-1111"}}"#;
         for code in [400u16, 401, 404, 422, 429, 500] {
-            let msg = map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None).to_string();
+            let msg =
+                map_status(StatusCode::from_u16(code).unwrap(), body.as_bytes(), None).to_string();
             assert!(!msg.contains("4111"), "{code}: {msg}");
         }
     }
@@ -380,7 +455,10 @@ mod tests {
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(120));
         h.insert(RETRY_AFTER, HeaderValue::try_from(later).unwrap());
         let d = retry_after(&h).unwrap();
-        assert!(d > Duration::from_secs(100) && d <= Duration::from_secs(120), "{d:?}");
+        assert!(
+            d > Duration::from_secs(100) && d <= Duration::from_secs(120),
+            "{d:?}"
+        );
         h.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&h), None);
     }
