@@ -528,6 +528,91 @@ async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb
     store.ping().await.unwrap();
 }
 
+async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: TestDb) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::{SeqEvent, TurnOutcome, TurnState};
+    let store = db.open().await;
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    let key = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    store
+        .claim_turn(&NewTurn {
+            key: key.clone(),
+            user_text: "hi".into(),
+            agent: "echo".into(),
+            owner: "replica-a".into(),
+            lease: Duration::from_secs(5),
+        })
+        .await
+        .unwrap();
+    let event = |seq: u64, kind: EventKind, text: String| SeqEvent {
+        seq,
+        event: Event {
+            kind,
+            author: "echo".into(),
+            text,
+            tool_name: String::new(),
+            tool_call_id: String::new(),
+            payload_json: String::new(),
+            created_unix_nanos: seq as i64,
+        },
+    };
+    // Commits of 1, 7, 300 and 2 events; one holds a 1.5 MiB event between
+    // small ones, larger than a stored batch row.
+    let mut all = Vec::new();
+    let mut seq = 0;
+    for size in [1usize, 7, 300, 2] {
+        let batch: Vec<SeqEvent> = (0..size)
+            .map(|i| {
+                let text = if size == 7 && i == 3 {
+                    "x".repeat(3 << 19)
+                } else {
+                    format!("chunk {seq}")
+                };
+                let kind = if seq == 309 {
+                    EventKind::FinalAnswer
+                } else {
+                    EventKind::PartialText
+                };
+                seq += 1;
+                event(seq - 1, kind, text)
+            })
+            .collect();
+        all.extend(batch.clone());
+        store.append_events(&key, batch).await.unwrap();
+    }
+    assert_eq!(all.len(), 310);
+    assert_eq!(store.events_after(&key, None, 1000).await.unwrap(), all);
+    for (after, limit) in [(None, 1), (Some(0), 5), (Some(4), 100), (Some(9), 3), (Some(305), 10), (Some(309), 10)] {
+        let from = after.map_or(0, |a| a as usize + 1);
+        let want: Vec<_> = all.iter().skip(from).take(limit).cloned().collect();
+        assert_eq!(
+            store.events_after(&key, after, limit).await.unwrap(),
+            want,
+            "after {after:?}, limit {limit}"
+        );
+    }
+    store
+        .finish_turn(
+            &key,
+            &TurnOutcome {
+                state: TurnState::Completed,
+                code: 0,
+                message: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let history = store.history(session.id, 10).await.unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].answer, "chunk 309", "the final answer is the turn's memory");
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -567,4 +652,5 @@ per_backend!(
     finished_turns_are_pruned_after_the_retention,
     bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing,
     the_turn_claim_is_exclusive_and_leases_belong_to_their_owner,
+    the_event_log_reads_back_in_seq_order_across_commits_of_any_size,
 );

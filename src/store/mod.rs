@@ -6,6 +6,7 @@
 
 pub mod memory;
 pub mod postgres;
+mod codec;
 mod sql;
 pub mod sqlite;
 

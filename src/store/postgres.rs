@@ -40,10 +40,15 @@ impl PostgresStore {
             .connect_with(opts)
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
-        Ok(Self {
+        let store = Self {
             read: pool.clone(),
             write: pool,
-        })
+        };
+        let moved = store.move_legacy_events().await?;
+        if moved > 0 {
+            tracing::info!(events = moved, "moved the event log to the batched layout");
+        }
+        Ok(store)
     }
 }
 

@@ -40,6 +40,34 @@ pub(super) fn bad_row(what: &str) -> StoreError {
     StoreError::Unexpected(anyhow::anyhow!("the store holds a malformed {what}"))
 }
 
+/// The most encoded bytes (roughly) one batch row holds; a single event
+/// larger than this gets a row of its own.
+const BATCH_ROW_BYTES: usize = 1 << 20;
+
+/// Splits a commit's events into rows of at most [`BATCH_ROW_BYTES`], so no
+/// row approaches the backends' value limits (1 GB) whatever the batch.
+pub(super) fn split_batch(events: Vec<super::SeqEvent>) -> Vec<Vec<super::SeqEvent>> {
+    let mut rows: Vec<Vec<super::SeqEvent>> = Vec::new();
+    let mut bytes = 0;
+    for e in events {
+        let size = 32
+            + e.event.author.len()
+            + e.event.text.len()
+            + e.event.tool_name.len()
+            + e.event.tool_call_id.len()
+            + e.event.payload_json.len();
+        match rows.last_mut() {
+            Some(row) if bytes + size <= BATCH_ROW_BYTES => row.push(e),
+            _ => {
+                rows.push(vec![e]);
+                bytes = 0;
+            }
+        }
+        bytes += size;
+    }
+    rows
+}
+
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
 
@@ -184,28 +212,49 @@ macro_rules! sql_store {
             }
 
             async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
-                let sid = key.session_id.to_string();
-                // One statement per batch: a group commit of whatever the
-                // writer collected. 10 binds a row stays far below either
-                // backend's limit at the writer's batch size.
-                for chunk in events.chunks(1000) {
-                    let mut q = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO events (session_id, request_id, seq, kind, author, text, tool_name, tool_call_id, payload_json, created_unix_nanos) ",
-                    );
-                    q.push_values(chunk, |mut b, e| {
-                        b.push_bind(sid.clone())
-                            .push_bind(key.request_id.as_str().to_owned())
-                            .push_bind(e.seq as i64)
-                            .push_bind(e.event.kind.as_str())
-                            .push_bind(e.event.author.clone())
-                            .push_bind(e.event.text.clone())
-                            .push_bind(e.event.tool_name.clone())
-                            .push_bind(e.event.tool_call_id.clone())
-                            .push_bind(e.event.payload_json.clone())
-                            .push_bind(e.event.created_unix_nanos);
-                    });
-                    q.build().execute(&self.write).await.map_err(db_err)?;
+                if events.is_empty() {
+                    return Ok(());
                 }
+                let sid = key.session_id.to_string();
+                let answer = events
+                    .iter()
+                    .rev()
+                    .find(|e| e.event.kind == EventKind::FinalAnswer)
+                    .map(|e| e.event.text.clone());
+                let chunks = $crate::store::sql::split_batch(events);
+                let insert = |chunk: Vec<SeqEvent>| {
+                    let first = chunk.first().map_or(0, |e| e.seq as i64);
+                    let last = chunk.last().map_or(0, |e| e.seq as i64);
+                    sqlx::query(
+                        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)",
+                    )
+                    .bind(sid.clone())
+                    .bind(key.request_id.as_str().to_owned())
+                    .bind(first)
+                    .bind(last)
+                    .bind($crate::store::codec::encode(chunk))
+                };
+                if chunks.len() == 1 && answer.is_none() {
+                    // The common case: one statement, one commit.
+                    for chunk in chunks {
+                        insert(chunk).execute(&self.write).await.map_err(db_err)?;
+                    }
+                    return Ok(());
+                }
+                let mut tx = self.write.begin().await.map_err(db_err)?;
+                for chunk in chunks {
+                    insert(chunk).execute(&mut *tx).await.map_err(db_err)?;
+                }
+                if let Some(answer) = answer {
+                    sqlx::query("UPDATE turns SET answer = $1 WHERE session_id = $2 AND request_id = $3")
+                        .bind(answer)
+                        .bind(sid.clone())
+                        .bind(key.request_id.as_str())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_err)?;
+                }
+                tx.commit().await.map_err(db_err)?;
                 Ok(())
             }
 
@@ -227,27 +276,46 @@ macro_rules! sql_store {
             }
 
             async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>> {
-                let rows = sqlx::query(
-                    "SELECT seq, kind, author, text, tool_name, tool_call_id, payload_json, created_unix_nanos FROM events \
-                     WHERE session_id = $1 AND request_id = $2 AND seq > $3 ORDER BY seq LIMIT $4",
-                )
-                .bind(key.session_id.to_string())
-                .bind(key.request_id.as_str())
-                .bind(after.map_or(-1, |a| a as i64))
-                .bind(limit as i64)
-                .fetch_all(&self.read)
-                .await
-                .map_err(db_err)?;
-                rows.iter().map(event_from_row).collect()
+                // Batches are contiguous in seq: read the ones that end past
+                // the cursor, a few at a time, until `limit` events are in.
+                const BATCHES: i64 = 4;
+                let mut out = Vec::new();
+                let mut cursor = after.map_or(-1, |a| a as i64);
+                while out.len() < limit {
+                    let rows = sqlx::query(
+                        "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
+                         ORDER BY first_seq LIMIT $4",
+                    )
+                    .bind(key.session_id.to_string())
+                    .bind(key.request_id.as_str())
+                    .bind(cursor)
+                    .bind(BATCHES)
+                    .fetch_all(&self.read)
+                    .await
+                    .map_err(db_err)?;
+                    let complete = (rows.len() as i64) < BATCHES;
+                    for r in &rows {
+                        let blob: Vec<u8> = r.try_get("events").map_err(db_err)?;
+                        let batch = $crate::store::codec::decode(&blob).ok_or_else(|| bad_row("event batch"))?;
+                        for e in batch {
+                            if (e.seq as i64) > cursor && out.len() < limit {
+                                cursor = e.seq as i64;
+                                out.push(e);
+                            }
+                        }
+                    }
+                    if complete {
+                        break;
+                    }
+                }
+                Ok(out)
             }
 
             async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
                 let rows = sqlx::query(
-                    "SELECT t.request_id, t.user_text, COALESCE((SELECT e.text FROM events e \
-                       WHERE e.session_id = t.session_id AND e.request_id = t.request_id AND e.kind = 'final_answer' \
-                       ORDER BY e.seq DESC LIMIT 1), '') AS answer \
-                     FROM turns t WHERE t.session_id = $1 AND t.state <> 'running' \
-                     ORDER BY t.created_at DESC, t.request_id DESC LIMIT $2",
+                    "SELECT request_id, user_text, COALESCE(answer, '') AS answer \
+                     FROM turns WHERE session_id = $1 AND state <> 'running' \
+                     ORDER BY created_at DESC, request_id DESC LIMIT $2",
                 )
                 .bind(session.to_string())
                 .bind(limit as i64)
@@ -354,6 +422,57 @@ macro_rules! sql_store {
             async fn ping(&self) -> StoreResult<()> {
                 sqlx::query("SELECT 1").execute(&self.read).await.map_err(db_err)?;
                 Ok(())
+            }
+        }
+
+        impl $store {
+            /// Moves rows of the per-event table (schema 0001) into batches,
+            /// one turn per transaction; returns how many events moved.
+            /// Replicas starting together do not collide: a turn's rows are
+            /// deleted in the transaction that stores its batches.
+            pub(super) async fn move_legacy_events(&self) -> StoreResult<u64> {
+                let mut moved = 0;
+                loop {
+                    let mut tx = self.write.begin().await.map_err(db_err)?;
+                    let Some(turn) = sqlx::query("SELECT session_id, request_id FROM events LIMIT 1")
+                        .fetch_optional(&mut *tx)
+                        .await
+                        .map_err(db_err)?
+                    else {
+                        return Ok(moved);
+                    };
+                    let sid: String = turn.try_get("session_id").map_err(db_err)?;
+                    let rid: String = turn.try_get("request_id").map_err(db_err)?;
+                    let rows = sqlx::query(
+                        "DELETE FROM events WHERE session_id = $1 AND request_id = $2 \
+                         RETURNING seq, kind, author, text, tool_name, tool_call_id, payload_json, created_unix_nanos",
+                    )
+                    .bind(&sid)
+                    .bind(&rid)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db_err)?;
+                    let mut events = rows.iter().map(event_from_row).collect::<StoreResult<Vec<_>>>()?;
+                    events.sort_by_key(|e| e.seq);
+                    moved += events.len() as u64;
+                    for chunk in $crate::store::sql::split_batch(events) {
+                        let first = chunk.first().map_or(0, |e| e.seq as i64);
+                        let last = chunk.last().map_or(0, |e| e.seq as i64);
+                        sqlx::query(
+                            "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
+                             ON CONFLICT DO NOTHING",
+                        )
+                        .bind(&sid)
+                        .bind(&rid)
+                        .bind(first)
+                        .bind(last)
+                        .bind($crate::store::codec::encode(chunk))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_err)?;
+                    }
+                    tx.commit().await.map_err(db_err)?;
+                }
             }
         }
     };

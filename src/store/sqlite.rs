@@ -46,6 +46,10 @@ impl SqliteStore {
             .connect_with(opts.read_only(true))
             .await?;
         let store = Self { read, write };
+        let moved = store.move_legacy_events().await?;
+        if moved > 0 {
+            tracing::info!(events = moved, "moved the event log to the batched layout");
+        }
         let outcome = crate::grpc::status::replica_stopped();
         let orphans = sqlx::query(
             "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 WHERE state = 'running'",
@@ -68,3 +72,93 @@ impl SqliteStore {
 }
 
 super::sql::sql_store!(SqliteStore, sqlx::Sqlite);
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
+
+    use super::SqliteStore;
+    use crate::domain::{RequestId, SessionId, TurnKey};
+    use crate::store::Store;
+
+    /// A file written by a build with the per-event layout (schema 0001)
+    /// opens with its whole log, now in batches, and the answer in history.
+    #[tokio::test]
+    async fn an_event_log_in_the_per_event_layout_is_moved_into_batches_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let only_first = dir.path().join("migrations");
+        std::fs::create_dir(&only_first).unwrap();
+        let first = "0001_sessions_turns_events.sql";
+        std::fs::copy(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("migrations/sqlite")
+                .join(first),
+            only_first.join(first),
+        )
+        .unwrap();
+        let url = format!("sqlite://{}", dir.path().join("old.db").display());
+        let old = SqlitePool::connect_with(
+            SqliteConnectOptions::from_str(&url)
+                .unwrap()
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+        sqlx::migrate::Migrator::new(only_first.as_path())
+            .await
+            .unwrap()
+            .run(&old)
+            .await
+            .unwrap();
+        let sid = SessionId::generate().to_string();
+        sqlx::query("INSERT INTO sessions VALUES ($1, 'alice', 1, 1)")
+            .bind(&sid)
+            .execute(&old)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
+             status_code, status_message, created_at, updated_at) \
+             VALUES ($1, 'r1', 'hi', 'echo', 'completed', 'a', 0, 0, '', 1, 1)",
+        )
+        .bind(&sid)
+        .execute(&old)
+        .await
+        .unwrap();
+        for (seq, kind, text) in [
+            (0, "partial_text", "Hel"),
+            (1, "partial_text", "lo"),
+            (2, "final_answer", "Hello"),
+        ] {
+            sqlx::query(
+                "INSERT INTO events VALUES ($1, 'r1', $2, $3, 'echo', $4, '', '', '', 7)",
+            )
+            .bind(&sid)
+            .bind(seq)
+            .bind(kind)
+            .bind(text)
+            .execute(&old)
+            .await
+            .unwrap();
+        }
+        old.close().await;
+
+        let store = SqliteStore::open(&url).await.unwrap();
+        let key = TurnKey {
+            session_id: SessionId::parse(&sid).unwrap(),
+            request_id: RequestId::parse("r1").unwrap(),
+        };
+        let events = store.events_after(&key, None, 10).await.unwrap();
+        let texts: Vec<_> = events.iter().map(|e| (e.seq, e.event.text.as_str())).collect();
+        assert_eq!(texts, [(0, "Hel"), (1, "lo"), (2, "Hello")]);
+        let history = store.history(key.session_id, 10).await.unwrap();
+        assert_eq!(history[0].answer, "Hello");
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM events")
+            .fetch_one(&store.read)
+            .await
+            .unwrap();
+        assert_eq!(left, 0, "the old rows are gone");
+    }
+}
