@@ -226,6 +226,11 @@ def goals(idx):
     check("idle memory per stream: agentd ≤ 1.5× raw tonic", f"{x:.2f}×" if x else None, x is not None and x <= 1.5)
     rss = get(idx.get(("agentd", "idle", 10000)), "idle", "rss_after_bytes")
     check("10,000 idle streams: agentd RSS < 150 MB", f"{rss / 1e6:.0f} MB" if rss else None, rss is not None and rss < 150e6)
+    for store, name in (("agentd+sqlite", "SQLite"), ("agentd+postgres", "PostgreSQL")):
+        for w in ("bursty", "one-at-a-time"):
+            x = r(ev(store, w, 64), ev("agentd", w, 64))
+            check(f"{w} events/s, 64 streams: {name} store ≥ 0.8× in-memory", f"{x:.2f}×" if x else None,
+                  x is not None and x >= 0.8)
     return ["| goal | this run | |", "|---|---|---|"] + lines
 
 

@@ -8,6 +8,12 @@
 //!
 //!   cargo run --release --example model_overhead -- tokens=256 concurrency=64 rounds=5
 //!
+//! `agentd=PATH` serves the agent from a separate `agentd serve` process
+//! (that binary, in-memory store) instead of a server inside this process,
+//! as in a deployment where agentd has its own pod; `pin=1` then puts
+//! agentd on core 0 and this process (fake model and clients) on core 1.
+//! `store=URL` picks agentd's store (default `memory:`).
+//!
 //! Prints time-to-first-token and time-to-last-token (median, p99) of both
 //! paths and the ratios. Target: under 10% added to time-to-last-token and
 //! under 1 ms added to time-to-first-token at 64 concurrent runs.
@@ -25,7 +31,6 @@ use agentd::agent::{Agent, AgentRegistry};
 use agentd::client::AgentClient;
 use agentd::pb;
 use agentd::server::ServerOptions;
-use agentd::store::memory::MemoryStore;
 use agentd::turn::{TurnConfig, Turns};
 use axum::body::{Body, Bytes};
 use axum::response::Response;
@@ -35,6 +40,10 @@ struct Params {
     tokens: usize,
     concurrency: usize,
     rounds: usize,
+    /// An `agentd` binary to run as a separate process.
+    agentd: Option<std::path::PathBuf>,
+    pin: bool,
+    store: String,
 }
 
 fn params() -> anyhow::Result<Params> {
@@ -42,17 +51,24 @@ fn params() -> anyhow::Result<Params> {
         tokens: 256,
         concurrency: 64,
         rounds: 5,
+        agentd: None,
+        pin: false,
+        store: "memory:".into(),
     };
     for a in std::env::args().skip(1) {
         let (k, v) = a
             .split_once('=')
             .ok_or_else(|| anyhow::anyhow!("expected key=value, got {a:?}"))?;
-        let v: usize = v.parse()?;
         match k {
-            "tokens" => p.tokens = v,
-            "concurrency" => p.concurrency = v,
-            "rounds" => p.rounds = v,
-            _ => anyhow::bail!("unknown parameter {k:?}; use tokens, concurrency, rounds"),
+            "tokens" => p.tokens = v.parse()?,
+            "concurrency" => p.concurrency = v.parse()?,
+            "rounds" => p.rounds = v.parse()?,
+            "agentd" => p.agentd = Some(v.into()),
+            "pin" => p.pin = v == "1",
+            "store" => p.store = v.into(),
+            _ => anyhow::bail!(
+                "unknown parameter {k:?}; use tokens, concurrency, rounds, agentd, pin, store"
+            ),
         }
     }
     Ok(p)
@@ -214,30 +230,44 @@ async fn main() -> anyhow::Result<()> {
     let toml = format!(
         "[agents.fake]\ncall_timeout = \"60s\"\n[agents.fake.model]\nbase_url = \"{url}\"\nmodel = \"fake\"\n"
     );
-    let f = file::parse(&toml, Path::new("bench.toml"), &LoadOptions::default())?;
-    let agents: Vec<Arc<dyn Agent>> = f.agents;
-    let registry = AgentRegistry::new(agents, "fake")?;
-    let cfg = TurnConfig {
-        max_concurrent_runs: 4096,
-        history_turns: 0,
-        ..TurnConfig::default()
+    let mut external = None;
+    let mut in_process = None;
+    let addr = match &p.agentd {
+        Some(bin) => {
+            let (child, addr) = spawn_agentd(bin, &toml, &p)?;
+            external = Some(child);
+            addr
+        }
+        None => {
+            let f = file::parse(&toml, Path::new("bench.toml"), &LoadOptions::default())?;
+            let agents: Vec<Arc<dyn Agent>> = f.agents;
+            let registry = AgentRegistry::new(agents, "fake")?;
+            let cfg = TurnConfig {
+                max_concurrent_runs: 4096,
+                history_turns: 0,
+                ..TurnConfig::default()
+            };
+            let store = agentd::store::open(&p.store).await?;
+            let turns = Turns::new(store, registry, cfg);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(agentd::server::run(
+                listener,
+                turns,
+                ServerOptions {
+                    drain_delay: Duration::ZERO,
+                    ..Default::default()
+                },
+                async {
+                    let _ = stop_rx.await;
+                },
+            ));
+            in_process = Some((stop, server));
+            addr
+        }
     };
-    let turns = Turns::new(Arc::new(MemoryStore::new()), registry, cfg);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(agentd::server::run(
-        listener,
-        turns,
-        ServerOptions {
-            drain_delay: Duration::ZERO,
-            ..Default::default()
-        },
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
-    let client = AgentClient::connect(&format!("http://{addr}")).await?;
+    let client = connect(&format!("http://{addr}")).await?;
     let mut sessions = Vec::new();
     for _ in 0..p.concurrency {
         sessions.push(client.clone().create_session("bench").await?.session_id);
@@ -265,11 +295,17 @@ async fn main() -> anyhow::Result<()> {
     let d = summarise(&direct);
     let a = summarise(&through);
     println!(
-        "model overhead: {} tokens per run, {} concurrent runs, {} rounds ({} runs per path)",
+        "model overhead: {} tokens per run, {} concurrent runs, {} rounds ({} runs per path); agentd {}, store {}",
         p.tokens,
         p.concurrency,
         p.rounds,
-        direct.len()
+        direct.len(),
+        match (&p.agentd, p.pin) {
+            (None, _) => "in this process",
+            (Some(_), false) => "in its own process",
+            (Some(_), true) => "in its own process on core 0, model and clients on core 1",
+        },
+        p.store
     );
     println!("| path | TTFT p50 ms | TTFT p99 ms | TTLT p50 ms | TTLT p99 ms |");
     println!("| --- | ---: | ---: | ---: | ---: |");
@@ -302,7 +338,64 @@ async fn main() -> anyhow::Result<()> {
         EVENTS.load(std::sync::atomic::Ordering::Relaxed) as f64 / through.len() as f64,
         p.tokens
     );
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    if let Some((stop, server)) = in_process {
+        let _ = stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    }
+    if let Some(mut child) = external {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     Ok(())
+}
+
+/// Starts `agentd serve` with the fake agent on a free loopback port.
+fn spawn_agentd(
+    bin: &Path,
+    toml: &str,
+    p: &Params,
+) -> anyhow::Result<(std::process::Child, std::net::SocketAddr)> {
+    let dir = std::env::temp_dir().join(format!("agentd-model-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let agents = dir.join("agents.toml");
+    std::fs::write(&agents, toml)?;
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let mut cmd = if p.pin {
+        let mut c = std::process::Command::new("taskset");
+        c.args(["-c", "0"]).arg(bin);
+        c
+    } else {
+        std::process::Command::new(bin)
+    };
+    cmd.args(["serve", "--listen", &addr.to_string()])
+        .arg("--agents")
+        .arg(&agents)
+        .args(["--default-agent", "fake", "--store", &p.store])
+        .args(["--max-concurrent-runs", "4096", "--history-turns", "0"])
+        .args(["--admin-listen", "off", "--a2a-listen", "off", "--drain-delay", "0s"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("agentd.log"))?);
+    let child = cmd.spawn()?;
+    if p.pin {
+        // This process (the fake model and the clients) on the other core.
+        let me = std::process::id().to_string();
+        std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", "1", &me])
+            .stdout(std::process::Stdio::null())
+            .status()?;
+    }
+    Ok((child, addr))
+}
+
+/// Connects, waiting for a server that is still starting.
+async fn connect(url: &str) -> anyhow::Result<AgentClient> {
+    let mut last = None;
+    for _ in 0..100 {
+        match AgentClient::connect(url).await {
+            Ok(c) => return Ok(c),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("no server")))
 }

@@ -605,12 +605,17 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
                 code: 0,
                 message: String::new(),
             },
+            Some("chunk 309"),
         )
         .await
         .unwrap();
     let history = store.history(session.id, 10).await.unwrap();
     assert_eq!(history.len(), 1);
     assert_eq!(history[0].answer, "chunk 309", "the final answer is the turn's memory");
+    assert_eq!(
+        store.events_after(&key, Some(308), 10).await.unwrap()[0].event.kind,
+        EventKind::FinalAnswer
+    );
 }
 
 macro_rules! per_backend {

@@ -108,7 +108,12 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()> {
+    async fn finish_turn(
+        &self,
+        key: &TurnKey,
+        outcome: &TurnOutcome,
+        _answer: Option<&str>,
+    ) -> StoreResult<()> {
         let mut inner = self.lock();
         let rec = inner
             .turns

@@ -225,9 +225,15 @@ pub trait Store: Send + Sync + 'static {
     async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>>;
     /// Appends events in seq order (a batch; the turn calls it per group).
     async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()>;
-    /// Records the outcome of a running turn. A turn that is no longer
-    /// running (its lease expired and someone failed it) keeps its outcome.
-    async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()>;
+    /// Records the outcome of a running turn, with its final answer (the
+    /// text later turns get as history). A turn that is no longer running
+    /// (its lease expired and someone failed it) keeps its outcome.
+    async fn finish_turn(
+        &self,
+        key: &TurnKey,
+        outcome: &TurnOutcome,
+        answer: Option<&str>,
+    ) -> StoreResult<()>;
     /// Events with seq greater than `after` (all with `None`), at most `limit`.
     async fn events_after(
         &self,

@@ -216,11 +216,6 @@ macro_rules! sql_store {
                     return Ok(());
                 }
                 let sid = key.session_id.to_string();
-                let answer = events
-                    .iter()
-                    .rev()
-                    .find(|e| e.event.kind == EventKind::FinalAnswer)
-                    .map(|e| e.event.text.clone());
                 let chunks = $crate::store::sql::split_batch(events);
                 let insert = |chunk: Vec<SeqEvent>| {
                     let first = chunk.first().map_or(0, |e| e.seq as i64);
@@ -234,7 +229,7 @@ macro_rules! sql_store {
                     .bind(last)
                     .bind($crate::store::codec::encode(chunk))
                 };
-                if chunks.len() == 1 && answer.is_none() {
+                if chunks.len() == 1 {
                     // The common case: one statement, one commit.
                     for chunk in chunks {
                         insert(chunk).execute(&self.write).await.map_err(db_err)?;
@@ -245,22 +240,13 @@ macro_rules! sql_store {
                 for chunk in chunks {
                     insert(chunk).execute(&mut *tx).await.map_err(db_err)?;
                 }
-                if let Some(answer) = answer {
-                    sqlx::query("UPDATE turns SET answer = $1 WHERE session_id = $2 AND request_id = $3")
-                        .bind(answer)
-                        .bind(sid.clone())
-                        .bind(key.request_id.as_str())
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db_err)?;
-                }
                 tx.commit().await.map_err(db_err)?;
                 Ok(())
             }
 
-            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome) -> StoreResult<()> {
+            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<()> {
                 sqlx::query(
-                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, answer = $7, updated_at = $4 \
                      WHERE session_id = $5 AND request_id = $6 AND state = 'running'",
                 )
                 .bind(outcome.state.as_str())
@@ -269,6 +255,7 @@ macro_rules! sql_store {
                 .bind(to_micros(std::time::SystemTime::now()))
                 .bind(key.session_id.to_string())
                 .bind(key.request_id.as_str())
+                .bind(answer)
                 .execute(&self.write)
                 .await
                 .map_err(db_err)?;

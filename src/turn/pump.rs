@@ -309,6 +309,7 @@ impl Writer {
         let store: Arc<dyn Store> = self.turns.store.clone();
         let mut batch = Vec::with_capacity(WRITER_BATCH);
         let mut events = Vec::new();
+        let mut answer = None;
         let lease = self.turns.cfg.lease;
         let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -329,7 +330,12 @@ impl Writer {
             let mut finish = None;
             for msg in batch.drain(..) {
                 match msg {
-                    ToWriter::Event(e) => events.push(*e),
+                    ToWriter::Event(e) => {
+                        if e.event.kind == crate::agent::EventKind::FinalAnswer {
+                            answer = Some(e.event.text.clone());
+                        }
+                        events.push(*e)
+                    }
                     ToWriter::Finish(o) => finish = Some(o),
                 }
             }
@@ -348,7 +354,9 @@ impl Writer {
             } else {
                 outcome
             };
-        if let Err(e) = store.finish_turn(&self.key, &outcome).await {
+        if let Err(e) = store
+            .finish_turn(&self.key, &outcome, answer.as_deref())
+            .await {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
         }
         self.progress.send_modify(|p| p.done = true);
