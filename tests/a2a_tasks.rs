@@ -18,7 +18,8 @@ use support::*;
 
 const ORDER_Q: &str = "Where is order 1187?";
 const FOLLOW_UP: &str = "and when will it arrive?";
-const ANSWER: &str = "Order 1187 (2 x espresso cups) has shipped with DHL and should arrive on 2026-12-04.";
+const ANSWER: &str =
+    "Order 1187 (2 x espresso cups) has shipped with DHL and should arrive on 2026-12-04.";
 
 fn opts() -> CallOptions {
     CallOptions {
@@ -146,6 +147,32 @@ async fn a_task_and_its_context_survive_a_restart_on_sqlite() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cut_by_a_killed_process_is_failed_at_the_next_start_on_sqlite() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let first = serve(&db.url, &["--tool-delay", "60s"]).await;
+    let client = a2a_at(first.addr).await;
+    let req = SendMessageRequest {
+        message: user_message(ORDER_Q, None),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut stream = client.raw().send_streaming_message(&req).await.unwrap();
+    let running = match stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    first.kill9().await;
+    let second = serve(&db.url, &[]).await;
+    let client = a2a_at(second.addr).await;
+    let task = client.get_task(&running).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Failed);
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("replica stopped"), "{why}");
+    second.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_tasks_pages_filters_and_refuses_a_bad_token() {
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let server = serve(&db.url, &[]).await;
@@ -217,7 +244,11 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    let a = serve(&db.url, &["--replica-id", "replica-a", "--tool-delay", "60s"]).await;
+    let a = serve(
+        &db.url,
+        &["--replica-id", "replica-a", "--tool-delay", "60s"],
+    )
+    .await;
     let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
 
@@ -340,6 +371,60 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
         assert_eq!(err.code, a2a::error_code::UNSUPPORTED_OPERATION, "{err:?}");
     }
     a.kill9().await;
+    b.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = serve(
+        &db.url,
+        &[
+            "--replica-id",
+            "replica-a",
+            "--turn-lease",
+            "1s",
+            "--tool-delay",
+            "60s",
+        ],
+    )
+    .await;
+    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    let req = SendMessageRequest {
+        message: user_message(ORDER_Q, None),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let running = match on_a_stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    a.kill9().await;
+    let mut followed = on_b
+        .raw()
+        .subscribe_to_task(&SubscribeToTaskRequest {
+            id: running.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    let mut last = None;
+    while let Some(ev) = followed.next().await {
+        last = Some(ev.unwrap());
+    }
+    let Some(StreamResponse::StatusUpdate(end)) = last else {
+        panic!("the followed stream did not end with a status: {last:?}")
+    };
+    assert_eq!(end.status.state, TaskState::Failed);
+    let task = on_b.get_task(&running).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Failed);
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("replica stopped"), "{why}");
     b.kill9().await;
 }
 

@@ -29,8 +29,8 @@ use tokio_util::sync::CancellationToken;
 use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
 use crate::grpc::status;
 use crate::pb;
-use crate::store::a2a_tasks::context_session;
 use crate::store::TurnState;
+use crate::store::a2a_tasks::context_session;
 use crate::turn::{Failure, RunError, RunStream, Turns};
 
 /// The id of the artifact that carries an agent's answer.
@@ -402,7 +402,10 @@ impl Shared {
 /// The A2A updates of one turn's events, to the task's terminal status:
 /// what the executor streams for the run it started, and what a follower of
 /// a turn run elsewhere streams (see `follow`).
-pub(crate) fn updates(job: Job, mut events: RunStream) -> impl futures::Stream<Item = StreamResponse> {
+pub(crate) fn updates(
+    job: Job,
+    mut events: RunStream,
+) -> impl futures::Stream<Item = StreamResponse> {
     async_stream::stream! {
         let mut mapper = Mapper::new();
         loop {

@@ -17,6 +17,10 @@
 //!                        as the executor maps them (the first answer chunk replaces the
 //!                        snapshot's), then the terminal status
 //! ```
+//!
+//! A task whose replica died is ended by its follower: the turn's lease
+//! expires, the turn fails with UNAVAILABLE, and the follower writes FAILED
+//! into the task, which nobody else would.
 
 use std::sync::Arc;
 
@@ -68,12 +72,10 @@ impl Handler {
                 return Err(A2AError::task_not_found(task_id));
             }
             let session = context_session(&user, &task.context_id);
-            let turns = self
-                .turns
-                .store()
-                .list_turns(session)
-                .await
-                .map_err(|_| A2AError::internal("the task store is unavailable; retry later"))?;
+            let turns =
+                self.turns.store().list_turns(session).await.map_err(|_| {
+                    A2AError::internal("the task store is unavailable; retry later")
+                })?;
             let Some(turn) = turns
                 .into_iter()
                 .rev()
@@ -97,7 +99,7 @@ impl Handler {
             };
             let started = self
                 .turns
-                .attach(&user, key, None, None)
+                .attach(&user, key.clone(), None, None)
                 .await
                 .map_err(|e| {
                     tracing::warn!(task = %task_id, error = %e, "a2a: cannot follow the task's turn");
@@ -107,11 +109,35 @@ impl Handler {
                 })?;
             tracing::info!(task = %task_id, mode = started.mode.as_str(), "a2a: following a task run elsewhere");
             let job = Job::follower(task.id.clone(), task.context_id.clone());
-            let updates = executor::updates(job, started.stream).map(Ok);
-            return Ok(Box::pin(
-                futures::stream::once(async move { Ok(StreamResponse::Task(task)) })
-                    .chain(updates),
-            ));
+            let (tasks, store) = (self.tasks.clone(), self.turns.store().clone());
+            return Ok(Box::pin(async_stream::stream! {
+                let id = task.id.clone();
+                yield Ok(StreamResponse::Task(task));
+                let mut updates = std::pin::pin!(executor::updates(job, started.stream));
+                let mut last = None;
+                while let Some(update) = updates.next().await {
+                    last = Some(update.clone());
+                    yield Ok(update);
+                }
+                // The replica that ran the task died (its lease expired and
+                // the turn was failed for it): nobody else will write the
+                // task's end, so the follower does.
+                if let Some(StreamResponse::StatusUpdate(end)) = last {
+                    let orphaned = matches!(
+                        store.get_turn(&key).await,
+                        Ok(Some(t)) if t.outcome == Some(crate::grpc::status::replica_stopped())
+                    );
+                    if orphaned
+                        && let Ok(Some(mut t)) = tasks.get(&id).await
+                        && !t.status.state.is_terminal()
+                    {
+                        t.status = end.status;
+                        if let Err(e) = tasks.update(t).await {
+                            tracing::warn!(task = %id, error = %e.message, "a2a: cannot record the end of an orphaned task");
+                        }
+                    }
+                }
+            }));
         }
         Err(A2AError::unsupported_operation(
             "the task has not started running yet; subscribe again or use GetTask",
@@ -143,7 +169,11 @@ impl RequestHandler for Handler {
         self.inner.send_streaming_message(params, req).await
     }
 
-    async fn get_task(&self, params: &ServiceParams, req: GetTaskRequest) -> Result<Task, A2AError> {
+    async fn get_task(
+        &self,
+        params: &ServiceParams,
+        req: GetTaskRequest,
+    ) -> Result<Task, A2AError> {
         self.inner.get_task(params, req).await
     }
 

@@ -416,8 +416,11 @@ sql_task_store!(PostgresTasks, sqlx::Postgres);
 /// sessions created in the memory store.
 pub struct MemoryTasks {
     tasks: a2a_server::InMemoryTaskStore,
-    ensure: Box<dyn Fn(SessionId, &UserId) + Send + Sync>,
+    ensure: Box<EnsureSession>,
 }
+
+/// Creates a session in the memory store unless it exists.
+type EnsureSession = dyn Fn(SessionId, &UserId) + Send + Sync;
 
 impl MemoryTasks {
     /// `ensure` creates a session in the memory store unless it exists.
@@ -465,7 +468,10 @@ mod tests {
 
     #[test]
     fn a_context_maps_to_one_session_per_user() {
-        let (alice, bob) = (UserId::parse("alice").unwrap(), UserId::parse("bob").unwrap());
+        let (alice, bob) = (
+            UserId::parse("alice").unwrap(),
+            UserId::parse("bob").unwrap(),
+        );
         assert_eq!(context_session(&alice, "c1"), context_session(&alice, "c1"));
         assert_ne!(context_session(&alice, "c1"), context_session(&alice, "c2"));
         assert_ne!(context_session(&alice, "c1"), context_session(&bob, "c1"));

@@ -69,10 +69,7 @@ impl SqliteStore {
                 "turns interrupted by the previous process were marked failed (UNAVAILABLE)"
             );
         }
-        let tasks = store
-            .a2a
-            .fail_unfinished(&outcome.message)
-            .await?;
+        let tasks = store.a2a.fail_unfinished(&outcome.message).await?;
         if tasks > 0 {
             tracing::warn!(
                 tasks,
