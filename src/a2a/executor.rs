@@ -14,7 +14,7 @@
 //! tasks what every run has: the concurrency cap, the server's maximum run
 //! duration, the drain and cut of shutdown, and a turn record in the store.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use a2a::{
@@ -29,17 +29,16 @@ use tokio_util::sync::CancellationToken;
 use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
 use crate::grpc::status;
 use crate::pb;
-use crate::turn::{Failure, RunError, Turns};
+use crate::store::TurnState;
+use crate::store::a2a_tasks::context_session;
+use crate::turn::{Failure, RunError, RunStream, Turns};
 
 /// The id of the artifact that carries an agent's answer.
 pub const ANSWER_ARTIFACT_ID: &str = "answer";
 /// Message or request metadata key naming the agent to run.
 pub const AGENT_METADATA_KEY: &str = "agent";
 /// The user an unauthenticated A2A caller runs as.
-pub const ANONYMOUS_USER: &str = "a2a-anonymous";
-/// Contexts whose session this process remembers; the oldest is forgotten
-/// past it (a later task in that context starts a fresh session).
-const MAX_REMEMBERED_CONTEXTS: usize = 10_000;
+pub const ANONYMOUS_USER: &str = crate::store::a2a_tasks::A2A_USER;
 
 /// Runs A2A tasks on the turn engine.
 #[derive(Clone)]
@@ -51,16 +50,8 @@ struct Shared {
     turns: Arc<Turns>,
     /// Longest accepted message text, as for agents.v1.
     max_input_bytes: usize,
-    /// Session of each A2A context, so turns of one context share memory.
-    sessions: Mutex<Sessions>,
     /// Cancellation of each task running here, fired by CancelTask.
     running: Arc<Mutex<HashMap<String, CancellationToken>>>,
-}
-
-#[derive(Default)]
-struct Sessions {
-    by_context: HashMap<(String, String), SessionId>,
-    order: VecDeque<(String, String)>,
 }
 
 impl TurnExecutor {
@@ -68,7 +59,6 @@ impl TurnExecutor {
         let shared = Shared {
             turns,
             max_input_bytes,
-            sessions: Mutex::default(),
             running: Arc::default(),
         };
         Self {
@@ -78,35 +68,21 @@ impl TurnExecutor {
 }
 
 impl Shared {
-    /// The session of (`user`, `context`), created on first use.
+    /// The session of (`user`, `context`), created on first use: derived
+    /// from the pair, so every replica and every restart finds the same one.
     async fn session(&self, user: &UserId, context: &str) -> Result<SessionId, RunError> {
-        let key = (user.as_str().to_owned(), context.to_owned());
-        if let Some(id) = self
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_context
-            .get(&key)
-        {
-            return Ok(*id);
-        }
-        let session = self.turns.store().create_session(user).await?;
-        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let id = *s.by_context.entry(key.clone()).or_insert(session.id);
-        if s.order.len() < s.by_context.len() {
-            s.order.push_back(key);
-        }
-        while s.order.len() > MAX_REMEMBERED_CONTEXTS {
-            if let Some(old) = s.order.pop_front() {
-                s.by_context.remove(&old);
-            }
-        }
+        let id = context_session(user, context);
+        self.turns
+            .store()
+            .a2a_tasks()
+            .ensure_session(id, user)
+            .await?;
         Ok(id)
     }
 }
 
 /// Everything one execution needs, taken from the executor context.
-struct Job {
+pub(crate) struct Job {
     task_id: String,
     context_id: String,
     message: Message,
@@ -154,6 +130,20 @@ impl Job {
             turn_index,
             is_new,
         })
+    }
+
+    /// The job of following a task's turn that runs elsewhere: only its ids
+    /// matter for mapping events.
+    pub(crate) fn follower(task_id: String, context_id: String) -> Self {
+        Job {
+            task_id,
+            context_id,
+            message: Message::new(Role::User, vec![]),
+            user: UserId::parse(ANONYMOUS_USER).expect("a valid id"),
+            agent: None,
+            turn_index: 0,
+            is_new: false,
+        }
     }
 
     fn status(&self, state: TaskState, message: Option<Message>) -> StreamResponse {
@@ -374,7 +364,7 @@ impl Shared {
             let cancel = CancellationToken::new();
             self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(job.task_id.clone(), cancel.clone());
             let _running = Running { tasks: self.running.clone(), task_id: job.task_id.clone() };
-            let mut events = match self.turns.start(input, None).await {
+            let events = match self.turns.start(input, None).await {
                 Ok(started) => started.stream,
                 Err(e) => {
                     let (state, why) = refusal(e, &self.turns);
@@ -386,7 +376,8 @@ impl Shared {
             };
             yield Ok(job.submitted());
             yield Ok(job.status(TaskState::Working, None));
-            let mut mapper = Mapper::new();
+            let task_id = job.task_id.clone();
+            let mut updates = std::pin::pin!(updates(job, events));
             loop {
                 let next = tokio::select! {
                     biased;
@@ -394,33 +385,55 @@ impl Shared {
                         // Dropping the stream is the agents.v1 cancel path: the
                         // pump sees the channel close and cancels the agent.
                         // CancelTask reports CANCELED itself.
-                        tracing::info!(task = %job.task_id, "a2a: task cancelled; run dropped");
+                        tracing::info!(task = %task_id, "a2a: task cancelled; run dropped");
                         return;
                     }
-                    next = events.next() => next,
+                    next = updates.next() => next,
                 };
                 match next {
-                    Some(Ok(e)) => {
-                        for update in mapper.map(&job, e) {
-                            yield Ok(update);
-                        }
-                    }
-                    Some(Err(f)) => {
-                        let state = if matches!(f, Failure::ClientGone) { TaskState::Canceled } else { TaskState::Failed };
-                        let why = status::failure(f).message().to_owned();
-                        yield Ok(job.status(state, Some(job.agent_message(vec![Part::text(why)]))));
-                        return;
-                    }
-                    None => break,
+                    Some(update) => yield Ok(update),
+                    None => return,
                 }
             }
-            if mapper.answered {
-                yield Ok(job.status(TaskState::Completed, None));
-            } else {
-                let why = status::failure(Failure::NoFinalAnswer).message().to_owned();
-                yield Ok(job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)]))));
-            }
         })
+    }
+}
+
+/// The A2A updates of one turn's events, to the task's terminal status:
+/// what the executor streams for the run it started, and what a follower of
+/// a turn run elsewhere streams (see `follow`).
+pub(crate) fn updates(
+    job: Job,
+    mut events: RunStream,
+) -> impl futures::Stream<Item = StreamResponse> {
+    async_stream::stream! {
+        let mut mapper = Mapper::new();
+        loop {
+            match events.next().await {
+                Some(Ok(e)) => {
+                    for update in mapper.map(&job, e) {
+                        yield update;
+                    }
+                }
+                Some(Err(f)) => {
+                    let state = match &f {
+                        Failure::ClientGone => TaskState::Canceled,
+                        Failure::Stored(o) if o.state == TurnState::Cancelled => TaskState::Canceled,
+                        _ => TaskState::Failed,
+                    };
+                    let why = status::failure(f).message().to_owned();
+                    yield job.status(state, Some(job.agent_message(vec![Part::text(why)])));
+                    return;
+                }
+                None => break,
+            }
+        }
+        if mapper.answered {
+            yield job.status(TaskState::Completed, None);
+        } else {
+            let why = status::failure(Failure::NoFinalAnswer).message().to_owned();
+            yield job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)])));
+        }
     }
 }
 

@@ -3,13 +3,17 @@
 //! The protocol is the official crates': `a2a-lf` types, `a2a-server-lf`'s
 //! `DefaultRequestHandler` (task lifecycle, SSE, JSON-RPC over axum),
 //! `a2a-grpc`'s tonic binding. What is ours: the executor that runs a task on
-//! the turn engine ([`executor`]), the agent card, the version check the gRPC
-//! binding lacks ([`version`]), and the assembly below. The gRPC service joins
+//! the turn engine ([`executor`]), the task store on our store
+//! (`store::a2a_tasks`: tasks survive restarts and are shared by replicas on
+//! PostgreSQL), SubscribeToTask for a task another replica runs ([`follow`]),
+//! the agent card, the version check the gRPC binding lacks ([`version`]),
+//! and the assembly below. The gRPC service joins
 //! agents.v1 on the same port (see `server`); JSON-RPC, SSE and the card are
 //! served on their own HTTP listener.
 
 pub mod conformance;
 pub mod executor;
+pub mod follow;
 pub mod version;
 
 use std::sync::Arc;
@@ -19,9 +23,10 @@ use a2a::{
     TRANSPORT_PROTOCOL_JSONRPC,
 };
 use a2a_pb::proto::a2a_service_server::A2aServiceServer;
-use a2a_server::{DefaultRequestHandler, InMemoryTaskStore, StaticAgentCard};
+use a2a_server::{DefaultRequestHandler, StaticAgentCard};
 
 use crate::agent::AgentRegistry;
+use crate::store::a2a_tasks::SharedTasks;
 use crate::turn::Turns;
 
 pub use executor::TurnExecutor;
@@ -36,7 +41,7 @@ pub const OUTPUT_MODES: &[&str] = &["text/plain", "application/json"];
 
 /// The request handler both bindings share, so a task started over one is
 /// visible over the other.
-pub type Handler = DefaultRequestHandler;
+pub type Handler = follow::Handler;
 
 /// The A2A face of one server.
 #[derive(Clone)]
@@ -52,13 +57,15 @@ impl A2a {
         max_input_bytes: usize,
         conformance: Option<std::time::Duration>,
     ) -> Self {
-        let executor = TurnExecutor::new(turns, max_input_bytes);
+        let tasks = turns.store().a2a_tasks();
+        let executor = TurnExecutor::new(turns.clone(), max_input_bytes);
+        let store = SharedTasks(tasks.clone());
         let handler = match conformance {
             Some(wait) => DefaultRequestHandler::new(
                 conformance::ConformanceExecutor::new(executor, wait),
-                InMemoryTaskStore::new(),
+                store,
             ),
-            None => DefaultRequestHandler::new(executor, InMemoryTaskStore::new()),
+            None => DefaultRequestHandler::new(executor, store),
         };
         let handler = handler
             .with_capabilities(capabilities())
@@ -70,7 +77,7 @@ impl A2a {
             )
             .with_authorizer(version::VersionCheck);
         Self {
-            handler: Arc::new(handler),
+            handler: Arc::new(follow::Handler::new(handler, turns, tasks)),
         }
     }
 

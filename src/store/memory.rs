@@ -2,7 +2,7 @@
 //! reference behaviour the durable stores must match.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -26,20 +26,49 @@ struct Inner {
 }
 
 /// Everything in one mutex: every operation is short and never awaits.
-#[derive(Default)]
 pub struct MemoryStore {
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
+    /// A2A tasks (not removed with their session here).
+    a2a: Arc<a2a_tasks::MemoryTasks>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl MemoryStore {
     pub fn new() -> Self {
-        Self::default()
+        let inner: Arc<Mutex<Inner>> = Arc::default();
+        let sessions = inner.clone();
+        let a2a = Arc::new(a2a_tasks::MemoryTasks::new(move |id, user| {
+            let now = from_micros(to_micros(SystemTime::now()));
+            sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .sessions
+                .entry(id)
+                .or_insert_with(|| Session {
+                    id,
+                    user_id: user.clone(),
+                    created_at: now,
+                    updated_at: now,
+                });
+        }));
+        Self { inner, a2a }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave a half-written row:
         // every mutation below is a single insert or push.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl a2a_tasks::A2aTaskSource for MemoryStore {
+    fn a2a_tasks(&self) -> Arc<dyn a2a_tasks::A2aTasks> {
+        self.a2a.clone()
     }
 }
 

@@ -4,6 +4,7 @@
 //! Claiming a turn is the dedup point: [`Store::claim_turn`] is atomic, so two
 //! callers racing on one request id cannot both be told [`Claim::New`].
 
+pub mod a2a_tasks;
 pub mod memory;
 pub mod postgres;
 mod codec;
@@ -215,8 +216,9 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// Every store also keeps the A2A face's tasks ([`a2a_tasks`]).
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session>;
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>>;
 

@@ -5,6 +5,7 @@
 //! other's turns by short polling of the event log.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -18,6 +19,7 @@ pub struct PostgresStore {
     read: PgPool,
     /// The same pool as `read`: PostgreSQL serialises writers itself.
     write: PgPool,
+    a2a: Arc<super::a2a_tasks::PostgresTasks>,
 }
 
 impl PostgresStore {
@@ -42,6 +44,10 @@ impl PostgresStore {
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let store = Self {
             read: pool.clone(),
+            a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
+                pool.clone(),
+                pool.clone(),
+            )),
             write: pool,
         };
         let moved = store.move_legacy_events().await?;
@@ -49,6 +55,12 @@ impl PostgresStore {
             tracing::info!(events = moved, "moved the event log to the batched layout");
         }
         Ok(store)
+    }
+}
+
+impl super::a2a_tasks::A2aTaskSource for PostgresStore {
+    fn a2a_tasks(&self) -> Arc<dyn super::a2a_tasks::A2aTasks> {
+        self.a2a.clone()
     }
 }
 

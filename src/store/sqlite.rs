@@ -5,6 +5,7 @@
 //! rare checkpoint contention.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{
@@ -21,6 +22,7 @@ pub struct SqliteStore {
     read: SqlitePool,
     /// The one writer connection.
     write: SqlitePool,
+    a2a: Arc<super::a2a_tasks::SqliteTasks>,
 }
 
 impl SqliteStore {
@@ -45,7 +47,11 @@ impl SqliteStore {
             .acquire_timeout(BUSY_TIMEOUT)
             .connect_with(opts.read_only(true))
             .await?;
-        let store = Self { read, write };
+        let a2a = Arc::new(super::a2a_tasks::SqliteTasks::new(
+            read.clone(),
+            write.clone(),
+        ));
+        let store = Self { read, write, a2a };
         let moved = store.move_legacy_events().await?;
         if moved > 0 {
             tracing::info!(events = moved, "moved the event log to the batched layout");
@@ -67,7 +73,20 @@ impl SqliteStore {
                 "turns interrupted by the previous process were marked failed (UNAVAILABLE)"
             );
         }
+        let tasks = store.a2a.fail_unfinished(&outcome.message).await?;
+        if tasks > 0 {
+            tracing::warn!(
+                tasks,
+                "A2A tasks interrupted by the previous process were marked failed"
+            );
+        }
         Ok(store)
+    }
+}
+
+impl super::a2a_tasks::A2aTaskSource for SqliteStore {
+    fn a2a_tasks(&self) -> Arc<dyn super::a2a_tasks::A2aTasks> {
+        self.a2a.clone()
     }
 }
 

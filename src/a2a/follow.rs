@@ -1,0 +1,247 @@
+//! The request handler both A2A bindings serve: the crate's
+//! `DefaultRequestHandler` on our task store, plus SubscribeToTask for a task
+//! that runs on another replica.
+//!
+//! `DefaultRequestHandler` can only resubscribe to an execution of its own
+//! process (it keeps them in memory), and answers TaskNotFound for a task
+//! that is running anywhere else. Every task runs as a turn of the turn
+//! engine, and turns are followed from any replica (stored events, then live
+//! ones, then the outcome), so a subscription that misses here follows the
+//! task's turn instead:
+//!
+//! ```text
+//! SubscribeToTask ─▶ DefaultRequestHandler ─▶ running here: its live stream
+//!                  └ TaskNotFound, task in the store and not terminal
+//!                     ─▶ the task's latest turn (session of its context, request id "<task>.<n>")
+//!                     ─▶ Turns::attach ─▶ the task snapshot, then every event of the turn mapped
+//!                        as the executor maps them (the first answer chunk replaces the
+//!                        snapshot's), then the terminal status
+//! ```
+//!
+//! A task whose replica died is ended by its follower: the turn's lease
+//! expires, the turn fails with UNAVAILABLE, and the follower writes FAILED
+//! into the task, which nobody else would.
+
+use std::sync::Arc;
+
+use a2a::*;
+use a2a_server::{DefaultRequestHandler, RequestHandler, ServiceParams};
+use async_trait::async_trait;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+use super::executor::{self, Job};
+use crate::domain::{RequestId, TurnKey, UserId};
+use crate::store::a2a_tasks::{A2A_USER, A2aTasks, context_session};
+use crate::turn::Turns;
+
+/// Store reads while waiting for a new task's turn to be claimed.
+const TURN_WAIT_POLLS: u32 = 50;
+
+pub struct Handler {
+    inner: DefaultRequestHandler,
+    turns: Arc<Turns>,
+    tasks: Arc<dyn A2aTasks>,
+}
+
+impl Handler {
+    pub fn new(inner: DefaultRequestHandler, turns: Arc<Turns>, tasks: Arc<dyn A2aTasks>) -> Self {
+        Self {
+            inner,
+            turns,
+            tasks,
+        }
+    }
+
+    /// Follows a task that is not terminal and runs elsewhere.
+    async fn follow_remote(
+        &self,
+        task_id: &str,
+    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
+        let user = UserId::parse(A2A_USER).expect("a valid user id");
+        let prefix = format!("{task_id}.");
+        for _ in 0..TURN_WAIT_POLLS {
+            let Some(task) = self.tasks.get(task_id).await? else {
+                return Err(A2AError::task_not_found(task_id));
+            };
+            if task.status.state.is_terminal() {
+                return Err(terminal(task_id));
+            }
+            if !matches!(task.status.state, TaskState::Submitted | TaskState::Working) {
+                // Waiting for input: nothing runs, here or elsewhere.
+                return Err(A2AError::task_not_found(task_id));
+            }
+            let session = context_session(&user, &task.context_id);
+            let turns =
+                self.turns.store().list_turns(session).await.map_err(|_| {
+                    A2AError::internal("the task store is unavailable; retry later")
+                })?;
+            let Some(turn) = turns
+                .into_iter()
+                .rev()
+                .find(|t| t.key.request_id.as_str().starts_with(&prefix))
+            else {
+                if task.status.state == TaskState::Working {
+                    // Working without a turn: a scripted (conformance) task,
+                    // which only its own replica can stream.
+                    return Err(A2AError::unsupported_operation(
+                        "the task runs on another replica and cannot be followed; use GetTask",
+                    ));
+                }
+                // Submitted, its turn not claimed yet: look again shortly.
+                tokio::time::sleep(self.turns.config().follow_poll).await;
+                continue;
+            };
+            let key = TurnKey {
+                session_id: session,
+                request_id: RequestId::parse(turn.key.request_id.as_str().to_owned())
+                    .map_err(|_| A2AError::internal("the task's turn is malformed"))?,
+            };
+            let started = self
+                .turns
+                .attach(&user, key.clone(), None, None)
+                .await
+                .map_err(|e| {
+                    tracing::warn!(task = %task_id, error = %e, "a2a: cannot follow the task's turn");
+                    A2AError::unsupported_operation(
+                        "the task runs on another replica and cannot be followed now; use GetTask",
+                    )
+                })?;
+            tracing::info!(task = %task_id, mode = started.mode.as_str(), "a2a: following a task run elsewhere");
+            let job = Job::follower(task.id.clone(), task.context_id.clone());
+            let (tasks, store) = (self.tasks.clone(), self.turns.store().clone());
+            return Ok(Box::pin(async_stream::stream! {
+                let id = task.id.clone();
+                yield Ok(StreamResponse::Task(task));
+                let mut updates = std::pin::pin!(executor::updates(job, started.stream));
+                let mut last = None;
+                while let Some(update) = updates.next().await {
+                    last = Some(update.clone());
+                    yield Ok(update);
+                }
+                // The replica that ran the task died (its lease expired and
+                // the turn was failed for it): nobody else will write the
+                // task's end, so the follower does.
+                if let Some(StreamResponse::StatusUpdate(end)) = last {
+                    let orphaned = matches!(
+                        store.get_turn(&key).await,
+                        Ok(Some(t)) if t.outcome == Some(crate::grpc::status::replica_stopped())
+                    );
+                    if orphaned
+                        && let Ok(Some(mut t)) = tasks.get(&id).await
+                        && !t.status.state.is_terminal()
+                    {
+                        t.status = end.status;
+                        if let Err(e) = tasks.update(t).await {
+                            tracing::warn!(task = %id, error = %e.message, "a2a: cannot record the end of an orphaned task");
+                        }
+                    }
+                }
+            }));
+        }
+        Err(A2AError::unsupported_operation(
+            "the task has not started running yet; subscribe again or use GetTask",
+        ))
+    }
+}
+
+fn terminal(task_id: &str) -> A2AError {
+    A2AError::unsupported_operation(format!(
+        "task {task_id} has already reached a terminal state"
+    ))
+}
+
+#[async_trait]
+impl RequestHandler for Handler {
+    async fn send_message(
+        &self,
+        params: &ServiceParams,
+        req: SendMessageRequest,
+    ) -> Result<SendMessageResponse, A2AError> {
+        self.inner.send_message(params, req).await
+    }
+
+    async fn send_streaming_message(
+        &self,
+        params: &ServiceParams,
+        req: SendMessageRequest,
+    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
+        self.inner.send_streaming_message(params, req).await
+    }
+
+    async fn get_task(
+        &self,
+        params: &ServiceParams,
+        req: GetTaskRequest,
+    ) -> Result<Task, A2AError> {
+        self.inner.get_task(params, req).await
+    }
+
+    async fn list_tasks(
+        &self,
+        params: &ServiceParams,
+        req: ListTasksRequest,
+    ) -> Result<ListTasksResponse, A2AError> {
+        self.inner.list_tasks(params, req).await
+    }
+
+    async fn cancel_task(
+        &self,
+        params: &ServiceParams,
+        req: CancelTaskRequest,
+    ) -> Result<Task, A2AError> {
+        self.inner.cancel_task(params, req).await
+    }
+
+    async fn subscribe_to_task(
+        &self,
+        params: &ServiceParams,
+        req: SubscribeToTaskRequest,
+    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
+        let id = req.id.clone();
+        match self.inner.subscribe_to_task(params, req).await {
+            Err(e) if e.code == error_code::TASK_NOT_FOUND => self.follow_remote(&id).await,
+            other => other,
+        }
+    }
+
+    async fn create_push_config(
+        &self,
+        params: &ServiceParams,
+        req: TaskPushNotificationConfig,
+    ) -> Result<TaskPushNotificationConfig, A2AError> {
+        self.inner.create_push_config(params, req).await
+    }
+
+    async fn get_push_config(
+        &self,
+        params: &ServiceParams,
+        req: GetTaskPushNotificationConfigRequest,
+    ) -> Result<TaskPushNotificationConfig, A2AError> {
+        self.inner.get_push_config(params, req).await
+    }
+
+    async fn list_push_configs(
+        &self,
+        params: &ServiceParams,
+        req: ListTaskPushNotificationConfigsRequest,
+    ) -> Result<ListTaskPushNotificationConfigsResponse, A2AError> {
+        self.inner.list_push_configs(params, req).await
+    }
+
+    async fn delete_push_config(
+        &self,
+        params: &ServiceParams,
+        req: DeleteTaskPushNotificationConfigRequest,
+    ) -> Result<(), A2AError> {
+        self.inner.delete_push_config(params, req).await
+    }
+
+    async fn get_extended_agent_card(
+        &self,
+        params: &ServiceParams,
+        req: GetExtendedAgentCardRequest,
+    ) -> Result<AgentCard, A2AError> {
+        self.inner.get_extended_agent_card(params, req).await
+    }
+}

@@ -1,0 +1,494 @@
+//! A2A tasks in our stores: an `a2a_server::TaskStore` on SQLite and
+//! PostgreSQL (table `a2a_tasks`, migration 0003), and one in memory.
+//!
+//! A row holds the serialized task (its A2A JSON) with the columns ListTasks
+//! filters and pages on (context, state, status time, creation order) and a
+//! version for optimistic updates. Every task belongs to the session of its
+//! context ([`context_session`]): creating a task creates that session when
+//! it is missing, and deleting the session (DeleteSession) deletes its tasks
+//! (`ON DELETE CASCADE`). Tasks are not pruned otherwise.
+//!
+//! The session of a context is derived, not looked up: a name-based UUID of
+//! (user, contextId). Every replica computes the same id, and creating it is
+//! `INSERT … ON CONFLICT DO NOTHING`, so two replicas racing on a new context
+//! end up in one session.
+
+use std::sync::Arc;
+
+use a2a::{A2AError, ListTasksRequest, ListTasksResponse, Task, TaskState};
+use a2a_server::TaskStore;
+use a2a_server::task_store::TaskVersion;
+use async_trait::async_trait;
+
+use super::{StoreError, StoreResult};
+use crate::domain::{SessionId, UserId};
+
+/// The user every A2A task runs as: the A2A handler passes no caller
+/// identity to its executor or its task store.
+pub const A2A_USER: &str = "a2a-anonymous";
+
+/// Optimistic retries of a CancelTask racing other writes to one task.
+const CANCEL_ATTEMPTS: usize = 16;
+
+/// The session of (`user`, `context_id`): the same on every replica and
+/// across restarts, never equal to a generated (v4) session id.
+pub fn context_session(user: &UserId, context_id: &str) -> SessionId {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"agentd.a2a.context\0");
+    h.update(user.as_str().as_bytes());
+    h.update([0u8]);
+    h.update(context_id.as_bytes());
+    let digest = h.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    // RFC 9562 version 8 (custom, here SHA-256 name-based), RFC variant.
+    let uuid = uuid::Builder::from_custom_bytes(bytes).into_uuid();
+    SessionId::parse(&uuid.to_string()).expect("a UUID")
+}
+
+fn a2a_user() -> UserId {
+    UserId::parse(A2A_USER).expect("a valid user id")
+}
+
+/// What the A2A face needs from a store beyond the task store itself.
+#[async_trait]
+pub trait A2aTasks: TaskStore {
+    /// Creates session `id` for `user` unless it exists. Race-free: any
+    /// number of replicas may call it at once.
+    async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()>;
+}
+
+/// Gives a store's A2A task store. A supertrait of
+/// [`Store`](super::Store), implemented beside each store.
+pub trait A2aTaskSource {
+    fn a2a_tasks(&self) -> Arc<dyn A2aTasks>;
+}
+
+/// A store's A2A task store as the `impl TaskStore` the handler takes.
+#[derive(Clone)]
+pub struct SharedTasks(pub Arc<dyn A2aTasks>);
+
+#[async_trait]
+impl TaskStore for SharedTasks {
+    async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        self.0.create(task).await
+    }
+    async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        self.0.update(task).await
+    }
+    async fn get(&self, task_id: &str) -> Result<Option<Task>, A2AError> {
+        self.0.get(task_id).await
+    }
+    async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+        self.0.list(req).await
+    }
+    async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
+        self.0.begin_cancel(task_id).await
+    }
+}
+
+/// A store failure as an A2A error: the cause goes to the log, the caller
+/// gets a fixed message.
+fn a2a_err(e: StoreError) -> A2AError {
+    match &e {
+        StoreError::Unavailable(cause) => {
+            tracing::warn!(error = %cause, "a2a task store unavailable");
+            A2AError::internal("the task store is unavailable; retry later")
+        }
+        StoreError::Unexpected(cause) => {
+            tracing::error!(error = %cause, "a2a task store failed");
+            A2AError::internal("the task store failed")
+        }
+    }
+}
+
+fn state_name(state: &TaskState) -> String {
+    match serde_json::to_value(state) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => format!("{state:?}"),
+    }
+}
+
+fn status_micros(task: &Task) -> Option<i64> {
+    task.status.timestamp.map(|t| t.timestamp_micros())
+}
+
+fn encode(task: &Task) -> Result<String, A2AError> {
+    serde_json::to_string(task).map_err(|e| {
+        tracing::error!(error = %e, "an A2A task does not serialize");
+        A2AError::internal("the task could not be stored")
+    })
+}
+
+fn decode(json: &str) -> Result<Task, A2AError> {
+    serde_json::from_str(json).map_err(|e| {
+        tracing::error!(error = %e, "the store holds a malformed A2A task");
+        A2AError::internal("the task store holds a malformed task")
+    })
+}
+
+/// ListTasks pages newest first, by (created_at, id); the token is the last
+/// row's key.
+fn encode_cursor(created_at: i64, id: &str) -> String {
+    format!("{created_at}.{id}")
+}
+
+fn decode_cursor(token: &str) -> Result<(i64, String), A2AError> {
+    let bad = || A2AError::invalid_params("invalid page token");
+    let (micros, id) = token.split_once('.').ok_or_else(bad)?;
+    let micros = micros.parse::<i64>().map_err(|_| bad())?;
+    if id.is_empty() {
+        return Err(bad());
+    }
+    Ok((micros, id.to_owned()))
+}
+
+/// What a listed task shows: artifacts only on request (the spec's default
+/// is without).
+fn listed(mut task: Task, req: &ListTasksRequest) -> Task {
+    if req.include_artifacts != Some(true) {
+        task.artifacts = None;
+    }
+    task
+}
+
+/// A task's move to `next` is allowed unless it is terminal already; the
+/// same terminal state may be written again (idempotent re-emission).
+fn update_refused(task_id: &str, current: &TaskState, next: &TaskState) -> A2AError {
+    A2AError::invalid_request(format!(
+        "task {task_id} is in terminal state {current:?} and cannot transition to {next:?}"
+    ))
+}
+
+macro_rules! sql_task_store {
+    ($name:ident, $db:ty) => {
+        /// The A2A task store on this database (see the module docs).
+        pub struct $name {
+            read: sqlx::Pool<$db>,
+            write: sqlx::Pool<$db>,
+        }
+
+        impl $name {
+            pub fn new(read: sqlx::Pool<$db>, write: sqlx::Pool<$db>) -> Self {
+                Self { read, write }
+            }
+
+            /// Marks every task that is not terminal FAILED: for a store one
+            /// process owns, at start-up, when such a task's run is gone.
+            pub async fn fail_unfinished(&self, why: &str) -> anyhow::Result<u64> {
+                use sqlx::Row as _;
+                let rows = sqlx::query("SELECT id FROM a2a_tasks WHERE terminal = 0")
+                    .fetch_all(&self.write)
+                    .await?;
+                let mut n = 0;
+                for r in rows {
+                    let id: String = r.try_get("id")?;
+                    let Some(mut task) = TaskStore::get(self, &id).await.map_err(|e| anyhow::anyhow!(e.message))? else {
+                        continue;
+                    };
+                    task.status = a2a::TaskStatus {
+                        state: TaskState::Failed,
+                        message: Some(a2a::Message {
+                            context_id: Some(task.context_id.clone()),
+                            task_id: Some(task.id.clone()),
+                            ..a2a::Message::new(a2a::Role::Agent, vec![a2a::Part::text(why)])
+                        }),
+                        timestamp: Some(chrono::Utc::now()),
+                    };
+                    if TaskStore::update(self, task).await.is_ok() {
+                        n += 1;
+                    }
+                }
+                Ok(n)
+            }
+
+            async fn ensure_session_on<'e, E>(exec: E, id: SessionId, user: &UserId) -> StoreResult<()>
+            where
+                E: sqlx::Executor<'e, Database = $db>,
+            {
+                let now = super::to_micros(std::time::SystemTime::now());
+                sqlx::query(
+                    "INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, $2, $3, $3) ON CONFLICT (id) DO NOTHING",
+                )
+                .bind(id.to_string())
+                .bind(user.as_str())
+                .bind(now)
+                .execute(exec)
+                .await
+                .map_err(super::sql::db_err)?;
+                Ok(())
+            }
+        }
+
+        #[async_trait]
+        impl A2aTasks for $name {
+            async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()> {
+                Self::ensure_session_on(&self.write, id, user).await
+            }
+        }
+
+        #[async_trait]
+        impl TaskStore for $name {
+            async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+                let json = encode(&task)?;
+                let session = context_session(&a2a_user(), &task.context_id);
+                let now = super::to_micros(std::time::SystemTime::now());
+                let mut tx = self.write.begin().await.map_err(super::sql::db_err).map_err(a2a_err)?;
+                Self::ensure_session_on(&mut *tx, session, &a2a_user()).await.map_err(a2a_err)?;
+                let done = sqlx::query(
+                    "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $8) ON CONFLICT (id) DO NOTHING",
+                )
+                .bind(&task.id)
+                .bind(&task.context_id)
+                .bind(session.to_string())
+                .bind(state_name(&task.status.state))
+                .bind(i64::from(task.status.state.is_terminal()))
+                .bind(status_micros(&task))
+                .bind(json)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(super::sql::db_err)
+                .map_err(a2a_err)?;
+                if done.rows_affected() == 0 {
+                    return Err(A2AError::internal("task already exists"));
+                }
+                tx.commit().await.map_err(super::sql::db_err).map_err(a2a_err)?;
+                Ok(1)
+            }
+
+            async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
+                use sqlx::Row as _;
+                let json = encode(&task)?;
+                let state = state_name(&task.status.state);
+                let row = sqlx::query(
+                    "UPDATE a2a_tasks SET task_json = $2, state = $3, terminal = $4, status_at = $5, version = version + 1, updated_at = $6 \
+                     WHERE id = $1 AND (terminal = 0 OR state = $3) RETURNING version",
+                )
+                .bind(&task.id)
+                .bind(json)
+                .bind(&state)
+                .bind(i64::from(task.status.state.is_terminal()))
+                .bind(status_micros(&task))
+                .bind(super::to_micros(std::time::SystemTime::now()))
+                .fetch_optional(&self.write)
+                .await
+                .map_err(super::sql::db_err)
+                .map_err(a2a_err)?;
+                if let Some(row) = row {
+                    let v: i64 = row.try_get("version").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    return Ok(v as TaskVersion);
+                }
+                match TaskStore::get(self, &task.id).await? {
+                    None => Err(A2AError::task_not_found(&task.id)),
+                    Some(current) => Err(update_refused(&task.id, &current.status.state, &task.status.state)),
+                }
+            }
+
+            async fn get(&self, task_id: &str) -> Result<Option<Task>, A2AError> {
+                use sqlx::Row as _;
+                let row = sqlx::query("SELECT task_json FROM a2a_tasks WHERE id = $1")
+                    .bind(task_id)
+                    .fetch_optional(&self.read)
+                    .await
+                    .map_err(super::sql::db_err)
+                    .map_err(a2a_err)?;
+                match row {
+                    None => Ok(None),
+                    Some(r) => {
+                        let json: String = r.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
+                        decode(&json).map(Some)
+                    }
+                }
+            }
+
+            async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+                use sqlx::Row as _;
+                let page_size = a2a_server::pagination::resolve_page_size(req.page_size);
+                let cursor = match req.page_token.as_deref().filter(|t| !t.is_empty()) {
+                    Some(t) => Some(decode_cursor(t)?),
+                    None => None,
+                };
+                let context = req.context_id.as_deref().filter(|c| !c.is_empty());
+                let state = req
+                    .status
+                    .as_ref()
+                    .filter(|s| **s != TaskState::Unspecified)
+                    .map(state_name);
+                let after = req.status_timestamp_after.map(|t| t.timestamp_micros());
+                const FILTER: &str = "($1 IS NULL OR context_id = $1) AND ($2 IS NULL OR state = $2) AND ($3 IS NULL OR status_at >= $3)";
+                let total: i64 = sqlx::query(&format!("SELECT COUNT(*) AS n FROM a2a_tasks WHERE {FILTER}"))
+                    .bind(context)
+                    .bind(state.as_deref())
+                    .bind(after)
+                    .fetch_one(&self.read)
+                    .await
+                    .and_then(|r| r.try_get("n"))
+                    .map_err(super::sql::db_err)
+                    .map_err(a2a_err)?;
+                let rows = sqlx::query(&format!(
+                    "SELECT id, created_at, task_json FROM a2a_tasks WHERE {FILTER} \
+                     AND ($4 IS NULL OR created_at < $4 OR (created_at = $4 AND id < $5)) \
+                     ORDER BY created_at DESC, id DESC LIMIT $6"
+                ))
+                .bind(context)
+                .bind(state.as_deref())
+                .bind(after)
+                .bind(cursor.as_ref().map(|c| c.0))
+                .bind(cursor.as_ref().map(|c| c.1.as_str()).unwrap_or(""))
+                .bind(page_size as i64 + 1)
+                .fetch_all(&self.read)
+                .await
+                .map_err(super::sql::db_err)
+                .map_err(a2a_err)?;
+                let more = rows.len() > page_size;
+                let mut tasks = Vec::with_capacity(page_size);
+                let mut last = None;
+                for r in rows.iter().take(page_size) {
+                    let json: String = r.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let id: String = r.try_get("id").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let created: i64 = r.try_get("created_at").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    tasks.push(listed(decode(&json)?, req));
+                    last = Some((created, id));
+                }
+                let next_page_token = match (more, last) {
+                    (true, Some((c, id))) => encode_cursor(c, &id),
+                    _ => String::new(),
+                };
+                Ok(ListTasksResponse {
+                    tasks,
+                    next_page_token,
+                    page_size: page_size as i32,
+                    total_size: i32::try_from(total).unwrap_or(i32::MAX),
+                })
+            }
+
+            async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
+                use sqlx::Row as _;
+                for _ in 0..CANCEL_ATTEMPTS {
+                    let row = sqlx::query("SELECT task_json, version FROM a2a_tasks WHERE id = $1")
+                        .bind(task_id)
+                        .fetch_optional(&self.write)
+                        .await
+                        .map_err(super::sql::db_err)
+                        .map_err(a2a_err)?
+                        .ok_or_else(|| A2AError::task_not_found(task_id))?;
+                    let json: String = row.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let version: i64 = row.try_get("version").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let mut task = decode(&json)?;
+                    if task.status.state.is_terminal() {
+                        return Err(A2AError::task_not_cancelable(task_id));
+                    }
+                    task.status.state = TaskState::Canceled;
+                    task.status.timestamp = Some(chrono::Utc::now());
+                    // Compare-and-set on the version: a write in between
+                    // (the run's next update, another cancel) makes us re-read.
+                    let done = sqlx::query(
+                        "UPDATE a2a_tasks SET task_json = $3, state = $4, terminal = 1, status_at = $5, version = version + 1, updated_at = $6 \
+                         WHERE id = $1 AND version = $2",
+                    )
+                    .bind(task_id)
+                    .bind(version)
+                    .bind(encode(&task)?)
+                    .bind(state_name(&TaskState::Canceled))
+                    .bind(status_micros(&task))
+                    .bind(super::to_micros(std::time::SystemTime::now()))
+                    .execute(&self.write)
+                    .await
+                    .map_err(super::sql::db_err)
+                    .map_err(a2a_err)?;
+                    if done.rows_affected() == 1 {
+                        return Ok(task);
+                    }
+                }
+                Err(A2AError::internal("the task changed too often to cancel; retry"))
+            }
+        }
+    };
+}
+
+sql_task_store!(SqliteTasks, sqlx::Sqlite);
+sql_task_store!(PostgresTasks, sqlx::Postgres);
+
+/// The in-memory store's A2A tasks: the crate's in-memory task store, with
+/// sessions created in the memory store.
+pub struct MemoryTasks {
+    tasks: a2a_server::InMemoryTaskStore,
+    ensure: Box<EnsureSession>,
+}
+
+/// Creates a session in the memory store unless it exists.
+type EnsureSession = dyn Fn(SessionId, &UserId) + Send + Sync;
+
+impl MemoryTasks {
+    /// `ensure` creates a session in the memory store unless it exists.
+    pub fn new(ensure: impl Fn(SessionId, &UserId) + Send + Sync + 'static) -> Self {
+        Self {
+            tasks: a2a_server::InMemoryTaskStore::new(),
+            ensure: Box::new(ensure),
+        }
+    }
+}
+
+#[async_trait]
+impl A2aTasks for MemoryTasks {
+    async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()> {
+        (self.ensure)(id, user);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl TaskStore for MemoryTasks {
+    async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        (self.ensure)(context_session(&a2a_user(), &task.context_id), &a2a_user());
+        self.tasks.create(task).await
+    }
+    async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        self.tasks.update(task).await
+    }
+    async fn get(&self, task_id: &str) -> Result<Option<Task>, A2AError> {
+        self.tasks.get(task_id).await
+    }
+    async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+        let mut page = self.tasks.list(req).await?;
+        page.tasks = page.tasks.into_iter().map(|t| listed(t, req)).collect();
+        Ok(page)
+    }
+    async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
+        self.tasks.begin_cancel(task_id).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_context_maps_to_one_session_per_user() {
+        let (alice, bob) = (
+            UserId::parse("alice").unwrap(),
+            UserId::parse("bob").unwrap(),
+        );
+        assert_eq!(context_session(&alice, "c1"), context_session(&alice, "c1"));
+        assert_ne!(context_session(&alice, "c1"), context_session(&alice, "c2"));
+        assert_ne!(context_session(&alice, "c1"), context_session(&bob, "c1"));
+        // The separator keeps ("ab", "c") and ("a", "bc") apart.
+        let (ab, a) = (UserId::parse("ab").unwrap(), UserId::parse("a").unwrap());
+        assert_ne!(context_session(&ab, "c"), context_session(&a, "bc"));
+        assert_eq!(context_session(&alice, "c1").as_uuid().get_version_num(), 8);
+    }
+
+    #[test]
+    fn a_page_token_round_trips_and_garbage_is_refused() {
+        assert_eq!(
+            decode_cursor(&encode_cursor(17, "t.1")).unwrap(),
+            (17, "t.1".to_owned())
+        );
+        for bad in ["", "x", "12.", "x.y", ".t"] {
+            assert!(decode_cursor(bad).is_err(), "{bad}");
+        }
+    }
+}

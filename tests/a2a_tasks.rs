@@ -1,0 +1,458 @@
+//! A2A tasks live in our store: they survive a restart of `agentd serve` on
+//! a SQLite file, any replica on one PostgreSQL database answers for any
+//! task (GetTask, ListTasks, SubscribeToTask), and an A2A context keeps its
+//! session (the agent's memory) across restarts and replicas.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use a2a::{
+    ListTasksRequest, Message, Part, Role, SendMessageRequest, StreamResponse,
+    SubscribeToTaskRequest, TaskState,
+};
+use agentd::client::a2a::{A2aClient, CallOptions, Outcome, parts_text};
+use futures::StreamExt;
+use support::*;
+
+const ORDER_Q: &str = "Where is order 1187?";
+const FOLLOW_UP: &str = "and when will it arrive?";
+const ANSWER: &str =
+    "Order 1187 (2 x espresso cups) has shipped with DHL and should arrive on 2026-12-04.";
+
+fn opts() -> CallOptions {
+    CallOptions {
+        idle_timeout: Duration::from_secs(20),
+        deadline: Duration::from_secs(60),
+        ..CallOptions::default()
+    }
+}
+
+/// Our A2A client on a server's gRPC face.
+async fn a2a_at(addr: SocketAddr) -> A2aClient {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)))
+}
+
+async fn serve(store: &str, extra: &[&str]) -> Child {
+    let mut args = vec!["--store", store, "--a2a-listen", "off"];
+    args.extend_from_slice(extra);
+    Child::serve(&args).await
+}
+
+fn user_message(text: &str, context_id: Option<&str>) -> Message {
+    Message {
+        context_id: context_id.map(str::to_owned),
+        ..Message::new(Role::User, vec![Part::text(text)])
+    }
+}
+
+/// Sends `text` (in `context_id`, if given) and returns (task id, context
+/// id, answer text) of the completed task.
+async fn ask(client: &A2aClient, text: &str, context_id: Option<&str>) -> (String, String, String) {
+    let out = client
+        .send(user_message(text, context_id), &opts(), None)
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        task_id,
+        context_id,
+        artifacts,
+        incomplete,
+    } = out
+    else {
+        panic!("not completed: {out:?}")
+    };
+    assert!(!incomplete);
+    let answer = artifacts.iter().map(|a| parts_text(&a.parts)).collect();
+    (task_id, context_id, answer)
+}
+
+fn answer_of(task: &a2a::Task) -> String {
+    task.artifacts
+        .iter()
+        .flatten()
+        .map(|a| parts_text(&a.parts))
+        .collect()
+}
+
+async fn list(client: &A2aClient, req: ListTasksRequest) -> a2a::ListTasksResponse {
+    client.raw().list_tasks(&req).await.unwrap()
+}
+
+fn all_tasks() -> ListTasksRequest {
+    ListTasksRequest {
+        context_id: None,
+        status: None,
+        page_size: None,
+        page_token: None,
+        history_length: None,
+        status_timestamp_after: None,
+        include_artifacts: Some(true),
+        tenant: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_and_its_context_survive_a_restart_on_sqlite() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let first = serve(&db.url, &[]).await;
+    let client = a2a_at(first.addr).await;
+    let (task_id, context_id, answer) = ask(&client, ORDER_Q, None).await;
+    assert_eq!(answer, ANSWER);
+    // A second context, so the listing has something to filter out.
+    let (other_task, other_context, _) = ask(&client, "hello", None).await;
+    assert_ne!(other_context, context_id);
+    first.kill9().await;
+
+    let second = serve(&db.url, &[]).await;
+    let client = a2a_at(second.addr).await;
+    let task = client.get_task(&task_id).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Completed);
+    assert_eq!(task.context_id, context_id);
+    assert_eq!(answer_of(&task), ANSWER);
+
+    let listed = list(&client, all_tasks()).await;
+    let ids: Vec<&str> = listed.tasks.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(listed.total_size, 2, "{ids:?}");
+    // Newest first.
+    assert_eq!(ids, [other_task.as_str(), task_id.as_str()]);
+    let in_context = list(
+        &client,
+        ListTasksRequest {
+            context_id: Some(context_id.clone()),
+            ..all_tasks()
+        },
+    )
+    .await;
+    assert_eq!(in_context.tasks.len(), 1);
+    assert_eq!(in_context.tasks[0].id, task_id);
+    assert_eq!(answer_of(&in_context.tasks[0]), ANSWER);
+
+    // The context still maps to its session: the follow-up needs the first
+    // turn's order number, which only the session's history has.
+    let (follow_up, same_context, answer) = ask(&client, FOLLOW_UP, Some(&context_id)).await;
+    assert_ne!(follow_up, task_id);
+    assert_eq!(same_context, context_id);
+    assert_eq!(answer, ANSWER);
+    // A context never seen before has no such memory.
+    let (_, _, fresh) = ask(&client, FOLLOW_UP, Some("a-new-context")).await;
+    assert_ne!(fresh, ANSWER);
+    second.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cut_by_a_killed_process_is_failed_at_the_next_start_on_sqlite() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let first = serve(&db.url, &["--tool-delay", "60s"]).await;
+    let client = a2a_at(first.addr).await;
+    let req = SendMessageRequest {
+        message: user_message(ORDER_Q, None),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut stream = client.raw().send_streaming_message(&req).await.unwrap();
+    let running = match stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    first.kill9().await;
+    let second = serve(&db.url, &[]).await;
+    let client = a2a_at(second.addr).await;
+    let task = client.get_task(&running).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Failed);
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("replica stopped"), "{why}");
+    second.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_tasks_pages_filters_and_refuses_a_bad_token() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let server = serve(&db.url, &[]).await;
+    let client = a2a_at(server.addr).await;
+    let mut sent = Vec::new();
+    for _ in 0..3 {
+        sent.push(ask(&client, "hello", Some("paging")).await.0);
+    }
+    let mut seen = Vec::new();
+    let mut token = None;
+    loop {
+        let page = list(
+            &client,
+            ListTasksRequest {
+                page_size: Some(2),
+                page_token: token.take(),
+                include_artifacts: None,
+                ..all_tasks()
+            },
+        )
+        .await;
+        assert_eq!(page.total_size, 3);
+        assert!(page.tasks.len() <= 2);
+        // Artifacts only on request.
+        assert!(page.tasks.iter().all(|t| t.artifacts.is_none()));
+        seen.extend(page.tasks.into_iter().map(|t| t.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = Some(page.next_page_token);
+    }
+    sent.reverse();
+    assert_eq!(seen, sent);
+
+    let none = list(
+        &client,
+        ListTasksRequest {
+            status: Some(TaskState::Working),
+            ..all_tasks()
+        },
+    )
+    .await;
+    assert_eq!((none.tasks.len(), none.total_size), (0, 0));
+    let done = list(
+        &client,
+        ListTasksRequest {
+            status: Some(TaskState::Completed),
+            ..all_tasks()
+        },
+    )
+    .await;
+    assert_eq!(done.total_size, 3);
+
+    let err = client
+        .raw()
+        .list_tasks(&ListTasksRequest {
+            page_token: Some("not-a-token".into()),
+            ..all_tasks()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, a2a::error_code::INVALID_PARAMS, "{err:?}");
+    assert!(!err.message.contains("not-a-token"), "{err:?}");
+    server.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = serve(
+        &db.url,
+        &["--replica-id", "replica-a", "--tool-delay", "60s"],
+    )
+    .await;
+    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+
+    // A finished task on A (the echo agent: no tool), fetched and listed
+    // from B.
+    let echo = Message {
+        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+        ..user_message(ORDER_Q, None)
+    };
+    let Outcome::Completed {
+        task_id,
+        context_id,
+        ..
+    } = on_a.send(echo, &opts(), None).await.unwrap()
+    else {
+        panic!("the echo task did not complete")
+    };
+    let task = on_b.get_task(&task_id).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Completed);
+    assert_eq!(answer_of(&task), ORDER_Q);
+    let listed = list(&on_b, all_tasks()).await;
+    assert_eq!(listed.tasks.len(), 1);
+    assert_eq!(listed.tasks[0].id, task_id);
+
+    // The context's session is shared: A's turn is B's history, so the
+    // follow-up on B knows the order number.
+    let (_, same, answer) = ask(&on_b, FOLLOW_UP, Some(&context_id)).await;
+    assert_eq!(same, context_id);
+    assert_eq!(answer, ANSWER);
+
+    // A task that runs on A (its tool takes 60 s), followed from B.
+    let req = SendMessageRequest {
+        message: user_message(ORDER_Q, None),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let running = match on_a_stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    // Wait until A has sent the tool call (the tool then sleeps).
+    loop {
+        let ev = on_a_stream.next().await.expect("A's stream ended").unwrap();
+        if let StreamResponse::StatusUpdate(u) = ev
+            && u.status.message.as_ref().is_some_and(|m| {
+                m.parts
+                    .iter()
+                    .any(|p| matches!(&p.content, a2a::PartContent::Data(_)))
+            })
+        {
+            break;
+        }
+    }
+    assert_eq!(
+        on_b.get_task(&running).await.unwrap().status.state,
+        TaskState::Working
+    );
+    let mut followed = on_b
+        .raw()
+        .subscribe_to_task(&SubscribeToTaskRequest {
+            id: running.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    match followed.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => {
+            assert_eq!(t.id, running);
+            assert_eq!(t.status.state, TaskState::Working);
+        }
+        other => panic!("first event is not the task: {other:?}"),
+    }
+    // The tool call, replayed from A's turn.
+    let StreamResponse::StatusUpdate(call) = followed.next().await.unwrap().unwrap() else {
+        panic!("not the tool call")
+    };
+    assert_eq!(call.task_id, running);
+    assert!(
+        call.status
+            .message
+            .as_ref()
+            .unwrap()
+            .parts
+            .iter()
+            .any(|p| matches!(&p.content, a2a::PartContent::Data(d) if d["toolCall"]["name"] == "lookup_order")),
+        "{call:?}"
+    );
+    // Cancelled on A: the follower on B sees the end.
+    assert_eq!(
+        on_a.cancel(&running).await.unwrap().status.state,
+        TaskState::Canceled
+    );
+    let mut last = None;
+    while let Some(ev) = followed.next().await {
+        last = Some(ev.unwrap());
+    }
+    let Some(StreamResponse::StatusUpdate(end)) = last else {
+        panic!("the followed stream did not end with a status: {last:?}")
+    };
+    assert_eq!(end.status.state, TaskState::Canceled);
+    assert_eq!(
+        on_b.get_task(&running).await.unwrap().status.state,
+        TaskState::Canceled
+    );
+    // A finished task cannot be subscribed to, on either replica.
+    for c in [&on_a, &on_b] {
+        let err = match c
+            .raw()
+            .subscribe_to_task(&SubscribeToTaskRequest {
+                id: task_id.clone(),
+                tenant: None,
+            })
+            .await
+        {
+            Ok(_) => panic!("subscribed to a finished task"),
+            Err(e) => e,
+        };
+        assert_eq!(err.code, a2a::error_code::UNSUPPORTED_OPERATION, "{err:?}");
+    }
+    a.kill9().await;
+    b.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = serve(
+        &db.url,
+        &[
+            "--replica-id",
+            "replica-a",
+            "--turn-lease",
+            "1s",
+            "--tool-delay",
+            "60s",
+        ],
+    )
+    .await;
+    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    let req = SendMessageRequest {
+        message: user_message(ORDER_Q, None),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let running = match on_a_stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    a.kill9().await;
+    let mut followed = on_b
+        .raw()
+        .subscribe_to_task(&SubscribeToTaskRequest {
+            id: running.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    let mut last = None;
+    while let Some(ev) = followed.next().await {
+        last = Some(ev.unwrap());
+    }
+    let Some(StreamResponse::StatusUpdate(end)) = last else {
+        panic!("the followed stream did not end with a status: {last:?}")
+    };
+    assert_eq!(end.status.state, TaskState::Failed);
+    let task = on_b.get_task(&running).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Failed);
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("replica stopped"), "{why}");
+    b.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_session_of_a_context_deletes_its_tasks() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let server = serve(&db.url, &[]).await;
+    let client = a2a_at(server.addr).await;
+    let (task_id, context_id, _) = ask(&client, "hello", None).await;
+    let (kept, _, _) = ask(&client, "hello", None).await;
+    let session = agentd::store::a2a_tasks::context_session(
+        &agentd::domain::UserId::parse(agentd::store::a2a_tasks::A2A_USER).unwrap(),
+        &context_id,
+    );
+    server
+        .client
+        .raw()
+        .delete_session(agentd::pb::DeleteSessionRequest {
+            user_id: agentd::store::a2a_tasks::A2A_USER.into(),
+            session_id: session.to_string(),
+        })
+        .await
+        .unwrap();
+    let err = client.get_task(&task_id).await.unwrap_err();
+    assert_eq!(err.code, a2a::error_code::TASK_NOT_FOUND, "{err:?}");
+    assert_eq!(
+        client.get_task(&kept).await.unwrap().status.state,
+        TaskState::Completed
+    );
+    server.kill9().await;
+}
