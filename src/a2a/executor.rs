@@ -141,7 +141,9 @@ impl Job {
                 .service_params
                 .get(crate::auth::CALLER_HEADER)
                 .and_then(|v| v.first())
-                .ok_or_else(|| A2AError::invalid_request("this call has no authenticated caller"))?;
+                .ok_or_else(|| {
+                    A2AError::invalid_request("this call has no authenticated caller")
+                })?;
             UserId::parse(caller.clone()).map_err(|_| {
                 A2AError::invalid_request(
                     "the caller's name is not a valid user id (A2A tasks run as their caller)",

@@ -39,10 +39,10 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::Agent;
-use super::remote_a2a::{self, Remote, RemoteA2aAgent, RemoteA2aConfig, Token};
-use crate::client::a2a::Binding;
 use super::openai::{ChatClient, Endpoint, FirstCall, ModelAgent, ModelAgentConfig, Sampling};
+use super::remote_a2a::{self, Remote, RemoteA2aAgent, RemoteA2aConfig, Token};
 use super::tools::{self, HttpTool, Tool, ToolDef};
+use crate::client::a2a::Binding;
 
 /// Default bound of one model or tool call.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -380,7 +380,10 @@ fn remote_agent(
     let model_only: [(&str, Option<Range<usize>>); 5] = [
         ("model", a.model.as_ref().map(|m| m.span())),
         ("sampling", a.sampling.as_ref().map(|m| m.span())),
-        ("max_tool_turns", a.max_tool_turns.as_ref().map(|m| m.span())),
+        (
+            "max_tool_turns",
+            a.max_tool_turns.as_ref().map(|m| m.span()),
+        ),
         ("first_call", a.first_call.as_ref().map(|m| m.span())),
         ("tools", a.tools.first().map(|t| t.span())),
     ];
@@ -397,21 +400,36 @@ fn remote_agent(
     if !a.instruction.is_empty() {
         return Err(at(
             Some(span),
-            &format!("agent {name:?}: instruction is for model-backed agents; a remote_a2a agent has none"),
+            &format!(
+                "agent {name:?}: instruction is for model-backed agents; a remote_a2a agent has none"
+            ),
         ));
     }
     let Some(r) = &a.a2a else {
         return Err(at(
             Some(span),
-            &format!("agent {name:?}: kind \"remote_a2a\" needs an [agents.{name}.a2a] table with card_url or jsonrpc_url"),
+            &format!(
+                "agent {name:?}: kind \"remote_a2a\" needs an [agents.{name}.a2a] table with card_url or jsonrpc_url"
+            ),
         ));
     };
     let r_span = r.span();
     let r = r.get_ref();
     let url = |u: &Spanned<String>, field: &str| -> anyhow::Result<String> {
-        parse_url(u.get_ref())
-            .map(|_| u.get_ref().clone())
-            .map_err(|why| at(Some(u.span()), &format!("agent {name:?}: a2a.{field}: {why}")))
+        let parsed = parse_url(u.get_ref()).map_err(|why| {
+            at(
+                Some(u.span()),
+                &format!("agent {name:?}: a2a.{field}: {why}"),
+            )
+        })?;
+        if parsed.scheme() != "http" {
+            // The A2A client crates are built without TLS.
+            return Err(at(
+                Some(u.span()),
+                &format!("agent {name:?}: a2a.{field}: only http:// remotes are supported for now"),
+            ));
+        }
+        Ok(u.get_ref().clone())
     };
     let remote = match (&r.card_url, &r.jsonrpc_url) {
         (Some(_), Some(j)) => {
@@ -446,7 +464,9 @@ fn remote_agent(
             if let Some(b) = &r.binding {
                 return Err(at(
                     Some(b.span()),
-                    &format!("agent {name:?}: a2a.binding goes with card_url; jsonrpc_url is JSON-RPC"),
+                    &format!(
+                        "agent {name:?}: a2a.binding goes with card_url; jsonrpc_url is JSON-RPC"
+                    ),
                 ));
             }
             Remote::JsonRpc {
@@ -457,7 +477,9 @@ fn remote_agent(
     if let Some(t) = &r.token {
         return Err(at(
             Some(t.span()),
-            &format!("agent {name:?}: a token is never written in the agents file; use a2a.token_env or a2a.token_file"),
+            &format!(
+                "agent {name:?}: a token is never written in the agents file; use a2a.token_env or a2a.token_file"
+            ),
         ));
     }
     let token = match (&r.token_env, &r.token_file) {
@@ -480,24 +502,33 @@ fn remote_agent(
                     )
                 })?,
         ),
-        (None, Some(f)) => Some(read_secret(f.get_ref(), "a2a.token_file").map_err(|why| {
-            at(Some(f.span()), &format!("agent {name:?}: {why}"))
-        })?),
+        (None, Some(f)) => Some(
+            read_secret(f.get_ref(), "a2a.token_file")
+                .map_err(|why| at(Some(f.span()), &format!("agent {name:?}: {why}")))?,
+        ),
         (None, None) => None,
     }
     .map(|t| t.trim().to_owned());
     if let Some(t) = &token
         && !t.bytes().all(|b| b.is_ascii_graphic())
     {
-        let s = r.token_env.as_ref().map(|v| v.span()).or(r.token_file.as_ref().map(|f| f.span()));
+        let s = r
+            .token_env
+            .as_ref()
+            .map(|v| v.span())
+            .or(r.token_file.as_ref().map(|f| f.span()));
         return Err(at(
             s,
             &format!("agent {name:?}: the token must be printable ASCII without spaces"),
         ));
     }
     if let Some(ag) = &r.agent {
-        check_name(ag.get_ref())
-            .map_err(|why| at(Some(ag.span()), &format!("agent {name:?}: a2a.agent: {why}")))?;
+        check_name(ag.get_ref()).map_err(|why| {
+            at(
+                Some(ag.span()),
+                &format!("agent {name:?}: a2a.agent: {why}"),
+            )
+        })?;
     }
     let idle_timeout = r
         .idle_timeout
@@ -688,6 +719,49 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         assert!(e.contains("parameters"), "{e}");
         let e = err(&GOOD.replace("default = \"support\"", "default = \"nobody\""));
         assert!(e.starts_with("agents.toml:2:"), "{e}");
+    }
+
+    const REMOTE: &str = r#"
+[agents.orders]
+kind = "remote_a2a"
+description = "Delegates."
+call_timeout = "30s"
+
+[agents.orders.a2a]
+card_url = "http://127.0.0.1:9"
+agent = "order_helper"
+token_env = "MODEL_KEY"
+idle_timeout = "5s"
+"#;
+
+    #[test]
+    fn a_remote_a2a_agent_is_declared_without_contacting_the_remote() {
+        let f = parse(REMOTE, Path::new("agents.toml"), &opts()).unwrap();
+        assert_eq!(f.agents[0].name(), "orders");
+        assert_eq!(f.agents[0].description(), "Delegates.");
+    }
+
+    #[test]
+    fn a_remote_a2a_agent_refuses_model_fields_inline_tokens_and_https() {
+        let e = err(&REMOTE.replace("call_timeout", "max_tool_turns = 3\ncall_timeout"));
+        assert!(
+            e.starts_with("agents.toml:5:") && e.contains("max_tool_turns"),
+            "{e}"
+        );
+        let e = err(&REMOTE.replace(
+            "token_env = \"MODEL_KEY\"",
+            "token = \"sk-secret-value-123\"",
+        ));
+        assert!(
+            e.starts_with("agents.toml:10:") && !e.contains("sk-secret"),
+            "{e}"
+        );
+        let e = err(&REMOTE.replace("http://127.0.0.1:9", "https://127.0.0.1:9"));
+        assert!(e.contains("only http://"), "{e}");
+        let e = err(&REMOTE.replace("card_url", "jsonrpc_url = \"http://x/\"\ncard_url"));
+        assert!(e.contains("not both"), "{e}");
+        let e = err(&REMOTE.replace("kind = \"remote_a2a\"\n", ""));
+        assert!(e.contains("needs kind = \"remote_a2a\""), "{e}");
     }
 
     #[test]

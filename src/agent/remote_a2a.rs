@@ -302,24 +302,24 @@ fn call_error(agent: &str, e: CallError) -> AgentError {
         } => {
             tracing::warn!(%agent, task = %task_id, ?state, remote_message = %message, "remote_a2a: the remote task did not complete");
             match state {
-                TaskState::Rejected => AgentError::FailedPrecondition(
-                    "the remote A2A agent rejected the task".into(),
-                ),
+                TaskState::Rejected => {
+                    AgentError::FailedPrecondition("the remote A2A agent rejected the task".into())
+                }
                 TaskState::Canceled => unavailable("the remote A2A agent cancelled the task"),
                 _ => unavailable("the remote A2A agent failed the task"),
             }
         }
         CallError::Deadline { task_id, .. } => {
             tracing::warn!(%agent, task = ?task_id, "remote_a2a: call_timeout passed; the remote task was cancelled");
-            unavailable("the remote A2A agent did not finish within call_timeout; its task was cancelled")
+            unavailable(
+                "the remote A2A agent did not finish within call_timeout; its task was cancelled",
+            )
         }
         CallError::LostBeforeTask { cause } => {
             tracing::warn!(%agent, %cause, "remote_a2a: stream lost before the task had an id");
             unavailable("the connection to the remote A2A agent was lost")
         }
-        CallError::Unrecoverable {
-            task_id, cause, ..
-        } => {
+        CallError::Unrecoverable { task_id, cause, .. } => {
             tracing::warn!(%agent, task = %task_id, %cause, "remote_a2a: the remote task could not be recovered");
             unavailable("the remote A2A agent stopped answering; its task was cancelled")
         }
@@ -496,16 +496,23 @@ mod tests {
     fn tool_data_parts_become_tool_events_and_plain_status_text_is_not_forwarded() {
         let call = status(vec![
             Part::text("calling lookup_order"),
-            Part::data(serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c1", "arguments": {"order_id": "1187"}}})),
+            Part::data(
+                serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c1", "arguments": {"order_id": "1187"}}}),
+            ),
         ]);
         let e = map_update("orders", &call);
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].kind, super::super::EventKind::ToolCall);
-        assert_eq!((e[0].tool_name.as_str(), e[0].tool_call_id.as_str()), ("lookup_order", "c1"));
+        assert_eq!(
+            (e[0].tool_name.as_str(), e[0].tool_call_id.as_str()),
+            ("lookup_order", "c1")
+        );
         assert_eq!(e[0].payload_json, r#"{"order_id":"1187"}"#);
         let result = status(vec![
             Part::text("order 1187 is shipped"),
-            Part::data(serde_json::json!({"toolResult": {"name": "lookup_order", "id": "c1", "result": {"found": true}}})),
+            Part::data(
+                serde_json::json!({"toolResult": {"name": "lookup_order", "id": "c1", "result": {"found": true}}}),
+            ),
         ]);
         let e = map_update("orders", &result);
         assert_eq!(e[0].kind, super::super::EventKind::ToolResult);
@@ -531,8 +538,13 @@ mod tests {
             metadata: None,
         });
         let e = map_update("x", &chunk);
-        assert_eq!((e[0].kind, e[0].text.as_str()), (super::super::EventKind::PartialText, "Hel"));
-        let StreamResponse::ArtifactUpdate(u) = chunk else { unreachable!() };
+        assert_eq!(
+            (e[0].kind, e[0].text.as_str()),
+            (super::super::EventKind::PartialText, "Hel")
+        );
+        let StreamResponse::ArtifactUpdate(u) = chunk else {
+            unreachable!()
+        };
         let mut b = u.artifact.clone();
         b.parts = vec![Part::text("two")];
         assert_eq!(answer_text(&[u.artifact, b], "ignored"), "Hel\ntwo");
@@ -566,6 +578,9 @@ mod tests {
 
     #[test]
     fn a_token_is_never_shown() {
-        assert_eq!(format!("{:?}", Token("tok-0123456789abcdef".into())), "Token(..)");
+        assert_eq!(
+            format!("{:?}", Token("tok-0123456789abcdef".into())),
+            "Token(..)"
+        );
     }
 }

@@ -383,7 +383,8 @@ impl A2aClient {
             .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
             .preferred_bindings(preferred);
         if let Some(t) = token {
-            factory = factory.with_interceptor(Arc::new(a2a_client::auth::AuthInterceptor::bearer(t)));
+            factory =
+                factory.with_interceptor(Arc::new(a2a_client::auth::AuthInterceptor::bearer(t)));
         }
         let factory = factory.build();
         let client = factory.create_from_card(&card).await.map_err(|e| {
@@ -405,9 +406,8 @@ impl A2aClient {
         ));
         let mut client = A2AClient::new(transport);
         if let Some(t) = token {
-            client = client.with_interceptors(vec![Arc::new(
-                a2a_client::auth::AuthInterceptor::bearer(t),
-            )]);
+            client = client
+                .with_interceptors(vec![Arc::new(a2a_client::auth::AuthInterceptor::bearer(t))]);
         }
         Ok(Self {
             inner: Arc::new(client),
