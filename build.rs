@@ -1,5 +1,6 @@
 //! Generates the agents.v1 gRPC code with protox (no system `protoc`) and
-//! writes the encoded descriptor set that server reflection serves.
+//! writes the encoded descriptor sets that server reflection serves
+//! (agents.v1, and lf.a2a.v1 of the A2A face).
 
 use std::path::PathBuf;
 
@@ -16,5 +17,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .build_client(true)
         .compile_fds(fds)?;
+
+    // lf.a2a.v1 (the A2A 1.0 gRPC binding, whose code a2a-pb generates): only
+    // its descriptor set, for reflection and the per-method metrics. The
+    // proto is a2a-pb's, vendored under proto/a2a.
+    let a2a = ["a2a.proto"];
+    println!("cargo:rerun-if-changed=proto/a2a");
+    let a2a_fds = protox::compile(a2a, ["proto/a2a"])?;
+    std::fs::write(
+        out.join("a2a_descriptor.bin"),
+        prost::Message::encode_to_vec(&a2a_fds),
+    )?;
     Ok(())
 }

@@ -537,6 +537,10 @@ pub struct A2aArgs {
     /// Sets message metadata "agent" (which of agentd's agents answers).
     #[arg(long)]
     pub agent: Option<String>,
+    /// Bearer token sent on every call (servers with --auth-tokens); the
+    /// card is read without it.
+    #[arg(long, env = "AGENTD_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
     /// No event for this long counts as a lost stream: the client recovers
     /// (task snapshot, then resubscribe).
     #[arg(long, value_parser = duration, default_value = "30s")]

@@ -25,4 +25,9 @@ pub mod pb {
 
     /// The encoded descriptor set of `agents.v1`, served by reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("agents_descriptor");
+
+    /// The encoded descriptor set of `lf.a2a.v1` (A2A 1.0's gRPC binding),
+    /// served by reflection beside agents.v1.
+    pub const A2A_FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("a2a_descriptor");
 }

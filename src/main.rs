@@ -358,7 +358,7 @@ async fn health(args: HealthArgs) -> anyhow::Result<()> {
 
 async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
     use agentd::client::a2a::{A2aClient, CallError, CallOptions, Control, Outcome, parts_text};
-    let client = A2aClient::connect(&args.url, args.binding).await?;
+    let client = A2aClient::connect_with(&args.url, args.binding, args.token.as_deref()).await?;
     let opts = CallOptions {
         idle_timeout: args.idle_timeout,
         deadline: args.deadline,

@@ -141,7 +141,12 @@ where
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
-    let a2a = crate::a2a::A2a::new(turns.clone(), opts.max_input_bytes, opts.a2a_conformance);
+    let a2a = crate::a2a::A2a::new(
+        turns.clone(),
+        opts.max_input_bytes,
+        opts.a2a_conformance,
+        opts.security.auth.clone(),
+    );
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, &opts.readiness, ServingStatus::Serving).await;
     // Store upkeep (health checks, expired leases, retention), mirrored into
@@ -153,6 +158,7 @@ where
     ));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(crate::pb::A2A_FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let agents = AgentServiceServer::new(AgentsService::new(
@@ -179,6 +185,7 @@ where
     }
     let rpc = RpcLayer::new(&[
         crate::pb::FILE_DESCRIPTOR_SET,
+        crate::pb::A2A_FILE_DESCRIPTOR_SET,
         tonic_health::pb::FILE_DESCRIPTOR_SET,
         tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
     ])?;
@@ -206,7 +213,7 @@ where
     }));
     let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
     let mut a2a_serving = a2a_http.map(|h| {
-        let card = crate::a2a::agent_card(turns.agents(), &h.advertised);
+        let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.secured());
         tokio::spawn(crate::a2a::serve_http(
             h.listener,
             a2a.http_router(card),

@@ -37,7 +37,8 @@ use crate::turn::{Failure, RunError, RunStream, Turns};
 pub const ANSWER_ARTIFACT_ID: &str = "answer";
 /// Message or request metadata key naming the agent to run.
 pub const AGENT_METADATA_KEY: &str = "agent";
-/// The user an unauthenticated A2A caller runs as.
+/// The user an A2A task runs as when authentication is off (with it on, a
+/// task runs as its caller).
 pub const ANONYMOUS_USER: &str = crate::store::a2a_tasks::A2A_USER;
 
 /// Runs A2A tasks on the turn engine.
@@ -48,6 +49,9 @@ pub struct TurnExecutor {
 
 struct Shared {
     turns: Arc<Turns>,
+    /// Authentication is on: a task runs as its caller (the
+    /// `CALLER_HEADER` service parameter the authentication layers set).
+    authenticated: bool,
     /// Longest accepted message text, as for agents.v1.
     max_input_bytes: usize,
     /// Cancellation of each task running here, fired by CancelTask.
@@ -55,9 +59,11 @@ struct Shared {
 }
 
 impl TurnExecutor {
-    pub fn new(turns: Arc<Turns>, max_input_bytes: usize) -> Self {
+    /// `authenticated`: authentication is on, so every task has a caller.
+    pub fn new(turns: Arc<Turns>, max_input_bytes: usize, authenticated: bool) -> Self {
         let shared = Shared {
             turns,
+            authenticated,
             max_input_bytes,
             running: Arc::default(),
         };
@@ -95,7 +101,7 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    fn from_ctx(ctx: ExecutorContext) -> Result<Self, A2AError> {
+    fn from_ctx(ctx: ExecutorContext, authenticated: bool) -> Result<Self, A2AError> {
         let message = ctx
             .message
             .ok_or_else(|| A2AError::invalid_params("a message is required"))?;
@@ -106,12 +112,22 @@ impl Job {
                 .and_then(|v| v.as_str())
                 .map(str::to_owned)
         });
-        let user = ctx
-            .user
-            .as_ref()
-            .filter(|u| u.authenticated)
-            .and_then(|u| UserId::parse(u.name.clone()).ok())
-            .unwrap_or_else(|| UserId::parse(ANONYMOUS_USER).expect("a valid id"));
+        let user = if authenticated {
+            let caller = ctx
+                .service_params
+                .get(crate::auth::CALLER_HEADER)
+                .and_then(|v| v.first())
+                .ok_or_else(|| {
+                    A2AError::invalid_request("this call has no authenticated caller")
+                })?;
+            UserId::parse(caller.clone()).map_err(|_| {
+                A2AError::invalid_request(
+                    "the caller's name is not a valid user id (A2A tasks run as their caller)",
+                )
+            })?
+        } else {
+            UserId::parse(ANONYMOUS_USER).expect("a valid id")
+        };
         let turn_index = ctx
             .stored_task
             .as_ref()
@@ -476,7 +492,7 @@ impl AgentExecutor for TurnExecutor {
         &self,
         ctx: ExecutorContext,
     ) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
-        match Job::from_ctx(ctx) {
+        match Job::from_ctx(ctx, self.shared.authenticated) {
             Ok(job) => self.shared.clone().run(job),
             Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
         }

@@ -11,6 +11,7 @@
 //! agents.v1 on the same port (see `server`); JSON-RPC, SSE and the card are
 //! served on their own HTTP listener.
 
+pub mod auth;
 pub mod conformance;
 pub mod executor;
 pub mod follow;
@@ -47,18 +48,22 @@ pub type Handler = follow::Handler;
 #[derive(Clone)]
 pub struct A2a {
     handler: Arc<Handler>,
+    /// Guards the HTTP face; `None`: authentication is off.
+    auth: Option<Arc<crate::auth::Authenticator>>,
 }
 
 impl A2a {
     /// `conformance`: serve the conformance agent's scripted tasks, with
-    /// this resubscription wait (see [`conformance`]).
+    /// this resubscription wait (see [`conformance`]). `auth`: the
+    /// credentials both bindings require (tasks then run as their caller).
     pub fn new(
         turns: Arc<Turns>,
         max_input_bytes: usize,
         conformance: Option<std::time::Duration>,
+        auth: Option<Arc<crate::auth::Authenticator>>,
     ) -> Self {
         let tasks = turns.store().a2a_tasks();
-        let executor = TurnExecutor::new(turns.clone(), max_input_bytes);
+        let executor = TurnExecutor::new(turns.clone(), max_input_bytes, auth.is_some());
         let store = SharedTasks(tasks.clone());
         let handler = match conformance {
             Some(wait) => DefaultRequestHandler::new(
@@ -78,6 +83,7 @@ impl A2a {
             .with_authorizer(version::VersionCheck);
         Self {
             handler: Arc::new(follow::Handler::new(handler, turns, tasks)),
+            auth,
         }
     }
 
@@ -95,11 +101,18 @@ impl A2a {
     }
 
     /// JSON-RPC (with SSE streaming) at `/` and the card at
-    /// `/.well-known/agent-card.json`.
+    /// `/.well-known/agent-card.json`; with authentication on, everything
+    /// but the card needs credentials (see [`auth`]).
     pub fn http_router(&self, card: AgentCard) -> axum::Router {
-        a2a_server::jsonrpc::jsonrpc_router(self.handler.clone()).merge(
+        let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone()).merge(
             a2a_server::agent_card::agent_card_router(Arc::new(StaticAgentCard::new(card))),
-        )
+        );
+        auth::guard(router, self.auth.clone())
+    }
+
+    /// Whether calls need credentials (the card then declares them).
+    pub fn secured(&self) -> bool {
+        self.auth.is_some()
     }
 }
 
@@ -121,8 +134,9 @@ pub struct Advertised {
     pub grpc_host_port: String,
 }
 
-/// The public agent card: both interfaces, streaming, one skill per agent.
-pub fn agent_card(agents: &AgentRegistry, at: &Advertised) -> AgentCard {
+/// The public agent card: both interfaces, streaming, one skill per agent;
+/// `secured`: the bearer scheme every call needs.
+pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> AgentCard {
     let skills = agents
         .names()
         .filter_map(|name| agents.get(Some(name)))
@@ -137,6 +151,7 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised) -> AgentCard {
             security_requirements: None,
         })
         .collect();
+    let security = secured.then(auth::card_security);
     AgentCard {
         name: "agentd".into(),
         description: format!(
@@ -156,8 +171,8 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised) -> AgentCard {
         provider: None,
         documentation_url: None,
         icon_url: None,
-        security_schemes: None,
-        security_requirements: None,
+        security_schemes: security.as_ref().map(|s| s.0.clone()),
+        security_requirements: security.map(|s| s.1),
         signatures: None,
     }
 }

@@ -40,7 +40,9 @@ use toml::Spanned;
 
 use super::Agent;
 use super::openai::{ChatClient, Endpoint, FirstCall, ModelAgent, ModelAgentConfig, Sampling};
+use super::remote_a2a::{self, Remote, RemoteA2aAgent, RemoteA2aConfig, Token};
 use super::tools::{self, HttpTool, Tool, ToolDef};
+use crate::client::a2a::Binding;
 
 /// Default bound of one model or tool call.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -62,20 +64,41 @@ struct FileDoc {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AgentDoc {
+    /// `openai` (the default: a model-backed agent) or `remote_a2a`.
+    kind: Option<Spanned<String>>,
     #[serde(default)]
     description: String,
     #[serde(default)]
     instruction: String,
-    model: ModelDoc,
-    #[serde(default)]
-    sampling: Sampling,
-    max_tool_turns: Option<u32>,
+    model: Option<Spanned<ModelDoc>>,
+    sampling: Option<Spanned<Sampling>>,
+    max_tool_turns: Option<Spanned<u32>>,
     call_timeout: Option<Spanned<String>>,
     #[serde(default)]
     tools: Vec<Spanned<String>>,
-    #[serde(default)]
-    first_call: FirstCall,
+    first_call: Option<Spanned<FirstCall>>,
+    /// The remote agent of a `remote_a2a` agent.
+    a2a: Option<Spanned<RemoteDoc>>,
 }
+
+/// `[agents.NAME.a2a]` of a `remote_a2a` agent.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoteDoc {
+    card_url: Option<Spanned<String>>,
+    jsonrpc_url: Option<Spanned<String>>,
+    binding: Option<Spanned<String>>,
+    agent: Option<Spanned<String>>,
+    token_env: Option<Spanned<String>>,
+    token_file: Option<Spanned<PathBuf>>,
+    /// Never accepted: a token written in the file. Declared so the refusal
+    /// can say what to do instead.
+    token: Option<Spanned<toml::Value>>,
+    idle_timeout: Option<Spanned<String>>,
+}
+
+/// The kinds of agent a file may declare.
+const KINDS: &[&str] = &["openai", "remote_a2a"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -194,7 +217,36 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         let span = a.span();
         let a = a.get_ref();
         check_name(name).map_err(|r| at(Some(span.clone()), &format!("agent {name:?}: {r}")))?;
-        let m = &a.model;
+        let kind = a.kind.as_ref().map_or("openai", |k| k.get_ref().as_str());
+        if !KINDS.contains(&kind) {
+            let k = a.kind.as_ref().expect("a kind was given");
+            return Err(at(
+                Some(k.span()),
+                &format!(
+                    "agent {name:?}: unknown kind {kind:?} (known: {})",
+                    KINDS.join(", ")
+                ),
+            ));
+        }
+        if kind == "remote_a2a" {
+            agents.push(remote_agent(name, a, span, &at, opts)?);
+            continue;
+        }
+        if let Some(r) = &a.a2a {
+            return Err(at(
+                Some(r.span()),
+                &format!("agent {name:?}: an a2a table needs kind = \"remote_a2a\""),
+            ));
+        }
+        let Some(m) = &a.model else {
+            return Err(at(
+                Some(span),
+                &format!(
+                    "agent {name:?}: a model table is required (or kind = \"remote_a2a\" with an a2a table)"
+                ),
+            ));
+        };
+        let m = m.get_ref();
         parse_url(m.base_url.get_ref()).map_err(|r| {
             at(
                 Some(m.base_url.span()),
@@ -268,7 +320,12 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
                 })?;
             agent_tools.push(tool);
         }
-        if a.first_call.tool_choice.is_some() && agent_tools.is_empty() {
+        let first_call = a
+            .first_call
+            .as_ref()
+            .map(|f| f.get_ref().clone())
+            .unwrap_or_default();
+        if first_call.tool_choice.is_some() && agent_tools.is_empty() {
             return Err(at(
                 Some(span),
                 &format!("agent {name:?}: first_call.tool_choice needs at least one tool"),
@@ -280,11 +337,18 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             instruction: a.instruction.clone(),
             model: m.model.clone(),
             client: ChatClient::new(http.clone(), endpoint, name),
-            sampling: a.sampling.clone(),
-            max_tool_turns: a.max_tool_turns.unwrap_or(DEFAULT_MAX_TOOL_TURNS),
+            sampling: a
+                .sampling
+                .as_ref()
+                .map(|s| s.get_ref().clone())
+                .unwrap_or_default(),
+            max_tool_turns: a
+                .max_tool_turns
+                .as_ref()
+                .map_or(DEFAULT_MAX_TOOL_TURNS, |t| *t.get_ref()),
             call_timeout,
             tools: agent_tools,
-            first_call: a.first_call.clone(),
+            first_call,
         })));
     }
 
@@ -302,6 +366,193 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         None => None,
     };
     Ok(AgentsFile { agents, default })
+}
+
+/// A `kind = "remote_a2a"` agent: its `[agents.NAME.a2a]` table checked,
+/// its token read. The remote is not contacted here (see [`RemoteA2aAgent`]).
+fn remote_agent(
+    name: &str,
+    a: &AgentDoc,
+    span: Range<usize>,
+    at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error,
+    opts: &LoadOptions,
+) -> anyhow::Result<Arc<dyn Agent>> {
+    let model_only: [(&str, Option<Range<usize>>); 5] = [
+        ("model", a.model.as_ref().map(|m| m.span())),
+        ("sampling", a.sampling.as_ref().map(|m| m.span())),
+        (
+            "max_tool_turns",
+            a.max_tool_turns.as_ref().map(|m| m.span()),
+        ),
+        ("first_call", a.first_call.as_ref().map(|m| m.span())),
+        ("tools", a.tools.first().map(|t| t.span())),
+    ];
+    for (field, at_span) in model_only {
+        if let Some(s) = at_span {
+            return Err(at(
+                Some(s),
+                &format!(
+                    "agent {name:?}: {field} is for model-backed agents; a remote_a2a agent has none"
+                ),
+            ));
+        }
+    }
+    if !a.instruction.is_empty() {
+        return Err(at(
+            Some(span),
+            &format!(
+                "agent {name:?}: instruction is for model-backed agents; a remote_a2a agent has none"
+            ),
+        ));
+    }
+    let Some(r) = &a.a2a else {
+        return Err(at(
+            Some(span),
+            &format!(
+                "agent {name:?}: kind \"remote_a2a\" needs an [agents.{name}.a2a] table with card_url or jsonrpc_url"
+            ),
+        ));
+    };
+    let r_span = r.span();
+    let r = r.get_ref();
+    let url = |u: &Spanned<String>, field: &str| -> anyhow::Result<String> {
+        let parsed = parse_url(u.get_ref()).map_err(|why| {
+            at(
+                Some(u.span()),
+                &format!("agent {name:?}: a2a.{field}: {why}"),
+            )
+        })?;
+        if parsed.scheme() != "http" {
+            // The A2A client crates are built without TLS.
+            return Err(at(
+                Some(u.span()),
+                &format!("agent {name:?}: a2a.{field}: only http:// remotes are supported for now"),
+            ));
+        }
+        Ok(u.get_ref().clone())
+    };
+    let remote = match (&r.card_url, &r.jsonrpc_url) {
+        (Some(_), Some(j)) => {
+            return Err(at(
+                Some(j.span()),
+                &format!("agent {name:?}: give a2a.card_url or a2a.jsonrpc_url, not both"),
+            ));
+        }
+        (None, None) => {
+            return Err(at(
+                Some(r_span),
+                &format!("agent {name:?}: the a2a table needs card_url or jsonrpc_url"),
+            ));
+        }
+        (Some(c), None) => Remote::Card {
+            url: url(c, "card_url")?,
+            binding: match &r.binding {
+                None => None,
+                Some(b) => Some(match b.get_ref().to_ascii_lowercase().as_str() {
+                    "jsonrpc" => Binding::Jsonrpc,
+                    "grpc" => Binding::Grpc,
+                    _ => {
+                        return Err(at(
+                            Some(b.span()),
+                            &format!("agent {name:?}: a2a.binding must be \"jsonrpc\" or \"grpc\""),
+                        ));
+                    }
+                }),
+            },
+        },
+        (None, Some(j)) => {
+            if let Some(b) = &r.binding {
+                return Err(at(
+                    Some(b.span()),
+                    &format!(
+                        "agent {name:?}: a2a.binding goes with card_url; jsonrpc_url is JSON-RPC"
+                    ),
+                ));
+            }
+            Remote::JsonRpc {
+                url: url(j, "jsonrpc_url")?,
+            }
+        }
+    };
+    if let Some(t) = &r.token {
+        return Err(at(
+            Some(t.span()),
+            &format!(
+                "agent {name:?}: a token is never written in the agents file; use a2a.token_env or a2a.token_file"
+            ),
+        ));
+    }
+    let token = match (&r.token_env, &r.token_file) {
+        (Some(_), Some(f)) => {
+            return Err(at(
+                Some(f.span()),
+                &format!("agent {name:?}: give a2a.token_env or a2a.token_file, not both"),
+            ));
+        }
+        (Some(var), None) => Some(
+            (opts.env)(var.get_ref())
+                .filter(|v| !v.trim().is_empty())
+                .ok_or_else(|| {
+                    at(
+                        Some(var.span()),
+                        &format!(
+                            "agent {name:?}: environment variable {} is not set",
+                            var.get_ref()
+                        ),
+                    )
+                })?,
+        ),
+        (None, Some(f)) => Some(
+            read_secret(f.get_ref(), "a2a.token_file")
+                .map_err(|why| at(Some(f.span()), &format!("agent {name:?}: {why}")))?,
+        ),
+        (None, None) => None,
+    }
+    .map(|t| t.trim().to_owned());
+    if let Some(t) = &token
+        && !t.bytes().all(|b| b.is_ascii_graphic())
+    {
+        let s = r
+            .token_env
+            .as_ref()
+            .map(|v| v.span())
+            .or(r.token_file.as_ref().map(|f| f.span()));
+        return Err(at(
+            s,
+            &format!("agent {name:?}: the token must be printable ASCII without spaces"),
+        ));
+    }
+    if let Some(ag) = &r.agent {
+        check_name(ag.get_ref()).map_err(|why| {
+            at(
+                Some(ag.span()),
+                &format!("agent {name:?}: a2a.agent: {why}"),
+            )
+        })?;
+    }
+    let idle_timeout = r
+        .idle_timeout
+        .as_ref()
+        .map(|d| duration(d, at))
+        .transpose()?
+        .unwrap_or(remote_a2a::DEFAULT_IDLE_TIMEOUT);
+    let call_timeout = a
+        .call_timeout
+        .as_ref()
+        .map(|d| duration(d, at))
+        .transpose()?
+        .unwrap_or(remote_a2a::DEFAULT_CALL_TIMEOUT);
+    let agent = RemoteA2aAgent::new(RemoteA2aConfig {
+        name: name.to_owned(),
+        description: a.description.clone(),
+        remote,
+        remote_agent: r.agent.as_ref().map(|a| a.get_ref().clone()),
+        token: token.map(Token),
+        idle_timeout,
+        call_timeout,
+    })
+    .map_err(|e| at(Some(r_span), &format!("agent {name:?}: {e}")))?;
+    Ok(Arc::new(agent))
 }
 
 /// Agent and tool names: what RunRequest.agent and the model accept.
@@ -352,10 +603,14 @@ fn header_map(
 }
 
 fn read_key(path: &Path) -> Result<String, String> {
+    read_secret(path, "api_key_file")
+}
+
+fn read_secret(path: &Path, field: &str) -> Result<String, String> {
     let k = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read api_key_file {}: {e}", path.display()))?;
+        .map_err(|e| format!("cannot read {field} {}: {e}", path.display()))?;
     if k.trim().is_empty() {
-        return Err(format!("api_key_file {} is empty", path.display()));
+        return Err(format!("{field} {} is empty", path.display()));
     }
     Ok(k)
 }
@@ -464,6 +719,49 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         assert!(e.contains("parameters"), "{e}");
         let e = err(&GOOD.replace("default = \"support\"", "default = \"nobody\""));
         assert!(e.starts_with("agents.toml:2:"), "{e}");
+    }
+
+    const REMOTE: &str = r#"
+[agents.orders]
+kind = "remote_a2a"
+description = "Delegates."
+call_timeout = "30s"
+
+[agents.orders.a2a]
+card_url = "http://127.0.0.1:9"
+agent = "order_helper"
+token_env = "MODEL_KEY"
+idle_timeout = "5s"
+"#;
+
+    #[test]
+    fn a_remote_a2a_agent_is_declared_without_contacting_the_remote() {
+        let f = parse(REMOTE, Path::new("agents.toml"), &opts()).unwrap();
+        assert_eq!(f.agents[0].name(), "orders");
+        assert_eq!(f.agents[0].description(), "Delegates.");
+    }
+
+    #[test]
+    fn a_remote_a2a_agent_refuses_model_fields_inline_tokens_and_https() {
+        let e = err(&REMOTE.replace("call_timeout", "max_tool_turns = 3\ncall_timeout"));
+        assert!(
+            e.starts_with("agents.toml:5:") && e.contains("max_tool_turns"),
+            "{e}"
+        );
+        let e = err(&REMOTE.replace(
+            "token_env = \"MODEL_KEY\"",
+            "token = \"sk-secret-value-123\"",
+        ));
+        assert!(
+            e.starts_with("agents.toml:10:") && !e.contains("sk-secret"),
+            "{e}"
+        );
+        let e = err(&REMOTE.replace("http://127.0.0.1:9", "https://127.0.0.1:9"));
+        assert!(e.contains("only http://"), "{e}");
+        let e = err(&REMOTE.replace("card_url", "jsonrpc_url = \"http://x/\"\ncard_url"));
+        assert!(e.contains("not both"), "{e}");
+        let e = err(&REMOTE.replace("kind = \"remote_a2a\"\n", ""));
+        assert!(e.contains("needs kind = \"remote_a2a\""), "{e}");
     }
 
     #[test]

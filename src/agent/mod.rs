@@ -6,6 +6,7 @@
 pub mod demo;
 pub mod file;
 pub mod openai;
+pub mod remote_a2a;
 pub mod synthetic;
 pub mod tools;
 

@@ -54,6 +54,8 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
+        // Only this layer names the caller (see `super::CALLER_HEADER`).
+        req.headers_mut().remove(super::CALLER_HEADER);
         let Some(auth) = &self.auth else {
             return Either::Left(self.inner.call(req));
         };
@@ -83,6 +85,9 @@ where
         match auth.authenticate(authorization, certificate.as_deref()) {
             Ok(caller) => {
                 tracing::Span::current().record("caller", &*caller.name);
+                if let Ok(v) = http::HeaderValue::from_str(&caller.name) {
+                    req.headers_mut().insert(super::CALLER_HEADER, v);
+                }
                 req.extensions_mut().insert(caller);
                 Either::Left(self.inner.call(req))
             }

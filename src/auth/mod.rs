@@ -24,6 +24,11 @@ pub use layer::{AuthLayer, AuthService};
 
 use crate::domain::UserId;
 
+/// The request header (gRPC metadata) in which the authentication layers
+/// pass an authenticated caller's name on to the A2A executor. Both layers
+/// remove it from every incoming request before they set it.
+pub const CALLER_HEADER: &str = "agentd-caller";
+
 /// Services reachable without credentials by default: probes and tooling.
 pub const DEFAULT_OPEN_SERVICES: &[&str] = &[
     "grpc.health.v1.Health",

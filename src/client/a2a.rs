@@ -331,7 +331,8 @@ fn state_name(s: &Option<TaskState>) -> String {
         .map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
 }
 
-/// A client of one remote A2A agent.
+/// A client of one remote A2A agent; clones share the connection.
+#[derive(Clone)]
 pub struct A2aClient {
     inner: Arc<A2AClient<Box<dyn Transport>>>,
 }
@@ -340,6 +341,21 @@ impl A2aClient {
     /// Resolves the agent card at `base_url` and connects over `binding`
     /// (or the card's first binding this client speaks).
     pub async fn connect(base_url: &str, binding: Option<Binding>) -> anyhow::Result<Self> {
+        Self::connect_with(base_url, binding, None).await
+    }
+
+    /// [`Self::connect`], sending `authorization: Bearer <token>` on every
+    /// call when a token is given. `base_url` may also be the card's own URL
+    /// (ending in `/.well-known/agent-card.json`). The card itself is read
+    /// without the token: A2A cards are public.
+    pub async fn connect_with(
+        base_url: &str,
+        binding: Option<Binding>,
+        token: Option<&str>,
+    ) -> anyhow::Result<Self> {
+        let base_url = base_url
+            .trim_end_matches('/')
+            .trim_end_matches(a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH);
         let card = a2a_client::agent_card::AgentCardResolver::new(None)
             .resolve(base_url)
             .await
@@ -363,13 +379,36 @@ impl A2aClient {
                 );
             }
         }
-        let factory = A2AClientFactory::builder()
+        let mut factory = A2AClientFactory::builder()
             .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
-            .preferred_bindings(preferred)
-            .build();
+            .preferred_bindings(preferred);
+        if let Some(t) = token {
+            factory =
+                factory.with_interceptor(Arc::new(a2a_client::auth::AuthInterceptor::bearer(t)));
+        }
+        let factory = factory.build();
         let client = factory.create_from_card(&card).await.map_err(|e| {
             anyhow::anyhow!("cannot connect to the agent at {base_url}: {}", e.message)
         })?;
+        Ok(Self {
+            inner: Arc::new(client),
+        })
+    }
+
+    /// A client of the JSON-RPC endpoint at `url` (no card is read), sending
+    /// `authorization: Bearer <token>` on every call when a token is given.
+    pub fn jsonrpc(url: &str, token: Option<&str>) -> anyhow::Result<Self> {
+        let http = a2a_client::default_reqwest_client(None)
+            .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {}", e.message))?;
+        let transport: Box<dyn Transport> = Box::new(a2a_client::jsonrpc::JsonRpcTransport::new(
+            http,
+            url.to_owned(),
+        ));
+        let mut client = A2AClient::new(transport);
+        if let Some(t) = token {
+            client = client
+                .with_interceptors(vec![Arc::new(a2a_client::auth::AuthInterceptor::bearer(t))]);
+        }
         Ok(Self {
             inner: Arc::new(client),
         })

@@ -35,6 +35,32 @@ impl A2aServer {
 
     /// `conformance`: serve the conformance agent with this resubscribe wait.
     pub async fn start_with(tool_delay: Duration, conformance: Option<Duration>) -> Self {
+        Self::start_full(tool_delay, conformance, None).await
+    }
+
+    /// With authentication on: bearer tokens from `tokens_json` (the
+    /// `--auth-tokens` format) on every face.
+    pub async fn start_secured(tokens_json: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.json");
+        std::fs::write(&path, tokens_json).unwrap();
+        let auth = agentd::auth::Authenticator::new(
+            Some(&path),
+            false,
+            &agentd::auth::DEFAULT_OPEN_SERVICES
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        Self::start_full(Duration::ZERO, None, Some(Arc::new(auth))).await
+    }
+
+    async fn start_full(
+        tool_delay: Duration,
+        conformance: Option<Duration>,
+        auth: Option<Arc<agentd::auth::Authenticator>>,
+    ) -> Self {
         let helper = OrderHelper::new(tool_delay);
         let tool = helper.stats();
         let agents: Vec<Arc<dyn Agent>> =
@@ -62,6 +88,7 @@ impl A2aServer {
             drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(10),
             a2a_conformance: conformance,
+            security: agentd::server::Security { tls: None, auth },
             ..ServerOptions::default()
         };
         let (tx, rx) = oneshot::channel::<()>();

@@ -1,0 +1,105 @@
+//! Authentication of the A2A HTTP face (JSON-RPC and SSE), with the
+//! credentials agents.v1 takes ([`crate::auth::Authenticator`]). The gRPC
+//! binding shares the gRPC port's [`crate::auth::AuthLayer`].
+//!
+//! Either layer refuses a call without valid credentials before the
+//! handler sees it (HTTP 401 with a JSON-RPC error body here, gRPC
+//! UNAUTHENTICATED there), and passes the caller's name on as the
+//! [`crate::auth::CALLER_HEADER`] service parameter, which the executor
+//! reads as the task's user. The header is removed from every incoming
+//! request first, so a client cannot name itself. The agent card at
+//! `/.well-known/agent-card.json` stays public: it says how to authenticate.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::Response;
+
+use crate::auth::{Authenticator, CALLER_HEADER};
+
+/// The JSON-RPC error code of a refused credential (an implementation-defined
+/// server error: A2A 1.0 leaves authentication to the HTTP layer, 401).
+pub const UNAUTHENTICATED_CODE: i32 = -32000;
+
+/// The path of the public agent card.
+pub const CARD_PATH: &str = a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH;
+
+/// `router` behind authentication, or as it is when `auth` is `None` (the
+/// caller header is removed either way).
+pub fn guard(router: axum::Router, auth: Option<Arc<Authenticator>>) -> axum::Router {
+    router.layer(axum::middleware::from_fn_with_state(auth, check))
+}
+
+async fn check(
+    State(auth): State<Option<Arc<Authenticator>>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    req.headers_mut().remove(CALLER_HEADER);
+    let Some(auth) = auth else {
+        return next.run(req).await;
+    };
+    if req.uri().path() == CARD_PATH {
+        return next.run(req).await;
+    }
+    let authorization = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    match auth.authenticate(authorization, None) {
+        Ok(caller) => {
+            if let Ok(v) = HeaderValue::from_str(&caller.name) {
+                req.headers_mut().insert(CALLER_HEADER, v);
+            }
+            next.run(req).await
+        }
+        Err(why) => {
+            tracing::info!(reason = %why, "A2A call refused: unauthenticated");
+            unauthorized(&why.to_string())
+        }
+    }
+}
+
+/// HTTP 401 with a JSON-RPC error body (id null: the request was not read).
+pub fn unauthorized(why: &str) -> Response {
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": null,
+        "error": {"code": UNAUTHENTICATED_CODE, "message": format!("unauthenticated: {why}")},
+    });
+    let mut resp = Response::new(Body::from(body.to_string()));
+    *resp.status_mut() = StatusCode::UNAUTHORIZED;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"agentd\""),
+    );
+    resp
+}
+
+/// The card's security declaration when authentication is on: one HTTP
+/// bearer scheme, required for every call.
+pub fn card_security() -> (
+    std::collections::HashMap<String, a2a::SecurityScheme>,
+    Vec<a2a::SecurityRequirement>,
+) {
+    let scheme = a2a::SecurityScheme::HttpAuth(a2a::HttpAuthSecurityScheme {
+        scheme: "Bearer".into(),
+        description: Some("A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata).".into()),
+        bearer_format: None,
+    });
+    (
+        [(BEARER_SCHEME.to_owned(), scheme)].into_iter().collect(),
+        vec![[(BEARER_SCHEME.to_owned(), vec![])].into_iter().collect()],
+    )
+}
+
+/// The name of the bearer scheme in the card.
+pub const BEARER_SCHEME: &str = "bearer";

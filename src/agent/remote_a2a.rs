@@ -1,0 +1,586 @@
+//! An agent that delegates each turn to a remote A2A agent (`kind =
+//! "remote_a2a"` in the agents file), through the A2A streaming client
+//! ([`crate::client::a2a`]): one client per remote agent, made on first use
+//! and reused.
+//!
+//! ```text
+//! Run ─▶ SendStreamingMessage (contextId of this session, metadata "agent")
+//!        WORKING status with a toolCall / toolResult data part ─▶ TOOL_CALL / TOOL_RESULT
+//!        other status messages                               ─▶ not forwarded (debug log)
+//!        artifact chunks (text)                              ─▶ PARTIAL_TEXT
+//!        COMPLETED: the artifacts' text (else the status
+//!        message's), or a direct Message                    ─▶ FINAL_ANSWER
+//!        INPUT_REQUIRED                                      ─▶ FINAL_ANSWER "The remote agent needs
+//!                                                              more input: …"; the session's next
+//!                                                              turn is sent as the reply
+//!        FAILED / REJECTED / CANCELED / AUTH_REQUIRED        ─▶ agent error, sanitised message
+//! stream dropped (client cancel, deadline) ─▶ CancelTask on the remote task
+//! ```
+//!
+//! The remote's own texts (status messages of a failure, errors) go to the
+//! log, never into a status message: they may echo the prompt. The bearer
+//! token is never logged.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use a2a::{Message, Part, PartContent, Role, StreamResponse, TaskState};
+use tokio::sync::{Notify, OnceCell};
+
+use super::{Agent, AgentError, Event, EventStream, RunContext};
+use crate::client::a2a::{
+    A2aClient, Binding, CallError, CallOptions, CallState, Control, Outcome, parts_text,
+};
+use crate::domain::SessionId;
+
+/// Default: no event from the remote for this long counts as a lost stream.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default bound of one delegated turn.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// Sessions whose remote context this process remembers.
+const MAX_REMEMBERED_SESSIONS: usize = 10_000;
+/// How long the CancelTask sent for a dropped run may take.
+const CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the remote agent is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remote {
+    /// Read the agent card there (a base URL, or the card's own URL) and use
+    /// `binding`, or the card's JSON-RPC interface, else its gRPC one.
+    Card {
+        url: String,
+        binding: Option<Binding>,
+    },
+    /// Call this JSON-RPC endpoint directly.
+    JsonRpc { url: String },
+}
+
+/// A bearer token; `Debug` never shows it.
+#[derive(Clone)]
+pub struct Token(pub String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+/// Everything one remote A2A agent is.
+#[derive(Debug, Clone)]
+pub struct RemoteA2aConfig {
+    pub name: String,
+    pub description: String,
+    pub remote: Remote,
+    /// Sent as message metadata `"agent"` (an agentd remote picks its agent by it).
+    pub remote_agent: Option<String>,
+    pub token: Option<Token>,
+    /// No event for this long counts as a lost stream (the client recovers).
+    pub idle_timeout: Duration,
+    /// Bound of each delegated turn; past it the remote task is cancelled.
+    pub call_timeout: Duration,
+}
+
+/// What this process remembers of a session's conversation with the remote.
+#[derive(Debug, Clone, Default)]
+struct Conversation {
+    context_id: Option<String>,
+    /// The remote task waits for input (INPUT_REQUIRED): the next turn replies to it.
+    waiting_task: Option<String>,
+}
+
+#[derive(Default)]
+struct Conversations {
+    by_session: HashMap<SessionId, Conversation>,
+    order: VecDeque<SessionId>,
+}
+
+impl Conversations {
+    fn get(&self, s: &SessionId) -> Conversation {
+        self.by_session.get(s).cloned().unwrap_or_default()
+    }
+
+    fn set(&mut self, s: SessionId, c: Conversation) {
+        if self.by_session.insert(s, c).is_none() {
+            self.order.push_back(s);
+        }
+        while self.order.len() > MAX_REMEMBERED_SESSIONS {
+            if let Some(old) = self.order.pop_front() {
+                self.by_session.remove(&old);
+            }
+        }
+    }
+}
+
+/// An agents.v1 agent whose turns a remote A2A agent answers.
+pub struct RemoteA2aAgent {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    cfg: RemoteA2aConfig,
+    client: OnceCell<A2aClient>,
+    conversations: Mutex<Conversations>,
+}
+
+impl RemoteA2aAgent {
+    /// A JSON-RPC remote's client is made here; a card is read on the first
+    /// run (and again on the next run if that fails), so the remote need
+    /// not be up when agentd starts.
+    pub fn new(cfg: RemoteA2aConfig) -> anyhow::Result<Self> {
+        let client = OnceCell::new();
+        if let Remote::JsonRpc { url } = &cfg.remote {
+            let c = A2aClient::jsonrpc(url, cfg.token.as_ref().map(|t| t.0.as_str()))?;
+            let _ = client.set(c);
+        }
+        Ok(Self {
+            shared: Arc::new(Shared {
+                cfg,
+                client,
+                conversations: Mutex::default(),
+            }),
+        })
+    }
+}
+
+impl Shared {
+    async fn client(&self) -> Result<&A2aClient, AgentError> {
+        self.client
+            .get_or_try_init(|| async {
+                let Remote::Card { url, binding } = &self.cfg.remote else {
+                    unreachable!("a JSON-RPC remote's client is made at start-up")
+                };
+                A2aClient::connect_with(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()))
+                    .await
+                    .map_err(|e| {
+                        tracing::warn!(agent = %self.cfg.name, error = %e, "remote_a2a: cannot connect to the remote agent");
+                        unavailable("the remote A2A agent cannot be reached")
+                    })
+            })
+            .await
+    }
+
+    fn conversation(&self, s: &SessionId) -> Conversation {
+        self.conversations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(s)
+    }
+
+    fn remember(&self, s: SessionId, c: Conversation) {
+        self.conversations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set(s, c);
+    }
+}
+
+fn unavailable(message: &str) -> AgentError {
+    AgentError::Unavailable {
+        message: message.to_owned(),
+        retry_after: None,
+    }
+}
+
+/// What the listener hands the run's stream.
+#[derive(Default)]
+struct Relay {
+    events: VecDeque<Event>,
+    task_id: Option<String>,
+    /// The latest status message's text (an answer some agents give there).
+    status_text: String,
+}
+
+/// Cancels the remote task if the run's stream is dropped while the call
+/// is still going (client cancel, deadline, shutdown).
+struct CancelOnDrop {
+    client: A2aClient,
+    relay: Arc<Mutex<Relay>>,
+    agent: String,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let task = self
+            .relay
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .task_id
+            .clone();
+        let Some(task) = task else {
+            tracing::info!(agent = %self.agent, "remote_a2a: run dropped before the remote task had an id; nothing to cancel");
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (client, agent) = (self.client.clone(), self.agent.clone());
+        rt.spawn(async move {
+            let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
+                Ok(Ok(t)) => format!("{:?}", t.status.state),
+                Ok(Err(e)) => format!("cancel failed: {}", e.message),
+                Err(_) => "cancel timed out".into(),
+            };
+            tracing::info!(%agent, task = %task, %outcome, "remote_a2a: run dropped; cancelled the remote task");
+        });
+    }
+}
+
+/// The agents.v1 events of one remote update.
+fn map_update(agent: &str, ev: &StreamResponse) -> Vec<Event> {
+    match ev {
+        StreamResponse::StatusUpdate(u) => {
+            let Some(m) = &u.status.message else {
+                return vec![];
+            };
+            let text = parts_text(&m.parts);
+            let mut out = vec![];
+            for p in &m.parts {
+                let PartContent::Data(d) = &p.content else {
+                    continue;
+                };
+                if let Some(c) = d.get("toolCall") {
+                    out.push(Event::tool_call(
+                        agent,
+                        c.get("name").and_then(|v| v.as_str()).unwrap_or("tool"),
+                        c.get("id").and_then(|v| v.as_str()).unwrap_or_default(),
+                        c.get("arguments").unwrap_or(&serde_json::Value::Null),
+                    ));
+                } else if let Some(r) = d.get("toolResult") {
+                    out.push(Event::tool_result(
+                        r.get("name").and_then(|v| v.as_str()).unwrap_or("tool"),
+                        r.get("id").and_then(|v| v.as_str()).unwrap_or_default(),
+                        text.clone(),
+                        r.get("result").unwrap_or(&serde_json::Value::Null),
+                    ));
+                }
+            }
+            if out.is_empty() && !text.is_empty() {
+                tracing::debug!(%agent, state = ?u.status.state, "remote_a2a: status message not forwarded");
+            }
+            out
+        }
+        StreamResponse::ArtifactUpdate(u) => {
+            let text = parts_text(&u.artifact.parts);
+            if text.is_empty() {
+                vec![]
+            } else {
+                vec![Event::partial(agent, text)]
+            }
+        }
+        StreamResponse::Task(_) | StreamResponse::Message(_) => vec![],
+    }
+}
+
+/// The answer text of a completed task: its artifacts' text, one artifact a
+/// line; else the final status message's.
+fn answer_text(artifacts: &[a2a::Artifact], status_text: &str) -> String {
+    let texts: Vec<String> = artifacts
+        .iter()
+        .map(|a| parts_text(&a.parts))
+        .filter(|t| !t.is_empty())
+        .collect();
+    if texts.is_empty() {
+        status_text.to_owned()
+    } else {
+        texts.join("\n")
+    }
+}
+
+/// The sanitised agent error for a failed call; the remote's text is logged.
+fn call_error(agent: &str, e: CallError) -> AgentError {
+    match e {
+        CallError::Task {
+            state,
+            task_id,
+            message,
+            ..
+        } => {
+            tracing::warn!(%agent, task = %task_id, ?state, remote_message = %message, "remote_a2a: the remote task did not complete");
+            match state {
+                TaskState::Rejected => {
+                    AgentError::FailedPrecondition("the remote A2A agent rejected the task".into())
+                }
+                TaskState::Canceled => unavailable("the remote A2A agent cancelled the task"),
+                _ => unavailable("the remote A2A agent failed the task"),
+            }
+        }
+        CallError::Deadline { task_id, .. } => {
+            tracing::warn!(%agent, task = ?task_id, "remote_a2a: call_timeout passed; the remote task was cancelled");
+            unavailable(
+                "the remote A2A agent did not finish within call_timeout; its task was cancelled",
+            )
+        }
+        CallError::LostBeforeTask { cause } => {
+            tracing::warn!(%agent, %cause, "remote_a2a: stream lost before the task had an id");
+            unavailable("the connection to the remote A2A agent was lost")
+        }
+        CallError::Unrecoverable { task_id, cause, .. } => {
+            tracing::warn!(%agent, task = %task_id, %cause, "remote_a2a: the remote task could not be recovered");
+            unavailable("the remote A2A agent stopped answering; its task was cancelled")
+        }
+        CallError::Refused(e) => {
+            tracing::warn!(%agent, code = e.code, error = %e.message, "remote_a2a: the remote agent refused the call");
+            if e.code == a2a::error_code::INTERNAL_ERROR {
+                unavailable("the remote A2A agent cannot be reached")
+            } else if e.code == crate::a2a::auth::UNAUTHENTICATED_CODE {
+                AgentError::FailedPrecondition(
+                    "the remote A2A agent refused this server's credentials".into(),
+                )
+            } else {
+                AgentError::FailedPrecondition("the remote A2A agent refused the request".into())
+            }
+        }
+    }
+}
+
+impl Agent for RemoteA2aAgent {
+    fn name(&self) -> &str {
+        &self.shared.cfg.name
+    }
+
+    fn description(&self) -> &str {
+        &self.shared.cfg.description
+    }
+
+    fn run(&self, ctx: RunContext, input: String) -> EventStream {
+        let shared = self.shared.clone();
+        Box::pin(async_stream::try_stream! {
+            let agent = shared.cfg.name.clone();
+            let client = shared.client().await?.clone();
+            let conversation = shared.conversation(&ctx.session_id);
+            let metadata = shared.cfg.remote_agent.as_ref().map(|a| {
+                [(crate::a2a::executor::AGENT_METADATA_KEY.to_owned(), serde_json::Value::String(a.clone()))]
+                    .into_iter()
+                    .collect()
+            });
+            let message = Message {
+                context_id: conversation.context_id.clone(),
+                task_id: conversation.waiting_task.clone(),
+                metadata,
+                ..Message::new(Role::User, vec![Part::text(input)])
+            };
+            let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
+            let opts = CallOptions {
+                idle_timeout: shared.cfg.idle_timeout,
+                deadline: shared.cfg.call_timeout.min(left),
+                ..CallOptions::default()
+            };
+            let relay = Arc::new(Mutex::new(Relay::default()));
+            let ready = Arc::new(Notify::new());
+            let mut guard = CancelOnDrop {
+                client: client.clone(),
+                relay: relay.clone(),
+                agent: agent.clone(),
+                armed: true,
+            };
+            let mut listener = {
+                let (relay, ready, agent) = (relay.clone(), ready.clone(), agent.clone());
+                move |ev: &StreamResponse, st: &CallState| {
+                    let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
+                    if r.task_id.is_none() {
+                        r.task_id = st.task_id.clone();
+                    }
+                    if let Some(m) = &st.status_message {
+                        r.status_text = parts_text(&m.parts);
+                    }
+                    let events = map_update(&agent, ev);
+                    if !events.is_empty() {
+                        r.events.extend(events);
+                        ready.notify_one();
+                    }
+                    Control::Continue
+                }
+            };
+            let result = {
+                let call = client.send(message, &opts, Some(&mut listener));
+                tokio::pin!(call);
+                // Poll the call only while nothing waits to be sent: a slow
+                // reader back-pressures the remote stream instead of
+                // filling a buffer.
+                loop {
+                    let pending: Vec<Event> = relay.lock().unwrap_or_else(|e| e.into_inner()).events.drain(..).collect();
+                    for e in pending {
+                        yield e;
+                    }
+                    tokio::select! {
+                        r = &mut call => break r,
+                        _ = ready.notified() => {}
+                    }
+                }
+            };
+            // The call is over: the client cancelled the task itself where
+            // it had to (deadline, recovery given up).
+            guard.armed = false;
+            let (pending, status_text) = {
+                let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
+                (r.events.drain(..).collect::<Vec<_>>(), std::mem::take(&mut r.status_text))
+            };
+            for e in pending {
+                yield e;
+            }
+            let mut next = Conversation { context_id: conversation.context_id.clone(), waiting_task: None };
+            match result {
+                Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id }) => {
+                    if !context_id.is_empty() {
+                        next.context_id = Some(context_id);
+                    }
+                    shared.remember(ctx.session_id, next);
+                    if incomplete {
+                        tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote answer lost chunks in transit");
+                        Err(unavailable("the remote A2A agent's answer was cut in transit"))?;
+                    }
+                    yield Event::final_answer(&agent, answer_text(&artifacts, &status_text));
+                }
+                Ok(Outcome::Message(m)) => {
+                    if let Some(c) = m.context_id.clone().filter(|c| !c.is_empty()) {
+                        next.context_id = Some(c);
+                    }
+                    shared.remember(ctx.session_id, next);
+                    yield Event::final_answer(&agent, parts_text(&m.parts));
+                }
+                Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
+                    if !context_id.is_empty() {
+                        next.context_id = Some(context_id);
+                    }
+                    if state == TaskState::AuthRequired {
+                        shared.remember(ctx.session_id, next.clone());
+                        tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote agent asks for authorization");
+                        Err(AgentError::FailedPrecondition("the remote A2A agent asks for an authorization this server cannot give".into()))?;
+                    }
+                    next.waiting_task = Some(task_id);
+                    shared.remember(ctx.session_id, next);
+                    let question = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
+                    let text = if question.is_empty() {
+                        "The remote agent needs more input.".to_owned()
+                    } else {
+                        format!("The remote agent needs more input: {question}")
+                    };
+                    yield Event::final_answer(&agent, text);
+                }
+                Ok(Outcome::Stopped { .. }) => {
+                    Err(AgentError::Unexpected(anyhow::anyhow!("the call stopped without a listener asking")))?;
+                }
+                Err(e) => {
+                    shared.remember(ctx.session_id, next);
+                    Err(call_error(&agent, e))?;
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use a2a::{Artifact, TaskArtifactUpdateEvent, TaskStatus, TaskStatusUpdateEvent};
+
+    fn status(parts: Vec<Part>) -> StreamResponse {
+        StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            status: TaskStatus {
+                state: TaskState::Working,
+                message: Some(Message::new(Role::Agent, parts)),
+                timestamp: None,
+            },
+            metadata: None,
+        })
+    }
+
+    #[test]
+    fn tool_data_parts_become_tool_events_and_plain_status_text_is_not_forwarded() {
+        let call = status(vec![
+            Part::text("calling lookup_order"),
+            Part::data(
+                serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c1", "arguments": {"order_id": "1187"}}}),
+            ),
+        ]);
+        let e = map_update("orders", &call);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].kind, super::super::EventKind::ToolCall);
+        assert_eq!(
+            (e[0].tool_name.as_str(), e[0].tool_call_id.as_str()),
+            ("lookup_order", "c1")
+        );
+        assert_eq!(e[0].payload_json, r#"{"order_id":"1187"}"#);
+        let result = status(vec![
+            Part::text("order 1187 is shipped"),
+            Part::data(
+                serde_json::json!({"toolResult": {"name": "lookup_order", "id": "c1", "result": {"found": true}}}),
+            ),
+        ]);
+        let e = map_update("orders", &result);
+        assert_eq!(e[0].kind, super::super::EventKind::ToolResult);
+        assert_eq!(e[0].text, "order 1187 is shipped");
+        assert!(map_update("orders", &status(vec![Part::text("thinking")])).is_empty());
+    }
+
+    #[test]
+    fn artifact_chunks_are_partial_text_and_the_answer_joins_artifacts() {
+        let chunk = StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            artifact: Artifact {
+                artifact_id: "a".into(),
+                name: None,
+                description: None,
+                parts: vec![Part::text("Hel")],
+                metadata: None,
+                extensions: None,
+            },
+            append: Some(false),
+            last_chunk: Some(false),
+            metadata: None,
+        });
+        let e = map_update("x", &chunk);
+        assert_eq!(
+            (e[0].kind, e[0].text.as_str()),
+            (super::super::EventKind::PartialText, "Hel")
+        );
+        let StreamResponse::ArtifactUpdate(u) = chunk else {
+            unreachable!()
+        };
+        let mut b = u.artifact.clone();
+        b.parts = vec![Part::text("two")];
+        assert_eq!(answer_text(&[u.artifact, b], "ignored"), "Hel\ntwo");
+        assert_eq!(answer_text(&[], "from status"), "from status");
+    }
+
+    #[test]
+    fn remote_failures_are_sanitised() {
+        let e = call_error(
+            "x",
+            CallError::Task {
+                state: TaskState::Failed,
+                task_id: "t".into(),
+                message: "secret prompt echo".into(),
+                artifacts: vec![],
+            },
+        );
+        assert!(matches!(&e, AgentError::Unavailable { .. }), "{e:?}");
+        assert!(!e.to_string().contains("secret"), "{e}");
+        let e = call_error(
+            "x",
+            CallError::Task {
+                state: TaskState::Rejected,
+                task_id: "t".into(),
+                message: "no".into(),
+                artifacts: vec![],
+            },
+        );
+        assert!(matches!(e, AgentError::FailedPrecondition(_)));
+    }
+
+    #[test]
+    fn a_token_is_never_shown() {
+        assert_eq!(
+            format!("{:?}", Token("tok-0123456789abcdef".into())),
+            "Token(..)"
+        );
+    }
+}

@@ -1,0 +1,369 @@
+//! `kind = "remote_a2a"` agents: an `agentd serve` child whose agents file
+//! delegates to a second agentd (in-process, A2A on 127.0.0.1) or to the
+//! Python SDK test agent. A Run streams the remote's answer through, a
+//! dropped Run cancels the remote task, remote failures are sanitised, and a
+//! bad entry stops start-up with the file, line and reason.
+
+mod a2a_support;
+mod support;
+
+use std::time::Duration;
+
+use a2a::{ListTasksRequest, TaskState};
+use a2a_support::{A2aServer, PyAgent, python};
+use agentd::client::a2a::A2aClient;
+use agentd::pb;
+use support::{Child, collect};
+use tonic::Code;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const BILLING: &str = "tok-billing-service-0000001";
+
+fn write_agents(dir: &tempfile::TempDir, text: &str) -> String {
+    let p = dir.path().join("agents.toml");
+    std::fs::write(&p, text).unwrap();
+    p.display().to_string()
+}
+
+async fn serve(agents: &str) -> Child {
+    Child::serve(&[
+        "--agents",
+        agents,
+        "--store",
+        "memory:",
+        "--a2a-listen",
+        "off",
+    ])
+    .await
+}
+
+async fn run(
+    child: &Child,
+    agent: &str,
+    text: &str,
+) -> (Vec<pb::AgentEvent>, Result<(), tonic::Status>) {
+    let mut c = child.client.clone();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let req = pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session,
+        request_id: "r1".into(),
+        text: text.into(),
+        agent: agent.into(),
+        ..Default::default()
+    };
+    match c.run(req, DEADLINE).await {
+        Ok(mut call) => collect(&mut call.events).await,
+        Err(e) => (vec![], Err(e)),
+    }
+}
+
+fn kinds(events: &[pb::AgentEvent]) -> Vec<pb::EventKind> {
+    events.iter().map(|e| e.kind()).collect()
+}
+
+#[tokio::test]
+async fn a_run_streams_the_remote_agents_tool_calls_text_and_answer() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            r#"
+[agents.orders]
+kind = "remote_a2a"
+description = "Order questions, answered by another agentd."
+[agents.orders.a2a]
+card_url = "{url}/.well-known/agent-card.json"
+agent = "order_helper"
+
+[agents.streamer]
+kind = "remote_a2a"
+call_timeout = "30s"
+[agents.streamer.a2a]
+jsonrpc_url = "{url}/"
+agent = "stream"
+idle_timeout = "10s"
+"#,
+            url = remote.base_url()
+        ),
+    );
+    let child = serve(&agents).await;
+
+    let (events, end) = run(&child, "orders", "Where is order 1187?").await;
+    end.unwrap();
+    assert_eq!(
+        kinds(&events),
+        [
+            pb::EventKind::ToolCall,
+            pb::EventKind::ToolResult,
+            // The remote's answer chunk, then the answer as a whole.
+            pb::EventKind::PartialText,
+            pb::EventKind::FinalAnswer
+        ],
+        "{events:?}"
+    );
+    assert_eq!(events[2].text, events[3].text);
+    assert_eq!(events[0].tool_name, "lookup_order");
+    assert!(events[0].payload_json.contains("1187"), "{events:?}");
+    assert_eq!(events[1].tool_call_id, events[0].tool_call_id);
+    let last = events.last().unwrap();
+    assert!(last.is_final && last.author == "orders");
+    assert!(
+        last.text.contains("Order 1187") && last.text.contains("DHL"),
+        "{last:?}"
+    );
+
+    let (events, end) = run(&child, "streamer", "n=3 size=2").await;
+    end.unwrap();
+    let partials: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind() == pb::EventKind::PartialText)
+        .map(|e| e.text.as_str())
+        .collect();
+    assert!(partials.starts_with(&["xx", "xx", "xx"]), "{events:?}");
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), pb::EventKind::FinalAnswer);
+    // What streamed is the answer, nothing lost or repeated.
+    assert_eq!(partials.concat(), last.text);
+    assert!(last.text.starts_with("xxxxxx"), "{last:?}");
+    remote.stop().await;
+}
+
+#[tokio::test]
+async fn a_cancelled_run_cancels_the_remote_task() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.slow]\nkind = \"remote_a2a\"\n[agents.slow.a2a]\ncard_url = \"{}\"\nagent = \"stream\"\n",
+            remote.base_url()
+        ),
+    );
+    let child = serve(&agents).await;
+    let mut c = child.client.clone();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let req = pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session,
+        request_id: "r1".into(),
+        // 1000 events at 5/s: minutes, unless cancelled.
+        text: "n=1000 size=4 rate=5".into(),
+        agent: "slow".into(),
+        ..Default::default()
+    };
+    let mut stream = c.run(req, DEADLINE).await.unwrap().events;
+    let first = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .expect("no event from the remote")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.kind(), pb::EventKind::PartialText);
+    assert!(remote.turns.in_flight() > 0);
+    drop(stream);
+
+    assert!(
+        remote.idle(Duration::from_secs(20)).await,
+        "the remote run was not cancelled"
+    );
+    let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
+    let tasks = client
+        .raw()
+        .list_tasks(&ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: None,
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        })
+        .await
+        .unwrap()
+        .tasks;
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].status.state, TaskState::Canceled);
+    remote.stop().await;
+}
+
+#[tokio::test]
+async fn a_token_from_the_environment_reaches_a_secured_remote() {
+    let remote = A2aServer::start_secured(&format!(
+        r#"{{"tokens": [{{"token": "{BILLING}", "caller": "billing", "user_ids": ["*"]}}]}}"#
+    ))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("wrong-token");
+    std::fs::write(&token_file, "tok-not-a-real-token-000\n").unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            r#"
+[agents.good]
+kind = "remote_a2a"
+[agents.good.a2a]
+card_url = "{url}"
+agent = "echo"
+token_env = "AGENTD_TEST_REMOTE_TOKEN"
+
+[agents.bad]
+kind = "remote_a2a"
+[agents.bad.a2a]
+card_url = "{url}"
+agent = "echo"
+token_file = "{file}"
+"#,
+            url = remote.base_url(),
+            file = token_file.display()
+        ),
+    );
+    // SAFETY: nextest runs each test in its own process; the variable is
+    // set before the child that reads it starts, and nothing else reads it.
+    unsafe { std::env::set_var("AGENTD_TEST_REMOTE_TOKEN", BILLING) };
+    let child = serve(&agents).await;
+    let (events, end) = run(&child, "good", "hello").await;
+    end.unwrap();
+    assert_eq!(events.last().unwrap().text, "hello");
+
+    let (_, end) = run(&child, "bad", "hello").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains("credentials") && !status.message().contains("tok-"),
+        "{status:?}"
+    );
+    remote.stop().await;
+}
+
+#[tokio::test]
+async fn remote_failures_are_sanitised_and_input_required_is_an_answer_that_says_so() {
+    let Some(py) = python() else { return };
+    let agent = PyAgent::start(&py, false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.py]\nkind = \"remote_a2a\"\n[agents.py.a2a]\ncard_url = \"{}\"\n",
+            agent.base_url
+        ),
+    );
+    let child = serve(&agents).await;
+
+    let (events, end) = run(&child, "py", "chunks=3 delay=0").await;
+    end.unwrap();
+    assert_eq!(
+        kinds(&events),
+        [
+            pb::EventKind::PartialText,
+            pb::EventKind::PartialText,
+            pb::EventKind::PartialText,
+            pb::EventKind::FinalAnswer
+        ]
+    );
+    assert_eq!(events.last().unwrap().text, "c0 c1 c2 ");
+
+    let (_, end) = run(&child, "py", "fail=1").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("failed the task") && !status.message().contains("boom"),
+        "{status:?}"
+    );
+    let (_, end) = run(&child, "py", "reject=1").await;
+    assert_eq!(end.unwrap_err().code(), Code::FailedPrecondition);
+
+    let (events, end) = run(&child, "py", "input=1").await;
+    end.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), pb::EventKind::FinalAnswer);
+    assert_eq!(last.text, "The remote agent needs more input: which order?");
+
+    let (events, end) = run(&child, "py", "message=1").await;
+    end.unwrap();
+    assert_eq!(events.last().unwrap().text, "direct reply");
+}
+
+#[tokio::test]
+async fn an_unreachable_remote_is_unavailable_and_not_a_start_up_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port nothing listens on.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.gone]\nkind = \"remote_a2a\"\n[agents.gone.a2a]\ncard_url = \"http://127.0.0.1:{port}\"\n"
+        ),
+    );
+    let child = serve(&agents).await;
+    let (_, end) = run(&child, "gone", "hello").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("cannot be reached"), "{status:?}");
+}
+
+#[test]
+fn a_bad_remote_entry_stops_start_up_with_file_line_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, &str); 6] = [
+        (
+            "[agents.r]\nkind = \"remote_a2a\"\n",
+            "agents.toml:1:",
+            "needs an [agents.r.a2a] table",
+        ),
+        (
+            "[agents.r]\nkind = \"remote_a2a\"\n[agents.r.a2a]\ncard_url = \"ftp://x\"\n",
+            "agents.toml:4:",
+            "a2a.card_url: the URL must be http:// or https://",
+        ),
+        (
+            "[agents.r]\nkind = \"remote_a2a\"\n[agents.r.a2a]\ncard_url = \"http://x\"\ntoken = \"tok-0123456789abcdef\"\n",
+            "agents.toml:5:",
+            "a token is never written in the agents file",
+        ),
+        (
+            "[agents.r]\nkind = \"remote_a2a\"\n[agents.r.a2a]\ncard_url = \"http://x\"\ntoken_env = \"AGENTD_TEST_SURELY_UNSET_TOKEN\"\n",
+            "agents.toml:5:",
+            "AGENTD_TEST_SURELY_UNSET_TOKEN is not set",
+        ),
+        (
+            "[agents.r]\nkind = \"remote_a2a\"\n[agents.r.a2a]\njsonrpc_url = \"http://x/\"\nidle_timeout = \"never\"\n",
+            "agents.toml:5:",
+            "use e.g. 500ms",
+        ),
+        (
+            "[agents.r]\nkind = \"remot_a2a\"\n",
+            "agents.toml:2:",
+            "unknown kind \"remot_a2a\"",
+        ),
+    ];
+    for (text, position, reason) in cases {
+        let path = write_agents(&dir, text);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "off",
+                "--a2a-listen",
+                "off",
+                "--store",
+                "memory:",
+                "--agents",
+                &path,
+            ])
+            .env_remove("AGENTD_TEST_SURELY_UNSET_TOKEN")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(position), "{text}\n{err}");
+        assert!(err.contains(reason), "{text}\n{err}");
+        assert!(!err.contains("tok-0123456789abcdef"), "{err}");
+    }
+}
