@@ -4,7 +4,9 @@
 CREATE TABLE a2a_tasks (
     id          TEXT PRIMARY KEY NOT NULL,
     context_id  TEXT NOT NULL,
-    session_id  TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+    -- Set once the task's executor has named its session (see
+    -- src/store/a2a_tasks.rs); removed with that session.
+    session_id  TEXT REFERENCES sessions (id) ON DELETE CASCADE,
     state       TEXT NOT NULL,
     terminal    BIGINT NOT NULL,
     status_at   BIGINT,

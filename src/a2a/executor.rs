@@ -203,7 +203,7 @@ impl Job {
 
     /// The task as it is when its run starts; for a reply to a waiting
     /// task, WORKING (a task snapshot would replace its history).
-    fn submitted(&self) -> StreamResponse {
+    fn submitted(&self, session: Option<SessionId>) -> StreamResponse {
         if !self.is_new {
             return self.status(TaskState::Working, None);
         }
@@ -217,7 +217,12 @@ impl Job {
             },
             artifacts: None,
             history: Some(vec![self.message.clone()]),
-            metadata: None,
+            metadata: session.map(|s| {
+                HashMap::from([(
+                    crate::store::a2a_tasks::SESSION_METADATA_KEY.to_owned(),
+                    serde_json::Value::String(s.to_string()),
+                )])
+            }),
         })
     }
 
@@ -225,7 +230,7 @@ impl Job {
     /// serve, FAILED for one we cannot serve now.
     fn refused(&self, state: TaskState, why: &str) -> Vec<StreamResponse> {
         vec![
-            self.submitted(),
+            self.submitted(None),
             self.status(state, Some(self.agent_message(vec![Part::text(why)]))),
         ]
     }
@@ -390,7 +395,7 @@ impl Shared {
                     return;
                 }
             };
-            yield Ok(job.submitted());
+            yield Ok(job.submitted(Some(session_id)));
             yield Ok(job.status(TaskState::Working, None));
             let task_id = job.task_id.clone();
             let mut updates = std::pin::pin!(updates(job, events));

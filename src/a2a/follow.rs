@@ -31,8 +31,8 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 use super::executor::{self, Job};
-use crate::domain::{RequestId, TurnKey, UserId};
-use crate::store::a2a_tasks::{A2A_USER, A2aTasks, context_session};
+use crate::domain::{RequestId, TurnKey};
+use crate::store::a2a_tasks::{A2aTasks, task_session};
 use crate::turn::Turns;
 
 /// Store reads while waiting for a new task's turn to be claimed.
@@ -58,7 +58,6 @@ impl Handler {
         &self,
         task_id: &str,
     ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
-        let user = UserId::parse(A2A_USER).expect("a valid user id");
         let prefix = format!("{task_id}.");
         for _ in 0..TURN_WAIT_POLLS {
             let Some(task) = self.tasks.get(task_id).await? else {
@@ -71,7 +70,12 @@ impl Handler {
                 // Waiting for input: nothing runs, here or elsewhere.
                 return Err(A2AError::task_not_found(task_id));
             }
-            let session = context_session(&user, &task.context_id);
+            let session = task_session(&task);
+            let user = match self.turns.store().get_session(session).await {
+                Ok(Some(s)) => s.user_id,
+                Ok(None) => return Err(A2AError::task_not_found(task_id)),
+                Err(_) => return Err(A2AError::internal("the task store is unavailable; retry later")),
+            };
             let turns =
                 self.turns.store().list_turns(session).await.map_err(|_| {
                     A2AError::internal("the task store is unavailable; retry later")

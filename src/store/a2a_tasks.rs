@@ -47,6 +47,26 @@ pub fn context_session(user: &UserId, context_id: &str) -> SessionId {
     SessionId::parse(&uuid.to_string()).expect("a UUID")
 }
 
+/// Task metadata key holding the id of the session the task's turns run in
+/// (set by the executor, which knows the caller).
+pub const SESSION_METADATA_KEY: &str = "agentd.session";
+
+/// The session of `task`: the one its metadata names, else the anonymous
+/// session of its context.
+pub fn task_session(task: &Task) -> SessionId {
+    named_session(task).unwrap_or_else(|| context_session(&a2a_user(), &task.context_id))
+}
+
+/// The session `task`'s metadata names, if any. The handler stores a task
+/// before its executor runs; the executor's first snapshot names it.
+fn named_session(task: &Task) -> Option<SessionId> {
+    task.metadata
+        .as_ref()
+        .and_then(|m| m.get(SESSION_METADATA_KEY))
+        .and_then(|v| v.as_str())
+        .and_then(|s| SessionId::parse(s).ok())
+}
+
 fn a2a_user() -> UserId {
     UserId::parse(A2A_USER).expect("a valid user id")
 }
@@ -232,17 +252,19 @@ macro_rules! sql_task_store {
         impl TaskStore for $name {
             async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
                 let json = encode(&task)?;
-                let session = context_session(&a2a_user(), &task.context_id);
+                // The session is the executor's to create (it knows the
+                // caller); the task is tied to it by the first update that
+                // names it.
+                let session = named_session(&task).map(|s| s.to_string());
                 let now = super::to_micros(std::time::SystemTime::now());
                 let mut tx = self.write.begin().await.map_err(super::sql::db_err).map_err(a2a_err)?;
-                Self::ensure_session_on(&mut *tx, session, &a2a_user()).await.map_err(a2a_err)?;
                 let done = sqlx::query(
                     "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $8) ON CONFLICT (id) DO NOTHING",
                 )
                 .bind(&task.id)
                 .bind(&task.context_id)
-                .bind(session.to_string())
+                .bind(session)
                 .bind(state_name(&task.status.state))
                 .bind(i64::from(task.status.state.is_terminal()))
                 .bind(status_micros(&task))
@@ -264,7 +286,8 @@ macro_rules! sql_task_store {
                 let json = encode(&task)?;
                 let state = state_name(&task.status.state);
                 let row = sqlx::query(
-                    "UPDATE a2a_tasks SET task_json = $2, state = $3, terminal = $4, status_at = $5, version = version + 1, updated_at = $6 \
+                    "UPDATE a2a_tasks SET task_json = $2, state = $3, terminal = $4, status_at = $5, version = version + 1, updated_at = $6, \
+                     session_id = COALESCE($7, session_id) \
                      WHERE id = $1 AND (terminal = 0 OR state = $3) RETURNING version",
                 )
                 .bind(&task.id)
@@ -273,6 +296,7 @@ macro_rules! sql_task_store {
                 .bind(i64::from(task.status.state.is_terminal()))
                 .bind(status_micros(&task))
                 .bind(super::to_micros(std::time::SystemTime::now()))
+                .bind(named_session(&task).map(|s| s.to_string()))
                 .fetch_optional(&self.write)
                 .await
                 .map_err(super::sql::db_err)
@@ -443,7 +467,6 @@ impl A2aTasks for MemoryTasks {
 #[async_trait]
 impl TaskStore for MemoryTasks {
     async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
-        (self.ensure)(context_session(&a2a_user(), &task.context_id), &a2a_user());
         self.tasks.create(task).await
     }
     async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
