@@ -156,20 +156,32 @@ impl Peer {
 
     /// Waits (bounded) until `GET path` answers 200.
     pub async fn wait_ready(&mut self, path: &str, limit: Duration) {
+        if let Err(status) = self.try_ready(path, limit).await {
+            panic!(
+                "peer exited with {status}; log:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+
+    /// As [`Peer::wait_ready`], but a peer that exits is the caller's to
+    /// judge: its exit status.
+    pub async fn try_ready(
+        &mut self,
+        path: &str,
+        limit: Duration,
+    ) -> Result<(), std::process::ExitStatus> {
         let url = format!("http://127.0.0.1:{}{path}", self.port);
         let http = reqwest::Client::new();
         let until = tokio::time::Instant::now() + limit;
         while tokio::time::Instant::now() < until {
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!(
-                    "peer exited with {status}; log:\n{}",
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                );
+                return Err(status);
             }
             if let Ok(r) = http.get(&url).timeout(Duration::from_secs(1)).send().await
                 && r.status().is_success()
             {
-                return;
+                return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
