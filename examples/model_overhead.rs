@@ -372,7 +372,14 @@ fn spawn_agentd(
         .arg(&agents)
         .args(["--default-agent", "fake", "--store", &p.store])
         .args(["--max-concurrent-runs", "4096", "--history-turns", "0"])
-        .args(["--admin-listen", "off", "--a2a-listen", "off", "--drain-delay", "0s"])
+        .args([
+            "--admin-listen",
+            "off",
+            "--a2a-listen",
+            "off",
+            "--drain-delay",
+            "0s",
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.join("agentd.log"))?);
     let child = cmd.spawn()?;
@@ -397,5 +404,7 @@ async fn connect(url: &str) -> anyhow::Result<AgentClient> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err(last.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("no server")))
+    Err(last
+        .map(anyhow::Error::from)
+        .unwrap_or_else(|| anyhow::anyhow!("no server")))
 }

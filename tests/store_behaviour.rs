@@ -588,7 +588,14 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
     }
     assert_eq!(all.len(), 310);
     assert_eq!(store.events_after(&key, None, 1000).await.unwrap(), all);
-    for (after, limit) in [(None, 1), (Some(0), 5), (Some(4), 100), (Some(9), 3), (Some(305), 10), (Some(309), 10)] {
+    for (after, limit) in [
+        (None, 1),
+        (Some(0), 5),
+        (Some(4), 100),
+        (Some(9), 3),
+        (Some(305), 10),
+        (Some(309), 10),
+    ] {
         let from = after.map_or(0, |a| a as usize + 1);
         let want: Vec<_> = all.iter().skip(from).take(limit).cloned().collect();
         assert_eq!(
@@ -611,9 +618,14 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
         .unwrap();
     let history = store.history(session.id, 10).await.unwrap();
     assert_eq!(history.len(), 1);
-    assert_eq!(history[0].answer, "chunk 309", "the final answer is the turn's memory");
     assert_eq!(
-        store.events_after(&key, Some(308), 10).await.unwrap()[0].event.kind,
+        history[0].answer, "chunk 309",
+        "the final answer is the turn's memory"
+    );
+    assert_eq!(
+        store.events_after(&key, Some(308), 10).await.unwrap()[0]
+            .event
+            .kind,
         EventKind::FinalAnswer
     );
 }

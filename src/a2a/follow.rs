@@ -74,7 +74,11 @@ impl Handler {
             let user = match self.turns.store().get_session(session).await {
                 Ok(Some(s)) => s.user_id,
                 Ok(None) => return Err(A2AError::task_not_found(task_id)),
-                Err(_) => return Err(A2AError::internal("the task store is unavailable; retry later")),
+                Err(_) => {
+                    return Err(A2AError::internal(
+                        "the task store is unavailable; retry later",
+                    ));
+                }
             };
             let turns =
                 self.turns.store().list_turns(session).await.map_err(|_| {

@@ -5,9 +5,9 @@
 //! callers racing on one request id cannot both be told [`Claim::New`].
 
 pub mod a2a_tasks;
+mod codec;
 pub mod memory;
 pub mod postgres;
-mod codec;
 mod sql;
 pub mod sqlite;
 

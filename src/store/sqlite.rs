@@ -151,16 +151,14 @@ mod tests {
             (1, "partial_text", "lo"),
             (2, "final_answer", "Hello"),
         ] {
-            sqlx::query(
-                "INSERT INTO events VALUES ($1, 'r1', $2, $3, 'echo', $4, '', '', '', 7)",
-            )
-            .bind(&sid)
-            .bind(seq)
-            .bind(kind)
-            .bind(text)
-            .execute(&old)
-            .await
-            .unwrap();
+            sqlx::query("INSERT INTO events VALUES ($1, 'r1', $2, $3, 'echo', $4, '', '', '', 7)")
+                .bind(&sid)
+                .bind(seq)
+                .bind(kind)
+                .bind(text)
+                .execute(&old)
+                .await
+                .unwrap();
         }
         old.close().await;
 
@@ -170,7 +168,10 @@ mod tests {
             request_id: RequestId::parse("r1").unwrap(),
         };
         let events = store.events_after(&key, None, 10).await.unwrap();
-        let texts: Vec<_> = events.iter().map(|e| (e.seq, e.event.text.as_str())).collect();
+        let texts: Vec<_> = events
+            .iter()
+            .map(|e| (e.seq, e.event.text.as_str()))
+            .collect();
         assert_eq!(texts, [(0, "Hel"), (1, "lo"), (2, "Hello")]);
         let history = store.history(key.session_id, 10).await.unwrap();
         assert_eq!(history[0].answer, "Hello");
