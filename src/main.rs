@@ -16,6 +16,13 @@ use agentd::config::{
 use agentd::pb;
 use agentd::turn::Turns;
 
+/// Every event of a run is a few small allocations (its strings, the wire
+/// copy, the boxes on the channels, the batch its writer stores): glibc's
+/// malloc spent a third of the server's time on them under load, mimalloc
+/// a fraction of that (see BENCHMARKS.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -38,24 +38,75 @@ struct StoredEvent {
     created_unix_nanos: i64,
 }
 
-/// Encodes a batch (moved, not copied).
-pub(super) fn encode(events: Vec<SeqEvent>) -> Vec<u8> {
-    let batch = StoredBatch {
-        events: events
-            .into_iter()
-            .map(|e| StoredEvent {
-                seq: e.seq,
-                kind: e.event.kind.as_str().to_owned(),
-                author: e.event.author,
-                text: e.event.text,
-                tool_name: e.event.tool_name,
-                tool_call_id: e.event.tool_call_id,
-                payload_json: e.event.payload_json,
-                created_unix_nanos: e.event.created_unix_nanos,
-            })
-            .collect(),
+/// Encodes a batch as a [`StoredBatch`], written straight from the events:
+/// no intermediate messages, one allocation of the exact size. This runs
+/// for every group commit, so it is on the path of every event.
+pub(super) fn encode(events: &[SeqEvent]) -> Vec<u8> {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+    let len = |e: &SeqEvent| {
+        let v = e.event.created_unix_nanos;
+        scalar_len(1, e.seq)
+            + str_len(2, e.event.kind.as_str())
+            + str_len(3, &e.event.author)
+            + str_len(4, &e.event.text)
+            + str_len(5, &e.event.tool_name)
+            + str_len(6, &e.event.tool_call_id)
+            + str_len(7, &e.event.payload_json)
+            + scalar_len(8, v as u64)
     };
-    batch.encode_to_vec()
+    let total: usize = events
+        .iter()
+        .map(|e| {
+            let n = len(e);
+            key_len(1) + encoded_len_varint(n as u64) + n
+        })
+        .sum();
+    let mut buf = Vec::with_capacity(total);
+    for e in events {
+        encode_key(1, WireType::LengthDelimited, &mut buf);
+        encode_varint(len(e) as u64, &mut buf);
+        put_scalar(&mut buf, 1, e.seq);
+        put_str(&mut buf, 2, e.event.kind.as_str());
+        put_str(&mut buf, 3, &e.event.author);
+        put_str(&mut buf, 4, &e.event.text);
+        put_str(&mut buf, 5, &e.event.tool_name);
+        put_str(&mut buf, 6, &e.event.tool_call_id);
+        put_str(&mut buf, 7, &e.event.payload_json);
+        put_scalar(&mut buf, 8, e.event.created_unix_nanos as u64);
+    }
+    debug_assert_eq!(buf.len(), total);
+    return buf;
+
+    // proto3 rules, as prost applies them: a field at its default value
+    // (0, "") is not written. An int64 is written as the varint of its
+    // two's complement, like a uint64.
+    fn scalar_len(tag: u32, v: u64) -> usize {
+        if v == 0 {
+            0
+        } else {
+            key_len(tag) + encoded_len_varint(v)
+        }
+    }
+    fn str_len(tag: u32, s: &str) -> usize {
+        if s.is_empty() {
+            0
+        } else {
+            key_len(tag) + encoded_len_varint(s.len() as u64) + s.len()
+        }
+    }
+    fn put_scalar(buf: &mut Vec<u8>, tag: u32, v: u64) {
+        if v != 0 {
+            encode_key(tag, WireType::Varint, buf);
+            encode_varint(v, buf);
+        }
+    }
+    fn put_str(buf: &mut Vec<u8>, tag: u32, s: &str) {
+        if !s.is_empty() {
+            encode_key(tag, WireType::LengthDelimited, buf);
+            encode_varint(s.len() as u64, buf);
+            buf.extend_from_slice(s.as_bytes());
+        }
+    }
 }
 
 /// Decodes a stored batch; `None` if the blob is not one.
@@ -108,7 +159,40 @@ mod tests {
             event(9, EventKind::PartialText, "partial"),
             event(10, EventKind::FinalAnswer, "done"),
         ];
-        assert_eq!(decode(&encode(batch.clone())), Some(batch));
+        assert_eq!(decode(&encode(&batch)), Some(batch));
+    }
+
+    /// The hand-written encoder produces exactly what prost's derived
+    /// encoding of the same [`StoredBatch`] does, defaults and negative
+    /// timestamps included, so either can read the other's rows.
+    #[test]
+    fn the_direct_encoder_writes_the_bytes_prost_writes() {
+        let mut batch = vec![
+            event(0, EventKind::ToolCall, ""),
+            event(1, EventKind::PartialText, "x"),
+            event(300, EventKind::FinalAnswer, &"long ".repeat(100)),
+        ];
+        batch[0].event.author.clear();
+        batch[0].event.created_unix_nanos = 0;
+        batch[1].event.created_unix_nanos = -5;
+        batch[1].event.payload_json.clear();
+        let derived = StoredBatch {
+            events: batch
+                .iter()
+                .map(|e| StoredEvent {
+                    seq: e.seq,
+                    kind: e.event.kind.as_str().to_owned(),
+                    author: e.event.author.clone(),
+                    text: e.event.text.clone(),
+                    tool_name: e.event.tool_name.clone(),
+                    tool_call_id: e.event.tool_call_id.clone(),
+                    payload_json: e.event.payload_json.clone(),
+                    created_unix_nanos: e.event.created_unix_nanos,
+                })
+                .collect(),
+        };
+        assert_eq!(encode(&batch), derived.encode_to_vec());
+        assert_eq!(encode(&[]), Vec::<u8>::new());
     }
 
     #[test]

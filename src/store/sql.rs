@@ -46,24 +46,24 @@ const BATCH_ROW_BYTES: usize = 1 << 20;
 
 /// Splits a commit's events into rows of at most [`BATCH_ROW_BYTES`], so no
 /// row approaches the backends' value limits (1 GB) whatever the batch.
-pub(super) fn split_batch(events: Vec<super::SeqEvent>) -> Vec<Vec<super::SeqEvent>> {
-    let mut rows: Vec<Vec<super::SeqEvent>> = Vec::new();
-    let mut bytes = 0;
-    for e in events {
+pub(super) fn split_batch(events: &[super::SeqEvent]) -> Vec<&[super::SeqEvent]> {
+    let mut rows = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, e) in events.iter().enumerate() {
         let size = 32
             + e.event.author.len()
             + e.event.text.len()
             + e.event.tool_name.len()
             + e.event.tool_call_id.len()
             + e.event.payload_json.len();
-        match rows.last_mut() {
-            Some(row) if bytes + size <= BATCH_ROW_BYTES => row.push(e),
-            _ => {
-                rows.push(vec![e]);
-                bytes = 0;
-            }
+        if i > start && bytes + size > BATCH_ROW_BYTES {
+            rows.push(&events[start..i]);
+            (start, bytes) = (i, 0);
         }
         bytes += size;
+    }
+    if start < events.len() {
+        rows.push(&events[start..]);
     }
     rows
 }
@@ -216,8 +216,8 @@ macro_rules! sql_store {
                     return Ok(());
                 }
                 let sid = key.session_id.to_string();
-                let chunks = $crate::store::sql::split_batch(events);
-                let insert = |chunk: Vec<SeqEvent>| {
+                let chunks = $crate::store::sql::split_batch(&events);
+                let insert = |chunk: &[SeqEvent]| {
                     let first = chunk.first().map_or(0, |e| e.seq as i64);
                     let last = chunk.last().map_or(0, |e| e.seq as i64);
                     sqlx::query(
@@ -442,7 +442,7 @@ macro_rules! sql_store {
                     let mut events = rows.iter().map(event_from_row).collect::<StoreResult<Vec<_>>>()?;
                     events.sort_by_key(|e| e.seq);
                     moved += events.len() as u64;
-                    for chunk in $crate::store::sql::split_batch(events) {
+                    for chunk in $crate::store::sql::split_batch(&events) {
                         let first = chunk.first().map_or(0, |e| e.seq as i64);
                         let last = chunk.last().map_or(0, |e| e.seq as i64);
                         sqlx::query(
@@ -466,3 +466,47 @@ macro_rules! sql_store {
 }
 
 pub(super) use sql_store;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::{Event, EventKind};
+    use crate::store::SeqEvent;
+
+    fn event(seq: u64, text_len: usize) -> SeqEvent {
+        SeqEvent {
+            seq,
+            event: Event {
+                kind: EventKind::PartialText,
+                author: String::new(),
+                text: "x".repeat(text_len),
+                tool_name: String::new(),
+                tool_call_id: String::new(),
+                payload_json: String::new(),
+                created_unix_nanos: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn a_batch_is_split_into_rows_under_the_size_limit_in_order_and_an_oversized_event_gets_its_own()
+     {
+        let third = BATCH_ROW_BYTES / 3;
+        let events = vec![
+            event(0, 10),
+            event(1, third),
+            event(2, third),
+            event(3, third),
+            event(4, BATCH_ROW_BYTES * 2),
+            event(5, 10),
+        ];
+        let rows = split_batch(&events);
+        let seqs: Vec<Vec<u64>> = rows
+            .iter()
+            .map(|r| r.iter().map(|e| e.seq).collect())
+            .collect();
+        assert_eq!(seqs, vec![vec![0, 1, 2], vec![3], vec![4], vec![5]]);
+        assert!(split_batch(&[]).is_empty());
+        assert_eq!(split_batch(&events[..1]).len(), 1);
+    }
+}

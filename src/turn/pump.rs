@@ -328,6 +328,8 @@ impl Writer {
                 )));
             }
             let mut finish = None;
+            // Sized once: the batch's events move in without regrowing.
+            events.reserve(batch.len());
             for msg in batch.drain(..) {
                 match msg {
                     ToWriter::Event(e) => {
@@ -356,7 +358,8 @@ impl Writer {
             };
         if let Err(e) = store
             .finish_turn(&self.key, &outcome, answer.as_deref())
-            .await {
+            .await
+        {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
         }
         self.progress.send_modify(|p| p.done = true);
