@@ -36,6 +36,11 @@ use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
 
+/// The allocator the `agentd` binary uses, so the in-process server costs
+/// what the real one does.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct Params {
     tokens: usize,
     concurrency: usize,
