@@ -54,6 +54,8 @@ async fn sessions_of(server: &A2aServer, user: &str) -> usize {
 #[tokio::test]
 async fn the_card_is_public_and_declares_the_bearer_scheme() {
     let server = A2aServer::start_secured(&tokens()).await;
+    // reqwest is built without a default crypto provider; agentd installs ring.
+    agentd::auth::tls::install_crypto_provider();
     let resp = reqwest::get(format!("{}/.well-known/agent-card.json", server.base_url()))
         .await
         .unwrap();
@@ -87,7 +89,7 @@ async fn the_card_is_public_and_declares_the_bearer_scheme() {
 #[tokio::test]
 async fn json_rpc_without_a_good_token_is_401_with_a_json_rpc_error_and_runs_nothing() {
     let server = A2aServer::start_secured(&tokens()).await;
-    let http = reqwest::Client::new();
+    let http = agentd::agent::openai::http_client().unwrap();
     let body = serde_json::json!({
         "jsonrpc": "2.0", "id": 1, "method": "SendMessage",
         "params": {"message": {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}}
@@ -189,7 +191,7 @@ async fn a_client_cannot_name_its_own_caller() {
     // Authentication on: the header a client sends is replaced by the
     // authenticated caller's name.
     let server = A2aServer::start_secured(&tokens()).await;
-    let http = reqwest::Client::new();
+    let http = agentd::agent::openai::http_client().unwrap();
     let body = serde_json::json!({
         "jsonrpc": "2.0", "id": 1, "method": "SendMessage",
         "params": {"message": {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "hi"}],

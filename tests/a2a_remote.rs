@@ -367,3 +367,75 @@ fn a_bad_remote_entry_stops_start_up_with_file_line_and_reason() {
         assert!(!err.contains("tok-0123456789abcdef"), "{err}");
     }
 }
+
+/// A CA made for one test, and a server certificate it signed for
+/// 127.0.0.1: (CA PEM, certificate PEM, key PEM).
+fn private_ca() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let key = KeyPair::generate().unwrap();
+    let cert = server.signed_by(&key, &issuer).unwrap();
+    (ca_pem, cert.pem(), key.serialize_pem())
+}
+
+#[tokio::test]
+async fn an_https_remote_behind_a_private_ca_is_trusted_through_ca_file_and_refused_without_it() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = private_ca();
+    let [ca_file, cert_file, key_file] =
+        ["ca.pem", "server.pem", "server.key"].map(|f| dir.path().join(f));
+    std::fs::write(&ca_file, ca).unwrap();
+    std::fs::write(&cert_file, cert).unwrap();
+    std::fs::write(&key_file, key).unwrap();
+    let agent = PyAgent::start_with(&py, false, Some((&cert_file, &key_file))).await;
+    assert!(agent.base_url.starts_with("https://"), "{}", agent.base_url);
+    let agents = write_agents(
+        &dir,
+        &format!(
+            r#"
+[agents.trusted]
+kind = "remote_a2a"
+[agents.trusted.a2a]
+card_url = "{url}"
+ca_file = "{ca}"
+
+[agents.trusted_rpc]
+kind = "remote_a2a"
+[agents.trusted_rpc.a2a]
+jsonrpc_url = "{url}/"
+ca_file = "{ca}"
+
+[agents.untrusted]
+kind = "remote_a2a"
+[agents.untrusted.a2a]
+card_url = "{url}"
+"#,
+            url = agent.base_url,
+            ca = ca_file.display()
+        ),
+    );
+    let child = serve(&agents).await;
+
+    for name in ["trusted", "trusted_rpc"] {
+        let (events, end) = run(&child, name, "chunks=3 delay=0").await;
+        end.unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        assert_eq!(events.last().unwrap().text, "c0 c1 c2 ", "{name}");
+    }
+
+    // The system's roots do not include the test CA: the handshake fails,
+    // the run is UNAVAILABLE, and nothing of the certificate error leaks.
+    let (events, end) = run(&child, "untrusted", "chunks=3 delay=0").await;
+    assert!(events.is_empty(), "{events:?}");
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("cannot be reached"), "{status:?}");
+}

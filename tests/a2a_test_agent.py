@@ -1,7 +1,8 @@
 """A small A2A 1.0 agent written with the official Python SDK: the remote
 peer that tests agentd's A2A streaming client.
 
-Usage: a2a_test_agent.py [--bare-snapshots]   (JSON-RPC on 127.0.0.1, a free port)
+Usage: a2a_test_agent.py [--bare-snapshots] [--tls CERT KEY]
+(JSON-RPC on 127.0.0.1, a free port; over https with --tls, PEM files)
 
 --bare-snapshots strips the artifacts from every task snapshot it sends
 (GetTask, and the task a resubscription starts with), as a server that does
@@ -207,11 +208,14 @@ async def main():
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # connections wait in the backlog until uvicorn serves
     port = sock.getsockname()[1]
+    args = sys.argv[1:]
+    tls = args[args.index("--tls") + 1:args.index("--tls") + 3] if "--tls" in args else None
+    scheme = "https" if tls else "http"
     card = AgentCard(
         name="chunking test agent",
         description="Streams chunked artifacts; can drop or stall (tests only).",
         version="1.0.0",
-        supported_interfaces=[AgentInterface(protocol_binding="JSONRPC", url=f"http://127.0.0.1:{port}/",
+        supported_interfaces=[AgentInterface(protocol_binding="JSONRPC", url=f"{scheme}://127.0.0.1:{port}/",
                                              protocol_version="1.0")],
         capabilities=AgentCapabilities(streaming=True),
         default_input_modes=["text/plain"],
@@ -221,9 +225,10 @@ async def main():
     handler = DefaultRequestHandler(agent_executor=ChunkingAgent(), task_store=InMemoryTaskStore(), agent_card=card)
     app = Starlette(routes=create_agent_card_routes(card) + create_jsonrpc_routes(handler, rpc_url="/"))
     wrapped = DropStream(app)
-    if "--bare-snapshots" in sys.argv[1:]:
+    if "--bare-snapshots" in args:
         wrapped = DropStream(BareSnapshots(app))
-    server = uvicorn.Server(uvicorn.Config(wrapped, log_level="warning", lifespan="off"))
+    ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
+    server = uvicorn.Server(uvicorn.Config(wrapped, log_level="warning", lifespan="off", **ssl))
     print(f"LISTENING {port}", flush=True)
     await server.serve(sockets=[sock])
 

@@ -95,6 +95,9 @@ struct RemoteDoc {
     /// can say what to do instead.
     token: Option<Spanned<toml::Value>>,
     idle_timeout: Option<Spanned<String>>,
+    /// A PEM bundle trusted besides the system's roots (an https remote
+    /// behind a private CA).
+    ca_file: Option<Spanned<PathBuf>>,
 }
 
 /// The kinds of agent a file may declare.
@@ -416,19 +419,12 @@ fn remote_agent(
     let r_span = r.span();
     let r = r.get_ref();
     let url = |u: &Spanned<String>, field: &str| -> anyhow::Result<String> {
-        let parsed = parse_url(u.get_ref()).map_err(|why| {
+        parse_url(u.get_ref()).map_err(|why| {
             at(
                 Some(u.span()),
                 &format!("agent {name:?}: a2a.{field}: {why}"),
             )
         })?;
-        if parsed.scheme() != "http" {
-            // The A2A client crates are built without TLS.
-            return Err(at(
-                Some(u.span()),
-                &format!("agent {name:?}: a2a.{field}: only http:// remotes are supported for now"),
-            ));
-        }
         Ok(u.get_ref().clone())
     };
     let remote = match (&r.card_url, &r.jsonrpc_url) {
@@ -542,12 +538,35 @@ fn remote_agent(
         .map(|d| duration(d, at))
         .transpose()?
         .unwrap_or(remote_a2a::DEFAULT_CALL_TIMEOUT);
+    let ca_pem = match &r.ca_file {
+        None => None,
+        Some(f) => {
+            let why = |what: String| {
+                at(
+                    Some(f.span()),
+                    &format!("agent {name:?}: a2a.ca_file: {what}"),
+                )
+            };
+            let pem = std::fs::read(f.get_ref())
+                .map_err(|e| why(format!("cannot read {}: {e}", f.get_ref().display())))?;
+            match reqwest::Certificate::from_pem_bundle(&pem) {
+                Ok(certs) if !certs.is_empty() => Some(pem),
+                _ => {
+                    return Err(why(format!(
+                        "{} holds no PEM certificate",
+                        f.get_ref().display()
+                    )));
+                }
+            }
+        }
+    };
     let agent = RemoteA2aAgent::new(RemoteA2aConfig {
         name: name.to_owned(),
         description: a.description.clone(),
         remote,
         remote_agent: r.agent.as_ref().map(|a| a.get_ref().clone()),
         token: token.map(Token),
+        ca_pem,
         idle_timeout,
         call_timeout,
     })
@@ -742,7 +761,7 @@ idle_timeout = "5s"
     }
 
     #[test]
-    fn a_remote_a2a_agent_refuses_model_fields_inline_tokens_and_https() {
+    fn a_remote_a2a_agent_refuses_model_fields_inline_tokens_other_schemes_and_a_missing_ca_file() {
         let e = err(&REMOTE.replace("call_timeout", "max_tool_turns = 3\ncall_timeout"));
         assert!(
             e.starts_with("agents.toml:5:") && e.contains("max_tool_turns"),
@@ -756,8 +775,10 @@ idle_timeout = "5s"
             e.starts_with("agents.toml:10:") && !e.contains("sk-secret"),
             "{e}"
         );
-        let e = err(&REMOTE.replace("http://127.0.0.1:9", "https://127.0.0.1:9"));
-        assert!(e.contains("only http://"), "{e}");
+        let e = err(&REMOTE.replace("http://127.0.0.1:9", "ftp://127.0.0.1:9"));
+        assert!(e.contains("http:// or https://"), "{e}");
+        let e = err(&REMOTE.replace("card_url", "ca_file = \"/nonexistent/ca.pem\"\ncard_url"));
+        assert!(e.contains("a2a.ca_file: cannot read"), "{e}");
         let e = err(&REMOTE.replace("card_url", "jsonrpc_url = \"http://x/\"\ncard_url"));
         assert!(e.contains("not both"), "{e}");
         let e = err(&REMOTE.replace("kind = \"remote_a2a\"\n", ""));

@@ -75,6 +75,8 @@ pub struct RemoteA2aConfig {
     /// Sent as message metadata `"agent"` (an agentd remote picks its agent by it).
     pub remote_agent: Option<String>,
     pub token: Option<Token>,
+    /// PEM certificates trusted besides the system's roots (https remotes).
+    pub ca_pem: Option<Vec<u8>>,
     /// No event for this long counts as a lost stream (the client recovers).
     pub idle_timeout: Duration,
     /// Bound of each delegated turn; past it the remote task is cancelled.
@@ -130,7 +132,11 @@ impl RemoteA2aAgent {
     pub fn new(cfg: RemoteA2aConfig) -> anyhow::Result<Self> {
         let client = OnceCell::new();
         if let Remote::JsonRpc { url } = &cfg.remote {
-            let c = A2aClient::jsonrpc(url, cfg.token.as_ref().map(|t| t.0.as_str()))?;
+            let c = A2aClient::jsonrpc_trusting(
+                url,
+                cfg.token.as_ref().map(|t| t.0.as_str()),
+                cfg.ca_pem.as_deref(),
+            )?;
             let _ = client.set(c);
         }
         Ok(Self {
@@ -150,7 +156,7 @@ impl Shared {
                 let Remote::Card { url, binding } = &self.cfg.remote else {
                     unreachable!("a JSON-RPC remote's client is made at start-up")
                 };
-                A2aClient::connect_with(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()))
+                A2aClient::connect_trusting(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()), self.cfg.ca_pem.as_deref())
                     .await
                     .map_err(|e| {
                         tracing::warn!(agent = %self.cfg.name, error = %e, "remote_a2a: cannot connect to the remote agent");

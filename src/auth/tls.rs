@@ -24,6 +24,17 @@ impl std::fmt::Debug for TlsFiles {
     }
 }
 
+/// Makes ring the process's rustls crypto provider, once. The HTTP clients
+/// (model servers, HTTP tools, remote A2A agents) use the process default;
+/// tonic's TLS names ring itself. Call before building any of them.
+pub fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Err only when another provider was installed first: that one stays.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 fn read(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("cannot read {flag} {}", path.display()))
 }

@@ -337,6 +337,23 @@ pub struct A2aClient {
     inner: Arc<A2AClient<Box<dyn Transport>>>,
 }
 
+/// The HTTP client of the JSON-RPC binding and the card resolver: TLS with
+/// the system's roots, plus `ca_pem`'s certificates when given.
+fn http_client(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
+    crate::auth::tls::install_crypto_provider();
+    let mut builder = reqwest::Client::builder()
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .user_agent(concat!("agentd/", env!("CARGO_PKG_VERSION")));
+    if let Some(pem) = ca_pem {
+        let certs = reqwest::Certificate::from_pem_bundle(pem)
+            .map_err(|e| anyhow::anyhow!("the CA bundle is not PEM certificates: {e}"))?;
+        builder = builder.tls_certs_merge(certs);
+    }
+    builder
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))
+}
+
 impl A2aClient {
     /// Resolves the agent card at `base_url` and connects over `binding`
     /// (or the card's first binding this client speaks).
@@ -353,10 +370,24 @@ impl A2aClient {
         binding: Option<Binding>,
         token: Option<&str>,
     ) -> anyhow::Result<Self> {
+        Self::connect_trusting(base_url, binding, token, None).await
+    }
+
+    /// [`Self::connect_with`], trusting the certificates of the PEM bundle
+    /// `ca_pem` besides the system's roots for an `https://` agent (a
+    /// private CA). An `https://` agent is called over JSON-RPC; the gRPC
+    /// binding is plaintext only.
+    pub async fn connect_trusting(
+        base_url: &str,
+        binding: Option<Binding>,
+        token: Option<&str>,
+        ca_pem: Option<&[u8]>,
+    ) -> anyhow::Result<Self> {
         let base_url = base_url
             .trim_end_matches('/')
             .trim_end_matches(a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH);
-        let card = a2a_client::agent_card::AgentCardResolver::new(None)
+        let http = http_client(ca_pem)?;
+        let card = a2a_client::agent_card::AgentCardResolver::new(Some(http.clone()))
             .resolve(base_url)
             .await
             .map_err(|e| {
@@ -380,6 +411,9 @@ impl A2aClient {
             }
         }
         let mut factory = A2AClientFactory::builder()
+            .register(Arc::new(a2a_client::jsonrpc::JsonRpcTransportFactory::new(
+                Some(http),
+            )))
             .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
             .preferred_bindings(preferred);
         if let Some(t) = token {
@@ -398,8 +432,17 @@ impl A2aClient {
     /// A client of the JSON-RPC endpoint at `url` (no card is read), sending
     /// `authorization: Bearer <token>` on every call when a token is given.
     pub fn jsonrpc(url: &str, token: Option<&str>) -> anyhow::Result<Self> {
-        let http = a2a_client::default_reqwest_client(None)
-            .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {}", e.message))?;
+        Self::jsonrpc_trusting(url, token, None)
+    }
+
+    /// [`Self::jsonrpc`], trusting the PEM bundle `ca_pem` besides the
+    /// system's roots for an `https://` endpoint.
+    pub fn jsonrpc_trusting(
+        url: &str,
+        token: Option<&str>,
+        ca_pem: Option<&[u8]>,
+    ) -> anyhow::Result<Self> {
+        let http = http_client(ca_pem)?;
         let transport: Box<dyn Transport> = Box::new(a2a_client::jsonrpc::JsonRpcTransport::new(
             http,
             url.to_owned(),

@@ -193,11 +193,23 @@ pub struct PyAgent {
 
 impl PyAgent {
     pub async fn start(python: &PathBuf, bare_snapshots: bool) -> Self {
+        Self::start_with(python, bare_snapshots, None).await
+    }
+
+    /// Serves over https with the PEM files `(cert, key)` when given.
+    pub async fn start_with(
+        python: &PathBuf,
+        bare_snapshots: bool,
+        tls: Option<(&std::path::Path, &std::path::Path)>,
+    ) -> Self {
         use tokio::io::AsyncBufReadExt;
         let mut cmd = tokio::process::Command::new(python);
         cmd.arg(script("a2a_test_agent.py"));
         if bare_snapshots {
             cmd.arg("--bare-snapshots");
+        }
+        if let Some((cert, key)) = tls {
+            cmd.arg("--tls").arg(cert).arg(key);
         }
         let mut child = cmd
             .stdout(std::process::Stdio::piped())
@@ -216,8 +228,9 @@ impl PyAgent {
             .expect("unexpected first line")
             .trim()
             .to_owned();
+        let scheme = if tls.is_some() { "https" } else { "http" };
         Self {
-            base_url: format!("http://127.0.0.1:{port}"),
+            base_url: format!("{scheme}://127.0.0.1:{port}"),
             _child: child,
         }
     }

@@ -172,7 +172,7 @@ impl Peer {
         limit: Duration,
     ) -> Result<(), std::process::ExitStatus> {
         let url = format!("http://127.0.0.1:{}{path}", self.port);
-        let http = reqwest::Client::new();
+        let http = agentd::agent::openai::http_client().unwrap();
         let until = tokio::time::Instant::now() + limit;
         while tokio::time::Instant::now() < until {
             if let Some(status) = self.child.try_wait().unwrap() {

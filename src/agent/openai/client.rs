@@ -64,6 +64,7 @@ impl Endpoint {
 
 /// The HTTP client shared by every agent and HTTP tool of a process.
 pub fn http_client() -> anyhow::Result<reqwest::Client> {
+    crate::auth::tls::install_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .tcp_nodelay(true)
