@@ -273,10 +273,6 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let client = connect(&format!("http://{addr}")).await?;
-    let mut sessions = Vec::new();
-    for _ in 0..p.concurrency {
-        sessions.push(client.clone().create_session("bench").await?.session_id);
-    }
 
     let mut direct = Vec::new();
     let mut through = Vec::new();
@@ -285,6 +281,12 @@ async fn main() -> anyhow::Result<()> {
     for round in 0..=p.rounds {
         if round == 1 {
             EVENTS.store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+        // A new session per run, made before the clock starts: the model
+        // gets the same one message on both paths, no conversation history.
+        let mut sessions = Vec::new();
+        for _ in 0..p.concurrency {
+            sessions.push(client.clone().create_session("bench").await?.session_id);
         }
         let runs = (0..p.concurrency).map(|_| direct_once(&direct_client, p.tokens));
         let d: Vec<Sample> = futures::future::try_join_all(runs).await?;

@@ -34,6 +34,9 @@ enum Reply {
     Endless,
     /// SSE `data:` payloads all in one body write, as a fast server bursts.
     Burst(Vec<String>),
+    /// SSE `data:` payloads, each its own chunk, this long apart (a model
+    /// that generates slower than agentd forwards).
+    Paced(Vec<String>, Duration),
 }
 
 #[derive(Clone)]
@@ -88,6 +91,17 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
             Response::builder()
                 .header("content-type", "text/event-stream")
                 .body(Body::from(body))
+                .unwrap()
+        }
+        Reply::Paced(items, gap) => {
+            let chunks =
+                futures::StreamExt::then(futures::stream::iter(items), move |d| async move {
+                    tokio::time::sleep(gap).await;
+                    Ok::<_, Infallible>(format!("data: {d}\n\n"))
+                });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(chunks))
                 .unwrap()
         }
         Reply::Endless => {
@@ -668,5 +682,61 @@ async fn text_deltas_that_arrive_together_become_fewer_events_with_the_text_inta
         partials < 200,
         "deltas read together are merged: {partials} events"
     );
+    d.stop().await;
+}
+
+/// A server that writes each delta as its own HTTP chunk, as fast as it can:
+/// agentd's HTTP client hands them over one chunk at a time, and the chat
+/// client lets the ones already read join a step. The first delta is never
+/// held back to merge.
+#[tokio::test]
+async fn deltas_sent_as_separate_chunks_faster_than_they_are_forwarded_are_merged_after_the_first()
+{
+    let mut items: Vec<String> = (0..300).map(|i| text(&format!("w{i} "))).collect();
+    items.push(stop());
+    items.push(DONE.into());
+    let f = fake(vec![Reply::Sse(items)]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "stream", Duration::from_secs(20))
+        .await;
+    status.unwrap();
+    let want: String = (0..300).map(|i| format!("w{i} ")).collect();
+    assert_eq!(partial_text(&events), want);
+    let partials: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::PartialText)
+        .map(|e| e.text.as_str())
+        .collect();
+    assert_eq!(partials[0], "w0 ", "the first delta goes out alone");
+    assert!(
+        partials.len() < 300,
+        "deltas already read are merged: {} events",
+        partials.len()
+    );
+    d.stop().await;
+}
+
+/// A model slower than agentd: merging never waits for it, so every delta
+/// is an event of its own, sent as it arrives.
+#[tokio::test]
+async fn deltas_from_a_slow_model_are_each_forwarded_alone() {
+    let mut items: Vec<String> = (0..5).map(|i| text(&format!("s{i} "))).collect();
+    items.push(stop());
+    items.push(DONE.into());
+    let f = fake(vec![Reply::Paced(items, Duration::from_millis(40))]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d
+        .run("u1", &s, "helper", "slow", Duration::from_secs(20))
+        .await;
+    status.unwrap();
+    let partials: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::PartialText)
+        .map(|e| e.text.as_str())
+        .collect();
+    assert_eq!(partials, ["s0 ", "s1 ", "s2 ", "s3 ", "s4 "]);
     d.stop().await;
 }

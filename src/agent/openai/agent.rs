@@ -14,7 +14,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::accumulate::{Finish, parse_arguments};
-use super::client::{ChatClient, ChatStream, Step};
+use super::client::{ChatClient, Step};
 use super::wire::{
     ChatRequest, FunctionSpec, Message, Sampling, StreamOptions, ToolCall, ToolSpec,
 };
@@ -106,12 +106,12 @@ impl Agent for ModelAgent {
                     tool_choice: if first { cfg.first_call.tool_choice.as_deref() } else { None },
                     sampling: &cfg.sampling,
                 };
-                let call_deadline = bounded(ctx.deadline, cfg.call_timeout);
+                let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout);
                 let id_prefix = format!("call_{}_{turn}", ctx.request_id);
-                let mut stream = within(call_deadline, &ctx, cfg.call_timeout, cfg.client.start(&req, &id_prefix)).await??;
+                let mut stream = bound.run(cfg.client.start(&req, &id_prefix)).await??;
                 let mut announced = 0usize;
                 let completion = loop {
-                    match within(call_deadline, &ctx, cfg.call_timeout, next_step(&mut stream)).await?? {
+                    match bound.run(stream.next()).await?? {
                         Step::Text(t) => yield Event::partial(&cfg.name, t),
                         Step::ToolCall(c) => {
                             announced += 1;
@@ -225,29 +225,41 @@ async fn run_tool(cfg: &ModelAgentConfig, ctx: &RunContext, c: &ToolCall) -> Too
     }
 }
 
-async fn next_step(s: &mut ChatStream) -> Result<Step, AgentError> {
-    s.next().await
-}
-
 /// The earlier of the run's deadline and `timeout` from now.
 fn bounded(deadline: Instant, timeout: Duration) -> Instant {
     deadline.min(Instant::now() + timeout)
 }
 
-/// Awaits `f` until `deadline` or cancellation. A cancelled run ends with
-/// Unavailable here, but the turn has already ended it by then.
-async fn within<T>(
-    deadline: Instant,
-    ctx: &RunContext,
+/// The bounds of one model call: its deadline and the run's cancellation.
+/// Both are registered once for the whole call, not once per streamed
+/// token (a timer entry and a cancellation waiter each time), since a
+/// call awaits one step per token.
+struct CallBound {
+    cancelled: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     timeout: Duration,
-    f: impl Future<Output = T>,
-) -> Result<T, AgentError> {
-    tokio::select! {
-        biased;
-        _ = ctx.cancel.cancelled() => Err(AgentError::Unavailable { message: "the run was cancelled".into(), retry_after: None }),
-        r = tokio::time::timeout_at(deadline, f) => r.map_err(|_| AgentError::Unavailable {
-            message: format!("the model did not finish within {}; retry later", humantime::format_duration(timeout)),
-            retry_after: None,
-        }),
+}
+
+impl CallBound {
+    fn new(deadline: Instant, ctx: &RunContext, timeout: Duration) -> Self {
+        Self {
+            cancelled: Box::pin(ctx.cancel.clone().cancelled_owned()),
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            timeout,
+        }
+    }
+
+    /// Awaits `f` until the deadline or cancellation. A cancelled run ends
+    /// with Unavailable here, but the turn has already ended it by then.
+    async fn run<T>(&mut self, f: impl Future<Output = T>) -> Result<T, AgentError> {
+        tokio::select! {
+            biased;
+            _ = self.cancelled.as_mut() => Err(AgentError::Unavailable { message: "the run was cancelled".into(), retry_after: None }),
+            r = f => Ok(r),
+            _ = self.deadline.as_mut() => Err(AgentError::Unavailable {
+                message: format!("the model did not finish within {}; retry later", humantime::format_duration(self.timeout)),
+                retry_after: None,
+            }),
+        }
     }
 }

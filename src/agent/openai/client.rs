@@ -109,11 +109,18 @@ pub struct ChatStream {
     lookahead: Option<Option<Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>>,
     /// A failure met while merging text, returned by the next call.
     deferred: Option<AgentError>,
+    /// Whether a text step went out: the first one never waits to merge,
+    /// so the first token reaches the caller at once.
+    texted: bool,
     agent: String,
 }
 
 /// Text deltas already received are merged into one step up to this size.
 const MAX_MERGED_TEXT: usize = 16 * 1024;
+/// How many times one step yields to let buffered deltas in (each only
+/// after the previous one brought something), so a burst cannot hold text
+/// back for long.
+const MERGE_YIELDS: u32 = 16;
 
 impl ChatClient {
     pub fn new(http: reqwest::Client, endpoint: Endpoint, agent: &str) -> Self {
@@ -158,6 +165,7 @@ impl ChatClient {
             pending: Default::default(),
             lookahead: None,
             deferred: None,
+            texted: false,
             agent: self.agent.clone(),
         })
     }
@@ -297,6 +305,9 @@ impl ChatStream {
         let Step::Text(mut text) = step else {
             return Ok(step);
         };
+        // Whether an event arrived since the last yield.
+        let mut fresh = std::mem::replace(&mut self.texted, true);
+        let mut yields = 0;
         while text.len() < MAX_MERGED_TEXT {
             match self.pending.front() {
                 Some(Output::Text(_)) => {
@@ -313,9 +324,26 @@ impl ChatStream {
                         break;
                     }
                     match self.events.next().now_or_never() {
+                        None if fresh && yields < MERGE_YIELDS => {
+                            // The HTTP client hands over one body chunk per
+                            // wake-up of its connection task, even when many
+                            // are buffered. Let it run once: a chunk already
+                            // read joins this step; an idle stream costs one
+                            // scheduler round trip and nothing more.
+                            fresh = false;
+                            yields += 1;
+                            // Twice: the turn's pump polls a pending agent
+                            // once more at once (turn/pump.rs, next_event),
+                            // which would end a single yield on the spot.
+                            tokio::task::yield_now().await;
+                            tokio::task::yield_now().await;
+                        }
                         None => break,
                         Some(Some(Ok(ev))) => match acc.push(&ev.data) {
-                            Ok(outs) => self.pending.extend(outs),
+                            Ok(outs) => {
+                                fresh = true;
+                                self.pending.extend(outs)
+                            }
                             Err(e) => {
                                 self.deferred = Some(self.stream_error(e));
                                 break;
