@@ -14,15 +14,35 @@ use crate::agent::EventKind;
 struct Turn {
     record: Option<TurnRecord>,
     events: Vec<SeqEvent>,
-    /// Insertion order within the session, for history.
-    order: u64,
 }
 
 #[derive(Default)]
 struct Inner {
     sessions: HashMap<SessionId, Session>,
     turns: HashMap<TurnKey, Turn>,
-    next_order: u64,
+    /// Each session's turns in the order they were claimed, so history and
+    /// listings read one session's turns, not every turn of every session.
+    by_session: HashMap<SessionId, Vec<TurnKey>>,
+}
+
+impl Inner {
+    /// `session`'s turns, oldest first.
+    fn session_turns(&self, session: SessionId) -> impl DoubleEndedIterator<Item = &Turn> {
+        self.by_session
+            .get(&session)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.turns.get(k))
+    }
+
+    /// Drops index entries whose turn is gone.
+    fn reindex(&mut self) {
+        let turns = &self.turns;
+        self.by_session.retain(|_, keys| {
+            keys.retain(|k| turns.contains_key(k));
+            !keys.is_empty()
+        });
+    }
 }
 
 /// Everything in one mutex: every operation is short and never awaits.
@@ -97,8 +117,11 @@ impl Store for MemoryStore {
             return Ok(Claim::Existing(existing));
         }
         let now = SystemTime::now();
-        let order = inner.next_order;
-        inner.next_order += 1;
+        inner
+            .by_session
+            .entry(t.key.session_id)
+            .or_default()
+            .push(t.key.clone());
         inner.turns.insert(
             t.key.clone(),
             Turn {
@@ -114,7 +137,6 @@ impl Store for MemoryStore {
                     updated_at: now,
                 }),
                 events: Vec::new(),
-                order,
             },
         );
         if let Some(s) = inner.sessions.get_mut(&t.key.session_id) {
@@ -180,18 +202,14 @@ impl Store for MemoryStore {
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
         let inner = self.lock();
         let mut turns: Vec<&Turn> = inner
-            .turns
-            .iter()
-            .filter(|(k, t)| {
-                k.session_id == session && t.record.as_ref().is_some_and(|r| r.state.is_terminal())
-            })
-            .map(|(_, t)| t)
+            .session_turns(session)
+            .rev()
+            .filter(|t| t.record.as_ref().is_some_and(|r| r.state.is_terminal()))
+            .take(limit)
             .collect();
-        turns.sort_by_key(|t| t.order);
-        let skip = turns.len().saturating_sub(limit);
+        turns.reverse();
         Ok(turns
             .into_iter()
-            .skip(skip)
             .filter_map(|t| {
                 let r = t.record.as_ref()?;
                 let answer = t
@@ -239,20 +257,18 @@ impl Store for MemoryStore {
 
     async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
         let mut inner = self.lock();
-        inner.turns.retain(|k, _| k.session_id != id);
+        for k in inner.by_session.remove(&id).unwrap_or_default() {
+            inner.turns.remove(&k);
+        }
         Ok(inner.sessions.remove(&id).is_some())
     }
 
     async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
         let inner = self.lock();
-        let mut turns: Vec<&Turn> = inner
-            .turns
-            .iter()
-            .filter(|(k, _)| k.session_id == session)
-            .map(|(_, t)| t)
-            .collect();
-        turns.sort_by_key(|t| t.order);
-        Ok(turns.into_iter().filter_map(|t| t.record.clone()).collect())
+        Ok(inner
+            .session_turns(session)
+            .filter_map(|t| t.record.clone())
+            .collect())
     }
 
     async fn renew_lease(
@@ -293,7 +309,11 @@ impl Store for MemoryStore {
                 .as_ref()
                 .is_none_or(|r| !r.state.is_terminal() || r.updated_at >= before)
         });
-        Ok((n - inner.turns.len()) as u64)
+        let pruned = n - inner.turns.len();
+        if pruned > 0 {
+            inner.reindex();
+        }
+        Ok(pruned as u64)
     }
 
     async fn ping(&self) -> StoreResult<()> {
