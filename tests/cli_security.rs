@@ -36,6 +36,8 @@ impl Served {
                 "127.0.0.1:0",
                 "--admin-listen",
                 "127.0.0.1:0",
+                "--a2a-listen",
+                "127.0.0.1:0",
                 "--drain-delay",
                 "0s",
             ])

@@ -83,6 +83,8 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
                 "127.0.0.1:0",
                 "--admin-listen",
                 "off",
+                "--a2a-listen",
+                "127.0.0.1:0",
                 "--drain-delay",
                 "0s",
             ])

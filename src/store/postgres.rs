@@ -20,6 +20,8 @@ pub struct PostgresStore {
     /// The same pool as `read`: PostgreSQL serialises writers itself.
     write: PgPool,
     a2a: Arc<super::a2a_tasks::PostgresTasks>,
+    /// The committer's queue: event batches are written through it.
+    commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
 }
 
 impl PostgresStore {
@@ -43,6 +45,7 @@ impl PostgresStore {
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let store = Self {
+            commits: Self::spawn_committer(pool.clone()),
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
                 pool.clone(),

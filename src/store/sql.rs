@@ -68,6 +68,69 @@ pub(super) fn split_batch(events: &[super::SeqEvent]) -> Vec<&[super::SeqEvent]>
     rows
 }
 
+/// Batches the committer takes into one transaction at most.
+pub(super) const GROUP_MAX: usize = 256;
+/// Batches waiting for the committer; a full queue holds turn writers back.
+pub(super) const GROUP_QUEUE: usize = 1024;
+
+/// One turn writer's batch, queued for the store's committer.
+pub(super) struct PendingBatch {
+    pub sid: String,
+    pub rid: String,
+    /// (first_seq, last_seq, encoded events) of each row.
+    pub rows: Vec<(i64, i64, Vec<u8>)>,
+    pub done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
+}
+
+impl PendingBatch {
+    /// Encodes `events` (split into rows under the size limit) for `key`.
+    pub fn new(
+        key: &crate::domain::TurnKey,
+        events: &[super::SeqEvent],
+        done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
+    ) -> Self {
+        let rows = split_batch(events)
+            .into_iter()
+            .map(|chunk| {
+                let first = chunk.first().map_or(0, |e| e.seq as i64);
+                let last = chunk.last().map_or(0, |e| e.seq as i64);
+                (first, last, super::codec::encode(chunk))
+            })
+            .collect();
+        Self {
+            sid: key.session_id.to_string(),
+            rid: key.request_id.as_str().to_owned(),
+            rows,
+            done,
+        }
+    }
+}
+
+/// A [`StoreError`] carried to every turn writer of a failed group.
+#[derive(Debug, Clone)]
+pub(super) enum Failed {
+    Unavailable(String),
+    Unexpected(String),
+}
+
+impl From<StoreError> for Failed {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(cause) => Failed::Unavailable(format!("{cause:#}")),
+            StoreError::Unexpected(cause) => Failed::Unexpected(format!("{cause:#}")),
+        }
+    }
+}
+
+impl From<Failed> for StoreError {
+    fn from(f: Failed) -> Self {
+        match f {
+            Failed::Unavailable(m) => StoreError::Unavailable(anyhow::anyhow!(m)),
+            Failed::Unexpected(m) => StoreError::Unexpected(anyhow::anyhow!(m)),
+        }
+    }
+}
+
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
 
@@ -135,6 +198,78 @@ macro_rules! sql_store {
                     created_unix_nanos: r.try_get("created_unix_nanos").map_err(db_err)?,
                 },
             })
+        }
+
+        impl $store {
+            /// Starts the store's committer: every turn writer's batch goes
+            /// through it, and the batches queued while one transaction is
+            /// written go into the next one together (group commit across
+            /// turns: one commit, and one rewrite of the table's last pages,
+            /// for all of them). Ends when the store is dropped.
+            fn spawn_committer(
+                pool: sqlx::Pool<$db>,
+            ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch> {
+                let (tx, mut rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
+                tokio::spawn(async move {
+                    let mut group = Vec::with_capacity($crate::store::sql::GROUP_MAX);
+                    while rx.recv_many(&mut group, $crate::store::sql::GROUP_MAX).await > 0 {
+                        match Self::write_group(&pool, &group).await {
+                            Ok(()) => {
+                                for p in group.drain(..) {
+                                    let _ = p.done.send(Ok(()));
+                                }
+                            }
+                            // One batch at a time, so that only a bad one fails.
+                            Err(_) if group.len() > 1 => {
+                                for p in group.drain(..) {
+                                    let r = Self::write_group(&pool, std::slice::from_ref(&p)).await;
+                                    let _ = p.done.send(r.map_err(|e| db_err(e).into()));
+                                }
+                            }
+                            Err(e) => {
+                                let failed = $crate::store::sql::Failed::from(db_err(e));
+                                for p in group.drain(..) {
+                                    let _ = p.done.send(Err(failed.clone()));
+                                }
+                            }
+                        }
+                    }
+                });
+                tx
+            }
+
+            async fn write_group(
+                pool: &sqlx::Pool<$db>,
+                group: &[$crate::store::sql::PendingBatch],
+            ) -> Result<(), sqlx::Error> {
+                const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)";
+                if let [p] = group && let [(first, last, blob)] = p.rows.as_slice() {
+                    // One row: one statement, its own commit.
+                    sqlx::query(INSERT)
+                        .bind(p.sid.as_str())
+                        .bind(p.rid.as_str())
+                        .bind(*first)
+                        .bind(*last)
+                        .bind(blob.as_slice())
+                        .execute(pool)
+                        .await?;
+                    return Ok(());
+                }
+                let mut tx = pool.begin().await?;
+                for p in group {
+                    for (first, last, blob) in &p.rows {
+                        sqlx::query(INSERT)
+                            .bind(p.sid.as_str())
+                            .bind(p.rid.as_str())
+                            .bind(*first)
+                            .bind(*last)
+                            .bind(blob.as_slice())
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                }
+                tx.commit().await
+            }
         }
 
         #[async_trait::async_trait]
@@ -215,33 +350,12 @@ macro_rules! sql_store {
                 if events.is_empty() {
                     return Ok(());
                 }
-                let sid = key.session_id.to_string();
-                let chunks = $crate::store::sql::split_batch(&events);
-                let insert = |chunk: &[SeqEvent]| {
-                    let first = chunk.first().map_or(0, |e| e.seq as i64);
-                    let last = chunk.last().map_or(0, |e| e.seq as i64);
-                    sqlx::query(
-                        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)",
-                    )
-                    .bind(sid.clone())
-                    .bind(key.request_id.as_str().to_owned())
-                    .bind(first)
-                    .bind(last)
-                    .bind($crate::store::codec::encode(chunk))
-                };
-                if chunks.len() == 1 {
-                    // The common case: one statement, one commit.
-                    for chunk in chunks {
-                        insert(chunk).execute(&self.write).await.map_err(db_err)?;
-                    }
-                    return Ok(());
-                }
-                let mut tx = self.write.begin().await.map_err(db_err)?;
-                for chunk in chunks {
-                    insert(chunk).execute(&mut *tx).await.map_err(db_err)?;
-                }
-                tx.commit().await.map_err(db_err)?;
-                Ok(())
+                let (done, committed) = tokio::sync::oneshot::channel();
+                let batch = $crate::store::sql::PendingBatch::new(key, &events, done);
+                drop(events);
+                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's committer stopped"));
+                self.commits.send(batch).await.map_err(|_| stopped())?;
+                committed.await.map_err(|_| stopped())?.map_err(StoreError::from)
             }
 
             async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<()> {

@@ -23,6 +23,8 @@ pub struct SqliteStore {
     /// The one writer connection.
     write: SqlitePool,
     a2a: Arc<super::a2a_tasks::SqliteTasks>,
+    /// The committer's queue: event batches are written through it.
+    commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
 }
 
 impl SqliteStore {
@@ -51,7 +53,13 @@ impl SqliteStore {
             read.clone(),
             write.clone(),
         ));
-        let store = Self { read, write, a2a };
+        let commits = Self::spawn_committer(write.clone());
+        let store = Self {
+            read,
+            write,
+            a2a,
+            commits,
+        };
         let moved = store.move_legacy_events().await?;
         if moved > 0 {
             tracing::info!(events = moved, "moved the event log to the batched layout");

@@ -482,6 +482,13 @@ impl Child {
     /// Starts `agentd serve` on 127.0.0.1:0 with `args` and waits for its
     /// "agentd starting" log line to learn the port.
     pub async fn serve(args: &[&str]) -> Child {
+        // A free port for the A2A face too, unless the test picks one: the
+        // default (8080) would make parallel tests race for it.
+        let a2a: &[&str] = if args.contains(&"--a2a-listen") {
+            &[]
+        } else {
+            &["--a2a-listen", "127.0.0.1:0"]
+        };
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
             .args([
                 "--log-format",
@@ -494,6 +501,7 @@ impl Child {
                 "--drain-delay",
                 "0s",
             ])
+            .args(a2a)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
