@@ -630,6 +630,69 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
     );
 }
 
+/// Many turns append at once (a store commits them together) and one append
+/// names a turn that was never claimed: that one fails, alone, and every
+/// other turn's events are stored in order.
+async fn appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone(db: TestDb) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::SeqEvent;
+    let store = db.open().await;
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    let key = |r: String| TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let keys: Vec<TurnKey> = (0..32).map(|i| key(format!("r{i}"))).collect();
+    for k in &keys {
+        store
+            .claim_turn(&NewTurn {
+                key: k.clone(),
+                user_text: "hi".into(),
+                agent: "echo".into(),
+                owner: "replica-a".into(),
+                lease: Duration::from_secs(30),
+            })
+            .await
+            .unwrap();
+    }
+    let events = |k: &TurnKey, from: u64| -> Vec<SeqEvent> {
+        (from..from + 10)
+            .map(|seq| SeqEvent {
+                seq,
+                event: Event {
+                    kind: EventKind::PartialText,
+                    author: "echo".into(),
+                    text: format!("{} {seq}", k.request_id),
+                    tool_name: String::new(),
+                    tool_call_id: String::new(),
+                    payload_json: String::new(),
+                    created_unix_nanos: 1,
+                },
+            })
+            .collect()
+    };
+    let unclaimed = key("never-claimed".into());
+    for round in 0..3u64 {
+        let good = futures::future::join_all(
+            keys.iter()
+                .map(|k| store.append_events(k, events(k, round * 10))),
+        );
+        let bad = store.append_events(&unclaimed, events(&unclaimed, round * 10));
+        let (good, bad) = tokio::join!(good, bad);
+        assert!(bad.is_err(), "an append to an unclaimed turn is refused");
+        for r in good {
+            r.unwrap();
+        }
+    }
+    for k in &keys {
+        let want: Vec<SeqEvent> = (0..3).flat_map(|round| events(k, round * 10)).collect();
+        assert_eq!(store.events_after(k, None, 100).await.unwrap(), want, "{k}");
+    }
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -656,6 +719,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone,
     sessions_are_listed_per_user_oldest_first_a_page_at_a_time,
     get_session_lists_each_turn_with_its_final_status,
     a_foreign_or_unknown_session_is_not_found_on_every_call,

@@ -14,6 +14,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 /// turns into UNAVAILABLE quickly instead of a hanging call.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 const MAX_CONNECTIONS: u32 = 16;
+/// Event groups written at once: each waits for its commit's WAL flush.
+const COMMITTERS: usize = 4;
 
 pub struct PostgresStore {
     read: PgPool,
@@ -45,7 +47,7 @@ impl PostgresStore {
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let store = Self {
-            commits: Self::spawn_committer(pool.clone()),
+            commits: Self::spawn_committer(pool.clone(), COMMITTERS),
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
                 pool.clone(),
@@ -58,6 +60,45 @@ impl PostgresStore {
             tracing::info!(events = moved, "moved the event log to the batched layout");
         }
         Ok(store)
+    }
+}
+
+impl PostgresStore {
+    /// Writes a committer's group as one statement: every row of every
+    /// batch as arrays, unnested by the server. One round trip and one
+    /// commit for the group, whatever its size.
+    async fn write_group(
+        pool: &PgPool,
+        group: &[super::sql::PendingBatch],
+    ) -> Result<(), sqlx::Error> {
+        let n = group.iter().map(|p| p.rows.len()).sum();
+        let (mut sid, mut rid) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut first, mut last, mut blob) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for p in group {
+            for (f, l, b) in &p.rows {
+                sid.push(p.sid.as_str());
+                rid.push(p.rid.as_str());
+                first.push(*f);
+                last.push(*l);
+                blob.push(b.as_slice());
+            }
+        }
+        sqlx::query(
+            "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[])",
+        )
+        .bind(&sid)
+        .bind(&rid)
+        .bind(&first)
+        .bind(&last)
+        .bind(&blob)
+        .execute(pool)
+        .await?;
+        Ok(())
     }
 }
 

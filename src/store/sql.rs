@@ -205,14 +205,31 @@ macro_rules! sql_store {
             /// through it, and the batches queued while one transaction is
             /// written go into the next one together (group commit across
             /// turns: one commit, and one rewrite of the table's last pages,
-            /// for all of them). Ends when the store is dropped.
+            /// for all of them). Each backend writes a group in its own
+            /// `write_group`. Ends when the store is dropped.
+            ///
+            /// `committers` groups are written at once (each turn still has
+            /// one batch in flight at a time, so its rows stay in order): a
+            /// server that waits for a disk flush per commit takes the next
+            /// group meanwhile.
             fn spawn_committer(
                 pool: sqlx::Pool<$db>,
+                committers: usize,
             ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch> {
-                let (tx, mut rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
-                tokio::spawn(async move {
+                let (tx, rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
+                let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+                for _ in 0..committers {
+                    tokio::spawn(Self::commit_groups(pool.clone(), rx.clone()));
+                }
+                tx
+            }
+
+            async fn commit_groups(
+                pool: sqlx::Pool<$db>,
+                rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
+            ) {
                     let mut group = Vec::with_capacity($crate::store::sql::GROUP_MAX);
-                    while rx.recv_many(&mut group, $crate::store::sql::GROUP_MAX).await > 0 {
+                    while rx.lock().await.recv_many(&mut group, $crate::store::sql::GROUP_MAX).await > 0 {
                         match Self::write_group(&pool, &group).await {
                             Ok(()) => {
                                 for p in group.drain(..) {
@@ -234,41 +251,6 @@ macro_rules! sql_store {
                             }
                         }
                     }
-                });
-                tx
-            }
-
-            async fn write_group(
-                pool: &sqlx::Pool<$db>,
-                group: &[$crate::store::sql::PendingBatch],
-            ) -> Result<(), sqlx::Error> {
-                const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)";
-                if let [p] = group && let [(first, last, blob)] = p.rows.as_slice() {
-                    // One row: one statement, its own commit.
-                    sqlx::query(INSERT)
-                        .bind(p.sid.as_str())
-                        .bind(p.rid.as_str())
-                        .bind(*first)
-                        .bind(*last)
-                        .bind(blob.as_slice())
-                        .execute(pool)
-                        .await?;
-                    return Ok(());
-                }
-                let mut tx = pool.begin().await?;
-                for p in group {
-                    for (first, last, blob) in &p.rows {
-                        sqlx::query(INSERT)
-                            .bind(p.sid.as_str())
-                            .bind(p.rid.as_str())
-                            .bind(*first)
-                            .bind(*last)
-                            .bind(blob.as_slice())
-                            .execute(&mut *tx)
-                            .await?;
-                    }
-                }
-                tx.commit().await
             }
         }
 

@@ -53,7 +53,7 @@ impl SqliteStore {
             read.clone(),
             write.clone(),
         ));
-        let commits = Self::spawn_committer(write.clone());
+        let commits = Self::spawn_committer(write.clone(), 1);
         let store = Self {
             read,
             write,
@@ -89,6 +89,45 @@ impl SqliteStore {
             );
         }
         Ok(store)
+    }
+}
+
+impl SqliteStore {
+    /// Writes a committer's group: one transaction, a statement per row
+    /// (the writer connection is in this process, so statements are cheap).
+    async fn write_group(
+        pool: &SqlitePool,
+        group: &[super::sql::PendingBatch],
+    ) -> Result<(), sqlx::Error> {
+        const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)";
+        if let [p] = group
+            && let [(first, last, blob)] = p.rows.as_slice()
+        {
+            // One row: one statement, its own commit.
+            sqlx::query(INSERT)
+                .bind(p.sid.as_str())
+                .bind(p.rid.as_str())
+                .bind(*first)
+                .bind(*last)
+                .bind(blob.as_slice())
+                .execute(pool)
+                .await?;
+            return Ok(());
+        }
+        let mut tx = pool.begin().await?;
+        for p in group {
+            for (first, last, blob) in &p.rows {
+                sqlx::query(INSERT)
+                    .bind(p.sid.as_str())
+                    .bind(p.rid.as_str())
+                    .bind(*first)
+                    .bind(*last)
+                    .bind(blob.as_slice())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        tx.commit().await
     }
 }
 
