@@ -92,6 +92,21 @@ impl SqliteStore {
     }
 }
 
+/// The insert of one event-batch row, borrowing what it binds.
+fn insert_row<'q>(
+    p: &'q super::sql::PendingBatch,
+    (first, last, blob): &'q (i64, i64, Vec<u8>),
+) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
+    sqlx::query(
+        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(p.sid.as_str())
+    .bind(p.rid.as_str())
+    .bind(*first)
+    .bind(*last)
+    .bind(blob.as_slice())
+}
+
 impl SqliteStore {
     /// Writes a committer's group: one transaction, a statement per row
     /// (the writer connection is in this process, so statements are cheap).
@@ -99,32 +114,17 @@ impl SqliteStore {
         pool: &SqlitePool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
-        const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)";
         if let [p] = group
-            && let [(first, last, blob)] = p.rows.as_slice()
+            && let [row] = p.rows.as_slice()
         {
             // One row: one statement, its own commit.
-            sqlx::query(INSERT)
-                .bind(p.sid.as_str())
-                .bind(p.rid.as_str())
-                .bind(*first)
-                .bind(*last)
-                .bind(blob.as_slice())
-                .execute(pool)
-                .await?;
+            insert_row(p, row).execute(pool).await?;
             return Ok(());
         }
         let mut tx = pool.begin().await?;
         for p in group {
-            for (first, last, blob) in &p.rows {
-                sqlx::query(INSERT)
-                    .bind(p.sid.as_str())
-                    .bind(p.rid.as_str())
-                    .bind(*first)
-                    .bind(*last)
-                    .bind(blob.as_slice())
-                    .execute(&mut *tx)
-                    .await?;
+            for row in &p.rows {
+                insert_row(p, row).execute(&mut *tx).await?;
             }
         }
         tx.commit().await
