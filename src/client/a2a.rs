@@ -337,23 +337,6 @@ pub struct A2aClient {
     inner: Arc<A2AClient<Box<dyn Transport>>>,
 }
 
-/// The HTTP client of the JSON-RPC binding and the card resolver: TLS with
-/// the system's roots, plus `ca_pem`'s certificates when given.
-fn http_client(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
-    crate::auth::tls::install_crypto_provider();
-    let mut builder = reqwest::Client::builder()
-        .connect_timeout(std::time::Duration::from_secs(10))
-        .user_agent(concat!("agentd/", env!("CARGO_PKG_VERSION")));
-    if let Some(pem) = ca_pem {
-        let certs = reqwest::Certificate::from_pem_bundle(pem)
-            .map_err(|e| anyhow::anyhow!("the CA bundle is not PEM certificates: {e}"))?;
-        builder = builder.tls_certs_merge(certs);
-    }
-    builder
-        .build()
-        .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))
-}
-
 impl A2aClient {
     /// Resolves the agent card at `base_url` and connects over `binding`
     /// (or the card's first binding this client speaks).
@@ -386,7 +369,7 @@ impl A2aClient {
         let base_url = base_url
             .trim_end_matches('/')
             .trim_end_matches(a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH);
-        let http = http_client(ca_pem)?;
+        let http = crate::agent::openai::client::http_client_trusting(ca_pem)?;
         let card = a2a_client::agent_card::AgentCardResolver::new(Some(http.clone()))
             .resolve(base_url)
             .await
@@ -442,7 +425,7 @@ impl A2aClient {
         token: Option<&str>,
         ca_pem: Option<&[u8]>,
     ) -> anyhow::Result<Self> {
-        let http = http_client(ca_pem)?;
+        let http = crate::agent::openai::client::http_client_trusting(ca_pem)?;
         let transport: Box<dyn Transport> = Box::new(a2a_client::jsonrpc::JsonRpcTransport::new(
             http,
             url.to_owned(),

@@ -64,12 +64,25 @@ impl Endpoint {
 
 /// The HTTP client shared by every agent and HTTP tool of a process.
 pub fn http_client() -> anyhow::Result<reqwest::Client> {
+    http_client_trusting(None)
+}
+
+/// agentd's HTTP client (model servers, HTTP tools, remote A2A agents):
+/// TLS against the system's roots, plus the certificates of the PEM bundle
+/// `ca_pem` when given (a private CA).
+pub fn http_client_trusting(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
     crate::auth::tls::install_crypto_provider();
-    reqwest::Client::builder()
+    let mut builder = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(90))
-        .user_agent(concat!("agentd/", env!("CARGO_PKG_VERSION")))
+        .user_agent(concat!("agentd/", env!("CARGO_PKG_VERSION")));
+    if let Some(pem) = ca_pem {
+        let certs = reqwest::Certificate::from_pem_bundle(pem)
+            .map_err(|e| anyhow::anyhow!("the CA bundle is not PEM certificates: {e}"))?;
+        builder = builder.tls_certs_merge(certs);
+    }
+    builder
         .build()
         .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))
 }
