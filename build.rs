@@ -5,6 +5,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The migrations are embedded by `sqlx::migrate!`, which cannot tell
+    // cargo to rebuild when one is added.
+    println!("cargo:rerun-if-changed=migrations");
     let protos = ["proto/agents/v1/agent.proto"];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

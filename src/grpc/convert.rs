@@ -12,16 +12,17 @@ pub fn kind_to_wire(kind: EventKind) -> pb::EventKind {
     }
 }
 
-pub fn to_wire(seq: u64, e: &Event) -> pb::AgentEvent {
+/// The wire form of event `seq`, taking its strings over.
+pub fn into_wire(seq: u64, e: Event) -> pb::AgentEvent {
     pb::AgentEvent {
         seq,
-        text: e.text.clone(),
         is_final: e.is_final(),
         kind: kind_to_wire(e.kind) as i32,
-        author: e.author.clone(),
-        tool_name: e.tool_name.clone(),
-        tool_call_id: e.tool_call_id.clone(),
-        payload_json: e.payload_json.clone(),
+        text: e.text,
+        author: e.author,
+        tool_name: e.tool_name,
+        tool_call_id: e.tool_call_id,
+        payload_json: e.payload_json,
         created_unix_nanos: e.created_unix_nanos,
     }
 }

@@ -39,47 +39,72 @@ struct StoredEvent {
 }
 
 /// Encodes a batch as a [`StoredBatch`], written straight from the events:
-/// no intermediate messages, one allocation of the exact size. This runs
-/// for every group commit, so it is on the path of every event.
+/// no intermediate messages, one allocation of the exact size. (Turns hand
+/// the stores events already encoded; this is for tests and old rows.)
+#[cfg(test)]
 pub(super) fn encode(events: &[SeqEvent]) -> Vec<u8> {
-    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
-    let len = |e: &SeqEvent| {
-        let v = e.event.created_unix_nanos;
-        scalar_len(1, e.seq)
-            + str_len(2, e.event.kind.as_str())
-            + str_len(3, &e.event.author)
-            + str_len(4, &e.event.text)
-            + str_len(5, &e.event.tool_name)
-            + str_len(6, &e.event.tool_call_id)
-            + str_len(7, &e.event.payload_json)
-            + scalar_len(8, v as u64)
-    };
-    let total: usize = events
-        .iter()
-        .map(|e| {
-            let n = len(e);
-            key_len(1) + encoded_len_varint(n as u64) + n
-        })
-        .sum();
+    let total: usize = events.iter().map(|e| entry_len(e.seq, &e.event)).sum();
     let mut buf = Vec::with_capacity(total);
     for e in events {
-        encode_key(1, WireType::LengthDelimited, &mut buf);
-        encode_varint(len(e) as u64, &mut buf);
-        put_scalar(&mut buf, 1, e.seq);
-        put_str(&mut buf, 2, e.event.kind.as_str());
-        put_str(&mut buf, 3, &e.event.author);
-        put_str(&mut buf, 4, &e.event.text);
-        put_str(&mut buf, 5, &e.event.tool_name);
-        put_str(&mut buf, 6, &e.event.tool_call_id);
-        put_str(&mut buf, 7, &e.event.payload_json);
-        put_scalar(&mut buf, 8, e.event.created_unix_nanos as u64);
+        put_entry(&mut buf, e.seq, &e.event);
     }
     debug_assert_eq!(buf.len(), total);
-    return buf;
+    buf
+}
 
-    // proto3 rules, as prost applies them: a field at its default value
-    // (0, "") is not written. An int64 is written as the varint of its
-    // two's complement, like a uint64.
+/// The bytes [`put_entry`] writes for one event: its entry in a
+/// [`StoredBatch`] (key, length, message). A batch's blob is its events'
+/// entries one after another, so each event is encoded once, alone, and
+/// batches are made by concatenation.
+pub(super) fn entry_len(seq: u64, e: &Event) -> usize {
+    use prost::encoding::{encoded_len_varint, key_len};
+    let n = event_len(seq, e);
+    key_len(1) + encoded_len_varint(n as u64) + n
+}
+
+/// Writes one event's [`StoredBatch`] entry (see [`entry_len`]).
+pub(super) fn put_entry(buf: &mut impl bytes::BufMut, seq: u64, e: &Event) {
+    use prost::encoding::{WireType, encode_key, encode_varint};
+    encode_key(1, WireType::LengthDelimited, buf);
+    encode_varint(event_len(seq, e) as u64, buf);
+    put_scalar(buf, 1, seq);
+    put_str(buf, 2, e.kind.as_str());
+    put_str(buf, 3, &e.author);
+    put_str(buf, 4, &e.text);
+    put_str(buf, 5, &e.tool_name);
+    put_str(buf, 6, &e.tool_call_id);
+    put_str(buf, 7, &e.payload_json);
+    put_scalar(buf, 8, e.created_unix_nanos as u64);
+
+    fn put_scalar(buf: &mut impl bytes::BufMut, tag: u32, v: u64) {
+        if v != 0 {
+            encode_key(tag, WireType::Varint, buf);
+            encode_varint(v, buf);
+        }
+    }
+    fn put_str(buf: &mut impl bytes::BufMut, tag: u32, s: &str) {
+        if !s.is_empty() {
+            encode_key(tag, WireType::LengthDelimited, buf);
+            encode_varint(s.len() as u64, buf);
+            buf.put_slice(s.as_bytes());
+        }
+    }
+}
+
+/// The length of one [`StoredEvent`] message. proto3 rules, as prost
+/// applies them: a field at its default value (0, "") is not written; an
+/// int64 is written as the varint of its two's complement, like a uint64.
+fn event_len(seq: u64, e: &Event) -> usize {
+    use prost::encoding::{encoded_len_varint, key_len};
+    return scalar_len(1, seq)
+        + str_len(2, e.kind.as_str())
+        + str_len(3, &e.author)
+        + str_len(4, &e.text)
+        + str_len(5, &e.tool_name)
+        + str_len(6, &e.tool_call_id)
+        + str_len(7, &e.payload_json)
+        + scalar_len(8, e.created_unix_nanos as u64);
+
     fn scalar_len(tag: u32, v: u64) -> usize {
         if v == 0 {
             0
@@ -92,19 +117,6 @@ pub(super) fn encode(events: &[SeqEvent]) -> Vec<u8> {
             0
         } else {
             key_len(tag) + encoded_len_varint(s.len() as u64) + s.len()
-        }
-    }
-    fn put_scalar(buf: &mut Vec<u8>, tag: u32, v: u64) {
-        if v != 0 {
-            encode_key(tag, WireType::Varint, buf);
-            encode_varint(v, buf);
-        }
-    }
-    fn put_str(buf: &mut Vec<u8>, tag: u32, s: &str) {
-        if !s.is_empty() {
-            encode_key(tag, WireType::LengthDelimited, buf);
-            encode_varint(s.len() as u64, buf);
-            buf.extend_from_slice(s.as_bytes());
         }
     }
 }

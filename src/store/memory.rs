@@ -8,12 +8,14 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 
 use super::*;
-use crate::agent::EventKind;
 
 #[derive(Default)]
 struct Turn {
     record: Option<TurnRecord>,
-    events: Vec<SeqEvent>,
+    /// As the pump encoded them; decoded when read.
+    events: Vec<EncodedEvent>,
+    /// The final answer `finish_turn` recorded, for history.
+    answer: Option<String>,
 }
 
 #[derive(Default)]
@@ -137,6 +139,7 @@ impl Store for MemoryStore {
                     updated_at: now,
                 }),
                 events: Vec::new(),
+                answer: None,
             },
         );
         if let Some(s) = inner.sessions.get_mut(&t.key.session_id) {
@@ -149,7 +152,7 @@ impl Store for MemoryStore {
         Ok(self.lock().turns.get(key).and_then(|t| t.record.clone()))
     }
 
-    async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+    async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
         let mut inner = self.lock();
         let turn = inner
             .turns
@@ -163,18 +166,20 @@ impl Store for MemoryStore {
         &self,
         key: &TurnKey,
         outcome: &TurnOutcome,
-        _answer: Option<&str>,
+        answer: Option<&str>,
     ) -> StoreResult<()> {
         let mut inner = self.lock();
-        let rec = inner
+        let turn = inner
             .turns
             .get_mut(key)
-            .and_then(|t| t.record.as_mut())
+            .filter(|t| t.record.is_some())
             .ok_or_else(|| anyhow::anyhow!("finish of an unclaimed turn {key}"))?;
+        let rec = turn.record.as_mut().expect("checked above");
         if rec.state == TurnState::Running {
             rec.state = outcome.state;
             rec.outcome = Some(outcome.clone());
             rec.updated_at = SystemTime::now();
+            turn.answer = answer.map(str::to_owned);
         }
         Ok(())
     }
@@ -190,13 +195,15 @@ impl Store for MemoryStore {
             return Ok(Vec::new());
         };
         let start = after.map_or(0, |a| a as usize + 1);
-        Ok(turn
-            .events
+        turn.events
             .iter()
             .skip(start)
             .take(limit)
-            .cloned()
-            .collect())
+            .map(|e| {
+                e.decode()
+                    .ok_or_else(|| anyhow::anyhow!("a malformed event in turn {key}").into())
+            })
+            .collect()
     }
 
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
@@ -212,13 +219,7 @@ impl Store for MemoryStore {
             .into_iter()
             .filter_map(|t| {
                 let r = t.record.as_ref()?;
-                let answer = t
-                    .events
-                    .iter()
-                    .rev()
-                    .find(|e| e.event.kind == EventKind::FinalAnswer)
-                    .map(|e| e.event.text.clone())
-                    .unwrap_or_default();
+                let answer = t.answer.clone().unwrap_or_default();
                 Some(PriorTurn {
                     request_id: r.key.request_id.to_string(),
                     user_text: r.user_text.clone(),

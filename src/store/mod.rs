@@ -81,6 +81,66 @@ pub struct SeqEvent {
     pub event: Event,
 }
 
+/// An event in the form it is stored in (see [`codec`]), encoded once, by
+/// the turn's pump while the event is still in cache: the durable stores
+/// write these bytes as they are (a batch is its events' encodings one after
+/// another), and the in-memory store keeps them, decoding only on a read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedEvent {
+    pub seq: u64,
+    bytes: bytes::Bytes,
+}
+
+/// Pumps encode into blocks of this many bytes at least, handed out one
+/// event at a time: one allocation for many small events. A turn's first
+/// events get smaller blocks, so short turns the in-memory store keeps do
+/// not each hold a large one.
+const ENCODE_BLOCK: usize = 4096;
+const FIRST_BLOCK: usize = 512;
+/// Events of a turn encoded into [`FIRST_BLOCK`]-sized blocks.
+const FIRST_EVENTS: u64 = 8;
+
+impl EncodedEvent {
+    /// Encodes `event` as event `seq` into `buf`'s free space (growing it
+    /// by a block when short) and splits the bytes off.
+    pub fn encode(seq: u64, event: &Event, buf: &mut bytes::BytesMut) -> Self {
+        let n = codec::entry_len(seq, event);
+        if buf.capacity() - buf.len() < n {
+            let block = if seq < FIRST_EVENTS {
+                FIRST_BLOCK
+            } else {
+                ENCODE_BLOCK
+            };
+            buf.reserve(n.max(block));
+        }
+        codec::put_entry(buf, seq, event);
+        Self {
+            seq,
+            bytes: buf.split().freeze(),
+        }
+    }
+
+    /// The stored form of `e`, in an allocation of its own.
+    pub fn of(e: &SeqEvent) -> Self {
+        let mut buf = bytes::BytesMut::with_capacity(codec::entry_len(e.seq, &e.event));
+        Self::encode(e.seq, &e.event, &mut buf)
+    }
+
+    /// The encoded bytes: one entry of a stored batch.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The event back; `None` if the bytes are not one.
+    pub fn decode(&self) -> Option<SeqEvent> {
+        let mut one = codec::decode(&self.bytes)?;
+        match one.as_slice() {
+            [e] if e.seq == self.seq => one.pop(),
+            _ => None,
+        }
+    }
+}
+
 /// A row of the turn side table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TurnRecord {
@@ -225,8 +285,14 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// Atomically claims `turn.key`: [`Claim::New`] for exactly one caller.
     async fn claim_turn(&self, turn: &NewTurn) -> StoreResult<Claim>;
     async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>>;
-    /// Appends events in seq order (a batch; the turn calls it per group).
-    async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()>;
+    /// Appends events in seq order (a batch; the turn's writer calls it per
+    /// group, with the events its pump encoded).
+    async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()>;
+    /// [`Store::append_encoded`] of events not yet encoded.
+    async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+        self.append_encoded(key, events.iter().map(EncodedEvent::of).collect())
+            .await
+    }
     /// Records the outcome of a running turn, with its final answer (the
     /// text later turns get as history). A turn that is no longer running
     /// (its lease expired and someone failed it) keeps its outcome.

@@ -46,16 +46,11 @@ const BATCH_ROW_BYTES: usize = 1 << 20;
 
 /// Splits a commit's events into rows of at most [`BATCH_ROW_BYTES`], so no
 /// row approaches the backends' value limits (1 GB) whatever the batch.
-pub(super) fn split_batch(events: &[super::SeqEvent]) -> Vec<&[super::SeqEvent]> {
+pub(super) fn split_batch(events: &[super::EncodedEvent]) -> Vec<&[super::EncodedEvent]> {
     let mut rows = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (i, e) in events.iter().enumerate() {
-        let size = 32
-            + e.event.author.len()
-            + e.event.text.len()
-            + e.event.tool_name.len()
-            + e.event.tool_call_id.len()
-            + e.event.payload_json.len();
+        let size = e.as_bytes().len();
         if i > start && bytes + size > BATCH_ROW_BYTES {
             rows.push(&events[start..i]);
             (start, bytes) = (i, 0);
@@ -66,6 +61,23 @@ pub(super) fn split_batch(events: &[super::SeqEvent]) -> Vec<&[super::SeqEvent]>
         rows.push(&events[start..]);
     }
     rows
+}
+
+/// The rows of `events`: (first_seq, last_seq, blob), each blob its events'
+/// encodings one after another (a stored batch; see `codec`).
+pub(super) fn batch_rows(events: &[super::EncodedEvent]) -> Vec<(i64, i64, Vec<u8>)> {
+    split_batch(events)
+        .into_iter()
+        .map(|chunk| {
+            let first = chunk.first().map_or(0, |e| e.seq as i64);
+            let last = chunk.last().map_or(0, |e| e.seq as i64);
+            let mut blob = Vec::with_capacity(chunk.iter().map(|e| e.as_bytes().len()).sum());
+            for e in chunk {
+                blob.extend_from_slice(e.as_bytes());
+            }
+            (first, last, blob)
+        })
+        .collect()
 }
 
 /// Batches the committer takes into one transaction at most.
@@ -83,24 +95,16 @@ pub(super) struct PendingBatch {
 }
 
 impl PendingBatch {
-    /// Encodes `events` (split into rows under the size limit) for `key`.
+    /// `events` (split into rows under the size limit) for `key`.
     pub fn new(
         key: &crate::domain::TurnKey,
-        events: &[super::SeqEvent],
+        events: &[super::EncodedEvent],
         done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
     ) -> Self {
-        let rows = split_batch(events)
-            .into_iter()
-            .map(|chunk| {
-                let first = chunk.first().map_or(0, |e| e.seq as i64);
-                let last = chunk.last().map_or(0, |e| e.seq as i64);
-                (first, last, super::codec::encode(chunk))
-            })
-            .collect();
         Self {
             sid: key.session_id.to_string(),
             rid: key.request_id.as_str().to_owned(),
-            rows,
+            rows: batch_rows(events),
             done,
         }
     }
@@ -328,7 +332,7 @@ macro_rules! sql_store {
                 row.as_ref().map(turn_from_row).transpose()
             }
 
-            async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+            async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
                 if events.is_empty() {
                     return Ok(());
                 }
@@ -538,9 +542,8 @@ macro_rules! sql_store {
                     let mut events = rows.iter().map(event_from_row).collect::<StoreResult<Vec<_>>>()?;
                     events.sort_by_key(|e| e.seq);
                     moved += events.len() as u64;
-                    for chunk in $crate::store::sql::split_batch(&events) {
-                        let first = chunk.first().map_or(0, |e| e.seq as i64);
-                        let last = chunk.last().map_or(0, |e| e.seq as i64);
+                    let encoded: Vec<_> = events.iter().map(EncodedEvent::of).collect();
+                    for (first, last, blob) in $crate::store::sql::batch_rows(&encoded) {
                         sqlx::query(
                             "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
                              ON CONFLICT DO NOTHING",
@@ -549,7 +552,7 @@ macro_rules! sql_store {
                         .bind(&rid)
                         .bind(first)
                         .bind(last)
-                        .bind($crate::store::codec::encode(chunk))
+                        .bind(blob)
                         .execute(&mut *tx)
                         .await
                         .map_err(db_err)?;
@@ -567,10 +570,10 @@ pub(super) use sql_store;
 mod tests {
     use super::*;
     use crate::agent::{Event, EventKind};
-    use crate::store::SeqEvent;
+    use crate::store::{EncodedEvent, SeqEvent};
 
-    fn event(seq: u64, text_len: usize) -> SeqEvent {
-        SeqEvent {
+    fn event(seq: u64, text_len: usize) -> EncodedEvent {
+        EncodedEvent::of(&SeqEvent {
             seq,
             event: Event {
                 kind: EventKind::PartialText,
@@ -581,7 +584,7 @@ mod tests {
                 payload_json: String::new(),
                 created_unix_nanos: 0,
             },
-        }
+        })
     }
 
     #[test]
@@ -604,5 +607,36 @@ mod tests {
         assert_eq!(seqs, vec![vec![0, 1, 2], vec![3], vec![4], vec![5]]);
         assert!(split_batch(&[]).is_empty());
         assert_eq!(split_batch(&events[..1]).len(), 1);
+    }
+
+    /// A row's blob is the batch encoding of its events: the same bytes the
+    /// batch encoder writes, decoding to the events in order.
+    #[test]
+    fn a_row_of_encoded_events_is_the_batch_encoding_of_those_events() {
+        let events: Vec<SeqEvent> = (3..8)
+            .map(|seq| SeqEvent {
+                seq,
+                event: Event {
+                    kind: EventKind::PartialText,
+                    author: "a".into(),
+                    text: format!("t{seq}"),
+                    tool_name: String::new(),
+                    tool_call_id: String::new(),
+                    payload_json: String::new(),
+                    created_unix_nanos: seq as i64,
+                },
+            })
+            .collect();
+        let mut buf = bytes::BytesMut::new();
+        let encoded: Vec<_> = events
+            .iter()
+            .map(|e| EncodedEvent::encode(e.seq, &e.event, &mut buf))
+            .collect();
+        assert_eq!(encoded[2].decode().as_ref(), Some(&events[2]));
+        let rows = batch_rows(&encoded);
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].0, rows[0].1), (3, 7));
+        assert_eq!(rows[0].2, crate::store::codec::encode(&events));
+        assert_eq!(crate::store::codec::decode(&rows[0].2), Some(events));
     }
 }

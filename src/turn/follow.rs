@@ -128,7 +128,7 @@ impl Follower {
             let full = page.len() == PAGE;
             for e in page {
                 self.cursor = Some(e.seq);
-                let wire = Box::new(convert::to_wire(e.seq, &e.event));
+                let wire = Box::new(convert::into_wire(e.seq, e.event));
                 tokio::select! {
                     biased;
                     _ = self.cut.cancelled() => return Err(Failure::Shutdown),

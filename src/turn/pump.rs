@@ -15,7 +15,7 @@ use crate::agent::{Agent, PriorTurn, RunContext};
 use crate::domain::{OnDisconnect, RunInput, TurnKey};
 use crate::grpc::{convert, status};
 use crate::pb;
-use crate::store::{SeqEvent, Store, StoreError, TurnOutcome};
+use crate::store::{EncodedEvent, Store, StoreError, TurnOutcome};
 
 /// Queue between the pump and the writer: deep enough that a store batch in
 /// flight does not stall the pump, bounded so a dead store cannot eat memory.
@@ -26,9 +26,11 @@ const WRITER_BATCH: usize = 512;
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
 enum ToWriter {
-    /// Boxed for the same reason as the client channel's events.
-    Event(Box<SeqEvent>),
-    Finish(TurnOutcome),
+    /// Encoded by the pump (see [`EncodedEvent`]).
+    Event(EncodedEvent),
+    /// How the turn ended, and its final answer if it gave one. Boxed: the
+    /// channel's slots are allocated up front, for idle runs too.
+    Finish(Box<(TurnOutcome, Option<String>)>),
 }
 
 pub(super) fn spawn(
@@ -79,6 +81,8 @@ pub(super) fn spawn(
         on_disconnect,
         stored: progress_rx,
         writer: writer_tx,
+        encoded: bytes::BytesMut::new(),
+        answer: None,
         end: end.clone(),
         deadline,
         policy: turns.cfg.slow_consumer,
@@ -104,6 +108,10 @@ struct Pump {
     /// stored, so a caller that saw it finds the turn ended on any replica.
     stored: watch::Receiver<Progress>,
     writer: mpsc::Sender<ToWriter>,
+    /// Where events are encoded for the store, a block at a time.
+    encoded: bytes::BytesMut,
+    /// The text of the final answer, once there is one.
+    answer: Option<String>,
     end: Arc<End>,
     deadline: Deadline,
     policy: SlowConsumer,
@@ -127,7 +135,8 @@ impl Pump {
         self.cancel.cancel();
 
         let outcome = status::outcome(&result);
-        if self.writer.send(ToWriter::Finish(outcome)).await.is_err() {
+        let finish = Box::new((outcome, self.answer.take()));
+        if self.writer.send(ToWriter::Finish(finish)).await.is_err() {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
         } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done))
             .await
@@ -184,8 +193,13 @@ impl Pump {
                 Some(Ok(e)) => e,
             };
             let is_final = event.is_final();
-            let wire = Box::new(convert::to_wire(seq, &event));
-            let stored = Box::new(SeqEvent { seq, event });
+            if event.kind == crate::agent::EventKind::FinalAnswer {
+                self.answer = Some(event.text.clone());
+            }
+            // Encoded for the store here, while the event is in cache; the
+            // client's message then takes the event's strings over.
+            let stored = EncodedEvent::encode(seq, &event, &mut self.encoded);
+            let wire = Box::new(convert::into_wire(seq, event));
             seq += 1;
             if self.stored.borrow().store_failed {
                 return Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
@@ -309,7 +323,6 @@ impl Writer {
         let store: Arc<dyn Store> = self.turns.store.clone();
         let mut batch = Vec::with_capacity(WRITER_BATCH);
         let mut events = Vec::new();
-        let mut answer = None;
         let lease = self.turns.cfg.lease;
         let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -323,22 +336,18 @@ impl Writer {
             };
             if received == 0 {
                 // The pump ended without an outcome: it panicked.
-                break status::outcome(&Err(Failure::Agent(
+                let failed = status::outcome(&Err(Failure::Agent(
                     anyhow::anyhow!("the run task stopped unexpectedly").into(),
                 )));
+                break (failed, None);
             }
             let mut finish = None;
             // Sized once: the batch's events move in without regrowing.
             events.reserve(batch.len());
             for msg in batch.drain(..) {
                 match msg {
-                    ToWriter::Event(e) => {
-                        if e.event.kind == crate::agent::EventKind::FinalAnswer {
-                            answer = Some(e.event.text.clone());
-                        }
-                        events.push(*e)
-                    }
-                    ToWriter::Finish(o) => finish = Some(o),
+                    ToWriter::Event(e) => events.push(e),
+                    ToWriter::Finish(f) => finish = Some(*f),
                 }
             }
             self.flush(&*store, &mut events).await;
@@ -346,6 +355,7 @@ impl Writer {
                 break o;
             }
         };
+        let (outcome, answer) = outcome;
         let outcome =
             if self.progress.borrow().store_failed && outcome.code == tonic::Code::Ok as i32 {
                 // The client may have seen every event, but the log did not get
@@ -387,7 +397,7 @@ impl Writer {
         }
     }
 
-    async fn flush(&self, store: &dyn Store, events: &mut Vec<SeqEvent>) {
+    async fn flush(&self, store: &dyn Store, events: &mut Vec<EncodedEvent>) {
         let Some(last) = events.last().map(|e| e.seq) else {
             return;
         };
@@ -396,7 +406,10 @@ impl Writer {
             events.clear();
             return;
         }
-        match store.append_events(&self.key, std::mem::take(events)).await {
+        match store
+            .append_encoded(&self.key, std::mem::take(events))
+            .await
+        {
             Ok(()) => self.progress.send_modify(|p| p.stored_through = Some(last)),
             Err(e) => {
                 tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not store turn events; ending the run");
