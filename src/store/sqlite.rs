@@ -107,27 +107,66 @@ fn insert_row<'q>(
     .bind(blob.as_slice())
 }
 
+/// The most rows one insert statement carries (5 binds each, far under
+/// SQLite's 32,766 variables); a group with more is written in a
+/// transaction.
+const ROWS_PER_STATEMENT: usize = 256;
+
+/// One insert statement for `rows`.
+fn insert_rows<'q>(
+    rows: &[(&'q super::sql::PendingBatch, &'q (i64, i64, Vec<u8>))],
+) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
+    let mut q = sqlx::QueryBuilder::new(
+        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) ",
+    );
+    q.push_values(rows, |mut b, &(p, (first, last, blob))| {
+        b.push_bind(p.sid.as_str())
+            .push_bind(p.rid.as_str())
+            .push_bind(*first)
+            .push_bind(*last)
+            .push_bind(blob.as_slice());
+    });
+    q
+}
+
 impl SqliteStore {
-    /// Writes a committer's group: one transaction, a statement per row
-    /// (the writer connection is in this process, so statements are cheap).
+    /// Writes a committer's group, as one statement when it fits in one:
+    /// each statement is a round trip to sqlx's SQLite thread, so a
+    /// statement per row made a group of 64 turns 66 of them.
     async fn write_group(
         pool: &SqlitePool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
-        if let [p] = group
-            && let [row] = p.rows.as_slice()
-        {
-            // One row: one statement, its own commit.
-            insert_row(p, row).execute(pool).await?;
-            return Ok(());
-        }
-        let mut tx = pool.begin().await?;
-        for p in group {
-            for row in &p.rows {
-                insert_row(p, row).execute(&mut *tx).await?;
+        let rows: Vec<_> = group
+            .iter()
+            .flat_map(|p| p.rows.iter().map(move |r| (p, r)))
+            .collect();
+        match rows.as_slice() {
+            [] => {}
+            [(p, row)] => {
+                insert_row(p, row).execute(pool).await?;
+            }
+            few if few.len() <= ROWS_PER_STATEMENT => {
+                // Not kept prepared: the text differs with the row count.
+                insert_rows(few)
+                    .build()
+                    .persistent(false)
+                    .execute(pool)
+                    .await?;
+            }
+            many => {
+                let mut tx = pool.begin().await?;
+                for chunk in many.chunks(ROWS_PER_STATEMENT) {
+                    insert_rows(chunk)
+                        .build()
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
             }
         }
-        tx.commit().await
+        Ok(())
     }
 }
 
@@ -227,5 +266,63 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(left, 0, "the old rows are gone");
+    }
+
+    /// A group with more rows than one statement carries is written in
+    /// several statements of one transaction, every row in place.
+    #[tokio::test]
+    async fn a_group_larger_than_one_statement_is_written_whole() {
+        use crate::agent::{Event, EventKind};
+        use crate::store::{EncodedEvent, NewTurn, SeqEvent};
+
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("g.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let session = store
+            .create_session(&crate::domain::UserId::parse("alice").unwrap())
+            .await
+            .unwrap();
+        let key = TurnKey {
+            session_id: session.id,
+            request_id: RequestId::parse("r1").unwrap(),
+        };
+        store
+            .claim_turn(&NewTurn {
+                key: key.clone(),
+                user_text: "hi".into(),
+                agent: "echo".into(),
+                owner: "a".into(),
+                lease: std::time::Duration::from_secs(5),
+            })
+            .await
+            .unwrap();
+        let n = super::ROWS_PER_STATEMENT as u64 * 2 + 3;
+        let group: Vec<_> = (0..n)
+            .map(|seq| {
+                let e = EncodedEvent::of(&SeqEvent {
+                    seq,
+                    event: Event {
+                        kind: EventKind::PartialText,
+                        author: "echo".into(),
+                        text: format!("t{seq}"),
+                        tool_name: String::new(),
+                        tool_call_id: String::new(),
+                        payload_json: String::new(),
+                        created_unix_nanos: 1,
+                    },
+                });
+                crate::store::sql::PendingBatch::new(&key, &[e], tokio::sync::oneshot::channel().0)
+            })
+            .collect();
+        SqliteStore::write_group(&store.write, &group)
+            .await
+            .unwrap();
+        let events = store
+            .events_after(&key, None, n as usize + 10)
+            .await
+            .unwrap();
+        let texts: Vec<_> = events.iter().map(|e| e.event.text.clone()).collect();
+        let want: Vec<_> = (0..n).map(|s| format!("t{s}")).collect();
+        assert_eq!(texts, want);
     }
 }
