@@ -38,14 +38,18 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(true);
+        // No ping before each use: the connection is in this process, and a
+        // ping is a round trip to its thread that doubled a statement's cost.
         let write = SqlitePoolOptions::new()
             .max_connections(1)
+            .test_before_acquire(false)
             .acquire_timeout(BUSY_TIMEOUT)
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("migrations/sqlite").run(&write).await?;
         let read = SqlitePoolOptions::new()
             .max_connections(READERS)
+            .test_before_acquire(false)
             .acquire_timeout(BUSY_TIMEOUT)
             .connect_with(opts.read_only(true))
             .await?;

@@ -243,11 +243,18 @@ impl Turns {
             .ok_or(RunError::UnknownAgent)?
             .clone();
         self.check_store()?;
-        self.owned_session(input.key.session_id, &input.user_id)
-            .await?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
-        if let Some(existing) = self.store.get_turn(&key).await? {
+        // Three independent reads, made at once: a Run waits for one store
+        // round trip here, not three. Nothing read is used unless the
+        // session is the caller's.
+        let (session, existing, history) = tokio::join!(
+            self.owned_session(key.session_id, &input.user_id),
+            self.store.get_turn(&key),
+            self.store.history(key.session_id, self.cfg.history_turns),
+        );
+        session?;
+        if let Some(existing) = existing? {
             return self.join(existing, &input, deadline);
         }
         let permit = self
@@ -257,10 +264,7 @@ impl Turns {
             .map_err(|_| RunError::Busy {
                 limit: self.cfg.max_concurrent_runs,
             })?;
-        let history = self
-            .store
-            .history(key.session_id, self.cfg.history_turns)
-            .await?;
+        let history = history?;
         let claim = NewTurn {
             key: key.clone(),
             user_text: input.text.as_str().to_owned(),
