@@ -93,8 +93,14 @@ where
             .boxed(),
     };
     // Traces have their own filter: quiet logs must not cut traces short.
+    // The layer's work on every poll of an instrumented future (timing the
+    // span's busy and idle time; making its context current, which nothing
+    // here reads: propagation asks the span itself) is switched off: a run
+    // polls its futures once per event.
     let otel = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("agentd"))
+        .with_tracked_inactivity(false)
+        .with_context_activation(false)
         .with_filter(
             filter::Targets::new()
                 .with_default(tracing::Level::INFO)
