@@ -1,8 +1,11 @@
 //! OpenTelemetry traces through an in-process exporter: a caller's W3C
 //! `traceparent` continues inside agentd (RPC span, run span, tool span),
-//! the client sends its own, and log lines carry the trace id.
+//! the client sends its own, log lines carry the trace id, and a model-backed
+//! run's model calls and HTTP tool calls are spans whose traceparent the
+//! model server and the tool receive.
 
 mod common;
+mod openai_support;
 mod secured;
 
 use std::io::Write;
@@ -286,4 +289,135 @@ async fn a_streams_span_ends_with_the_status_of_its_trailers() {
         "the span ended after {secs:?}, before the stream did"
     );
     server.stop().await;
+}
+
+/// A model server answering its first call with a call of the HTTP tool
+/// `stock` and its second with text, and that tool; both keep the
+/// `traceparent` of every request.
+async fn traced_model_and_tool() -> (String, String, Arc<Mutex<Vec<String>>>) {
+    use axum::routing::post;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let keep = |seen: Arc<Mutex<Vec<String>>>, who: &'static str, h: &axum::http::HeaderMap| {
+        let tp = h
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none");
+        seen.lock().unwrap().push(format!("{who} {tp}"));
+    };
+    let (s1, s2) = (seen.clone(), seen.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(move |h: axum::http::HeaderMap| {
+                keep(s1.clone(), "model", &h);
+                let first = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+                async move {
+                    let chunk = if first {
+                        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"t1","type":"function","function":{"name":"stock","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}"#
+                    } else {
+                        r#"{"choices":[{"index":0,"delta":{"content":"In stock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#
+                    };
+                    axum::response::Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(axum::body::Body::from(format!("data: {chunk}\n\ndata: [DONE]\n\n")))
+                        .unwrap()
+                }
+            }),
+        )
+        .route(
+            "/stock",
+            post(move |h: axum::http::HeaderMap| {
+                keep(s2.clone(), "tool", &h);
+                async { "{\"count\":3}" }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("{base}/v1"), base, seen)
+}
+
+#[tokio::test]
+async fn a_model_backed_runs_model_and_tool_calls_are_spans_whose_traceparent_reaches_the_servers()
+{
+    telemetry();
+    let (model_url, tools_url, seen) = traced_model_and_tool().await;
+    let agents = format!(
+        r#"
+[agents.helper]
+description = "test agent"
+instruction = "You answer stock questions."
+tools = ["stock"]
+[agents.helper.model]
+base_url = "{model_url}"
+model = "test-model"
+[tools.stock]
+description = "Stock of a product."
+url = "{tools_url}/stock"
+parameters = {{ type = "object" }}
+"#
+    );
+    let mut d = openai_support::Agentd::start(&agents).await;
+    let session = d.session("alice").await;
+    let trace = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+    let mut req = tonic::Request::new(agentd::pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session,
+        text: "Any cups?".into(),
+        request_id: "r1".into(),
+        agent: "helper".into(),
+        ..Default::default()
+    });
+    req.metadata_mut().insert(
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            .parse()
+            .unwrap(),
+    );
+    let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+
+    let model = "chat test-model";
+    let tool = "execute_tool stock";
+    let spans = spans_of(trace, &["run", model, tool]).await;
+    let run = named(&spans, "run");
+    let calls: Vec<&SpanData> = spans.iter().filter(|s| s.name == model).collect();
+    assert_eq!(calls.len(), 2, "one span per model call");
+    for c in &calls {
+        assert_eq!(
+            c.parent_span_id,
+            run.span_context.span_id(),
+            "a model call is a child of the run"
+        );
+        assert_eq!(
+            attr(c, "gen_ai.request.model").as_deref(),
+            Some("test-model")
+        );
+    }
+    assert!(
+        calls
+            .iter()
+            .any(|c| attr(c, "gen_ai.usage.output_tokens").as_deref() == Some("3")),
+        "the answer's token counts are on its span"
+    );
+    let tool_span = named(&spans, tool);
+    assert_eq!(tool_span.parent_span_id, run.span_context.span_id());
+
+    // Each server got the traceparent of the span its call ran in.
+    let seen = seen.lock().unwrap().clone();
+    let want: Vec<String> = [
+        ("model", calls[0]),
+        ("tool", tool_span),
+        ("model", calls[1]),
+    ]
+    .iter()
+    .map(|(who, s)| format!("{who} 00-{trace}-{}-01", s.span_context.span_id()))
+    .collect();
+    let mut want_sorted = want.clone();
+    want_sorted.sort();
+    let mut got_sorted = seen.clone();
+    got_sorted.sort();
+    assert_eq!(got_sorted, want_sorted, "in order of arrival: {seen:?}");
+    d.stop().await;
 }

@@ -191,10 +191,13 @@ impl HttpTool {
     }
 
     async fn post(&self, args: &Value) -> Result<ToolOutcome, String> {
+        let mut headers = self.headers.clone();
+        // The tool call's span, so the tool's trace joins the run's.
+        crate::telemetry::trace::inject_headers(&mut headers);
         let mut resp = self
             .http
             .post(self.url.clone())
-            .headers(self.headers.clone())
+            .headers(headers)
             .json(args)
             .timeout(self.timeout)
             .send()

@@ -106,12 +106,15 @@ impl Agent for ModelAgent {
                     tool_choice: if first { cfg.first_call.tool_choice.as_deref() } else { None },
                     sampling: &cfg.sampling,
                 };
-                let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout);
+                // The call's span: the request goes out inside it, so its
+                // traceparent names this span.
+                let span = crate::telemetry::trace::model_call_span("openai", "chat", &cfg.model);
+                let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout, span.clone());
                 let id_prefix = format!("call_{}_{turn}", ctx.request_id);
-                let mut stream = bound.run(cfg.client.start(&req, &id_prefix)).await??;
+                let mut stream = failed(&span, bound.run(cfg.client.start(&req, &id_prefix)).await)?;
                 let mut announced = 0usize;
                 let completion = loop {
-                    match bound.run(stream.next()).await?? {
+                    match failed(&span, bound.run(stream.next()).await)? {
                         Step::Text(t) => yield Event::partial(&cfg.name, t),
                         Step::ToolCall(c) => {
                             announced += 1;
@@ -122,6 +125,8 @@ impl Agent for ModelAgent {
                 };
                 drop(stream);
                 if let Some(u) = completion.usage {
+                    span.record("gen_ai.usage.input_tokens", u.prompt_tokens);
+                    span.record("gen_ai.usage.output_tokens", u.completion_tokens);
                     tracing::debug!(agent = %cfg.name, turn, prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens, "model call done");
                 }
                 if completion.finish != Finish::ToolCalls {
@@ -154,7 +159,8 @@ impl Agent for ModelAgent {
                     .map(|(i, c)| {
                         let cfg = cfg.clone();
                         let ctx = &ctx;
-                        async move { (i, run_tool(&cfg, ctx, c).await) }
+                        let span = crate::telemetry::trace::tool_span(&c.function.name, &c.id);
+                        tracing::Instrument::instrument(async move { (i, run_tool(&cfg, ctx, c).await) }, span)
                     })
                     .collect();
                 let mut results: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
@@ -238,28 +244,44 @@ struct CallBound {
     cancelled: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     timeout: Duration,
+    /// The model call's span, entered while the call's steps are polled.
+    span: tracing::Span,
 }
 
 impl CallBound {
-    fn new(deadline: Instant, ctx: &RunContext, timeout: Duration) -> Self {
+    fn new(deadline: Instant, ctx: &RunContext, timeout: Duration, span: tracing::Span) -> Self {
         Self {
             cancelled: Box::pin(ctx.cancel.clone().cancelled_owned()),
             deadline: Box::pin(tokio::time::sleep_until(deadline)),
             timeout,
+            span,
         }
     }
 
-    /// Awaits `f` until the deadline or cancellation. A cancelled run ends
-    /// with Unavailable here, but the turn has already ended it by then.
-    async fn run<T>(&mut self, f: impl Future<Output = T>) -> Result<T, AgentError> {
+    /// Awaits `f` (a step of the call, in the call's span) until the
+    /// deadline or cancellation, flattening its result. A cancelled run
+    /// ends with Unavailable here, but the turn has already ended it by then.
+    async fn run<T>(
+        &mut self,
+        f: impl Future<Output = Result<T, AgentError>>,
+    ) -> Result<T, AgentError> {
+        use tracing::Instrument as _;
         tokio::select! {
             biased;
             _ = self.cancelled.as_mut() => Err(AgentError::Unavailable { message: "the run was cancelled".into(), retry_after: None }),
-            r = f => Ok(r),
+            r = f.instrument(self.span.clone()) => r,
             _ = self.deadline.as_mut() => Err(AgentError::Unavailable {
                 message: format!("the model did not finish within {}; retry later", humantime::format_duration(self.timeout)),
                 retry_after: None,
             }),
         }
     }
+}
+
+/// `r`, with a failure marked on the model call's span.
+fn failed<T>(span: &tracing::Span, r: Result<T, AgentError>) -> Result<T, AgentError> {
+    if r.is_err() {
+        span.record("otel.status_code", "error");
+    }
+    r
 }

@@ -152,10 +152,14 @@ impl ChatClient {
         id_prefix: &str,
     ) -> Result<ChatStream, AgentError> {
         let url = format!("{}/chat/completions", self.endpoint.base_url);
+        let mut headers = self.endpoint.headers.clone();
+        // The current span's traceparent, so the model server's trace (if
+        // it keeps one) joins the run's.
+        crate::telemetry::trace::inject_headers(&mut headers);
         let mut builder = self
             .http
             .post(&url)
-            .headers(self.endpoint.headers.clone())
+            .headers(headers)
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .json(req);
         if let Some(key) = &self.endpoint.api_key {
