@@ -68,7 +68,11 @@ pub fn init(format: LogFormat) -> Telemetry {
             Err(e) => eprintln!("warning: OTLP trace export is off: {e}"),
         }
     }
-    init_with(format, std::io::stderr, builder.build())
+    // Colours only for a person at a terminal: a log collector reading a
+    // pipe or a file gets plain text (NO_COLOR turns them off anyway).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    install(format, std::io::stderr, builder.build(), ansi)
 }
 
 /// [`init`] with a chosen log writer and trace provider (tests use an
@@ -77,12 +81,21 @@ pub fn init_with<W>(format: LogFormat, writer: W, provider: SdkTracerProvider) -
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
+    install(format, writer, provider, false)
+}
+
+fn install<W>(format: LogFormat, writer: W, provider: SdkTracerProvider, ansi: bool) -> Telemetry
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
     let env = std::env::var("AGENTD_LOG")
         .ok()
         .and_then(|v| EnvFilter::try_new(v).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(ansi);
     let fmt = match format {
         LogFormat::Text => fmt.fmt_fields(TextFields).boxed(),
         LogFormat::Json => fmt

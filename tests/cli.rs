@@ -258,3 +258,39 @@ fn help_explains_every_serve_flag_and_its_environment_variable() {
         assert!(help.contains(&env), "{env} missing from --help");
     }
 }
+
+/// Text logs written to a pipe (a log collector, a file) are plain: no
+/// terminal colour codes, so `grpc{trace_id=...}` and the fields read as
+/// they are documented.
+#[test]
+fn text_logs_to_a_pipe_carry_no_colour_codes() {
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "text", "serve", "--listen", "127.0.0.1:0"])
+        .args([
+            "--admin-listen",
+            "off",
+            "--a2a-listen",
+            "off",
+            "--store",
+            "memory:",
+        ])
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let line = loop {
+        let line = lines
+            .next()
+            .expect("server exited before logging its start")
+            .unwrap();
+        if line.contains("agentd starting") {
+            break line;
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(!line.contains('\x1b'), "colour codes in {line:?}");
+    assert!(line.contains(" INFO "), "{line:?}");
+}
