@@ -43,30 +43,32 @@ struct StoredEvent {
 /// the stores events already encoded; this is for tests and old rows.)
 #[cfg(test)]
 pub(super) fn encode(events: &[SeqEvent]) -> Vec<u8> {
-    let total: usize = events.iter().map(|e| entry_len(e.seq, &e.event)).sum();
+    let lens: Vec<usize> = events.iter().map(|e| event_len(e.seq, &e.event)).collect();
+    let total: usize = lens.iter().map(|&n| entry_len(n)).sum();
     let mut buf = Vec::with_capacity(total);
-    for e in events {
-        put_entry(&mut buf, e.seq, &e.event);
+    for (e, &n) in events.iter().zip(&lens) {
+        put_entry(&mut buf, n, e.seq, &e.event);
     }
     debug_assert_eq!(buf.len(), total);
     buf
 }
 
-/// The bytes [`put_entry`] writes for one event: its entry in a
-/// [`StoredBatch`] (key, length, message). A batch's blob is its events'
-/// entries one after another, so each event is encoded once, alone, and
-/// batches are made by concatenation.
-pub(super) fn entry_len(seq: u64, e: &Event) -> usize {
+/// The bytes [`put_entry`] writes for an event whose message is
+/// `event_len` bytes ([`event_len`]): its entry in a [`StoredBatch`] (key,
+/// length, message). A batch's blob is its events' entries one after
+/// another, so each event is encoded once, alone, and batches are made by
+/// concatenation.
+pub(super) fn entry_len(event_len: usize) -> usize {
     use prost::encoding::{encoded_len_varint, key_len};
-    let n = event_len(seq, e);
-    key_len(1) + encoded_len_varint(n as u64) + n
+    key_len(1) + encoded_len_varint(event_len as u64) + event_len
 }
 
-/// Writes one event's [`StoredBatch`] entry (see [`entry_len`]).
-pub(super) fn put_entry(buf: &mut impl bytes::BufMut, seq: u64, e: &Event) {
+/// Writes one event's [`StoredBatch`] entry; `event_len` is its
+/// [`event_len`], computed once by the caller, which also sizes the buffer.
+pub(super) fn put_entry(buf: &mut impl bytes::BufMut, event_len: usize, seq: u64, e: &Event) {
     use prost::encoding::{WireType, encode_key, encode_varint};
     encode_key(1, WireType::LengthDelimited, buf);
-    encode_varint(event_len(seq, e) as u64, buf);
+    encode_varint(event_len as u64, buf);
     put_scalar(buf, 1, seq);
     put_str(buf, 2, e.kind.as_str());
     put_str(buf, 3, &e.author);
@@ -94,7 +96,7 @@ pub(super) fn put_entry(buf: &mut impl bytes::BufMut, seq: u64, e: &Event) {
 /// The length of one [`StoredEvent`] message. proto3 rules, as prost
 /// applies them: a field at its default value (0, "") is not written; an
 /// int64 is written as the varint of its two's complement, like a uint64.
-fn event_len(seq: u64, e: &Event) -> usize {
+pub(super) fn event_len(seq: u64, e: &Event) -> usize {
     use prost::encoding::{encoded_len_varint, key_len};
     return scalar_len(1, seq)
         + str_len(2, e.kind.as_str())

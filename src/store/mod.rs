@@ -104,7 +104,8 @@ impl EncodedEvent {
     /// Encodes `event` as event `seq` into `buf`'s free space (growing it
     /// by a block when short) and splits the bytes off.
     pub fn encode(seq: u64, event: &Event, buf: &mut bytes::BytesMut) -> Self {
-        let n = codec::entry_len(seq, event);
+        let len = codec::event_len(seq, event);
+        let n = codec::entry_len(len);
         if buf.capacity() - buf.len() < n {
             let block = if seq < FIRST_EVENTS {
                 FIRST_BLOCK
@@ -113,7 +114,7 @@ impl EncodedEvent {
             };
             buf.reserve(n.max(block));
         }
-        codec::put_entry(buf, seq, event);
+        codec::put_entry(buf, len, seq, event);
         Self {
             seq,
             bytes: buf.split().freeze(),
@@ -122,7 +123,8 @@ impl EncodedEvent {
 
     /// The stored form of `e`, in an allocation of its own.
     pub fn of(e: &SeqEvent) -> Self {
-        let mut buf = bytes::BytesMut::with_capacity(codec::entry_len(e.seq, &e.event));
+        let exact = codec::entry_len(codec::event_len(e.seq, &e.event));
+        let mut buf = bytes::BytesMut::with_capacity(exact);
         Self::encode(e.seq, &e.event, &mut buf)
     }
 
