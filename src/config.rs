@@ -143,7 +143,8 @@ pub struct ServeArgs {
     pub replica_id: Option<String>,
 
     /// Where sessions, turns and events are kept: `sqlite://PATH` (one
-    /// replica; the file is created if missing), `postgres://USER@HOST/DB`
+    /// replica; the file is created if missing, the event log beside it in
+    /// PATH-events), `postgres://USER@HOST/DB`
     /// (several replicas share it), or `memory:` (nothing survives a
     /// restart). Migrations run at start-up.
     #[arg(long, env = "AGENTD_STORE", default_value = "sqlite://agentd.db")]

@@ -291,8 +291,9 @@ async fn a_run_whose_client_leaves_is_cancelled_by_default_and_replays_cancelled
 }
 
 async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: TestDb) {
+    let store = db.open().await;
     let s = Server::start(
-        db.open().await,
+        store.clone(),
         Opts {
             tool_delay: Duration::from_millis(500),
             ..Opts::default()
@@ -329,6 +330,14 @@ async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: 
     s.ended_turn(ALICE, &sid, "r1").await;
     del().await.unwrap();
     assert_eq!(code(&s.get_session(ALICE, &sid).await), Code::NotFound);
+    let key = TurnKey {
+        session_id: SessionId::parse(&sid).unwrap(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    assert!(
+        store.events_after(&key, None, 10).await.unwrap().is_empty(),
+        "its event log went too"
+    );
     assert_eq!(
         code(&s.attach(ALICE, &sid, "r1", None).await),
         Code::NotFound

@@ -27,6 +27,11 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
+    /// The event log's foreign key deletes a turn's events with it.
+    const EVENTS_APART: bool = false;
+}
+
+impl PostgresStore {
     /// Connects to `url` and runs the migrations (concurrent replicas wait on
     /// the migrator's advisory lock).
     pub async fn connect(url: &str) -> anyhow::Result<Self> {

@@ -448,11 +448,20 @@ macro_rules! sql_store {
             }
 
             async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+                let mut tx = self.write.begin().await.map_err(db_err)?;
+                if Self::EVENTS_APART {
+                    sqlx::query("DELETE FROM event_batches WHERE session_id = $1")
+                        .bind(id.to_string())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_err)?;
+                }
                 let done = sqlx::query("DELETE FROM sessions WHERE id = $1")
                     .bind(id.to_string())
-                    .execute(&self.write)
+                    .execute(&mut *tx)
                     .await
                     .map_err(db_err)?;
+                tx.commit().await.map_err(db_err)?;
                 Ok(done.rows_affected() > 0)
             }
 
@@ -498,11 +507,23 @@ macro_rules! sql_store {
             }
 
             async fn prune(&self, before: std::time::SystemTime) -> StoreResult<u64> {
-                let done = sqlx::query("DELETE FROM turns WHERE state <> 'running' AND updated_at < $1")
+                let mut tx = self.write.begin().await.map_err(db_err)?;
+                if Self::EVENTS_APART {
+                    sqlx::query(
+                        "DELETE FROM event_batches WHERE (session_id, request_id) IN \
+                         (SELECT session_id, request_id FROM turns WHERE state <> 'running' AND updated_at < $1)",
+                    )
                     .bind(to_micros(before))
-                    .execute(&self.write)
+                    .execute(&mut *tx)
                     .await
                     .map_err(db_err)?;
+                }
+                let done = sqlx::query("DELETE FROM turns WHERE state <> 'running' AND updated_at < $1")
+                    .bind(to_micros(before))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_err)?;
+                tx.commit().await.map_err(db_err)?;
                 Ok(done.rows_affected())
             }
 

@@ -1,9 +1,18 @@
-//! The embedded default store: one SQLite file (`--store sqlite://agentd.db`)
-//! that a single replica's sessions survive restarts in. WAL mode lets readers
-//! run beside the writer; every write goes through one connection (one writer
-//! path, so writers never fight over the lock), with a busy timeout for the
-//! rare checkpoint contention.
+//! The embedded default store: a SQLite file (`--store sqlite://agentd.db`)
+//! that a single replica's sessions survive restarts in, and its event log
+//! beside it (`agentd.db-events`, attached to every connection as `ev`). WAL
+//! mode lets readers run beside the writer; every write goes through one
+//! connection (one writer path, so writers never fight over the lock), with a
+//! busy timeout for the rare checkpoint contention.
+//!
+//! The event log has a file of its own for its page size. It is written in
+//! large appends, where 64 KiB pages cost a sixteenth of the WAL frames and
+//! checkpoint copies (each a system call or two) that 4 KiB pages do; the
+//! sessions and turns are small rows changed one at a time, where a large
+//! page would make every commit write 64 KiB. Statements name the table
+//! unqualified (`event_batches` is found in `ev`), as on PostgreSQL.
 
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +25,36 @@ use sqlx::sqlite::{
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Concurrent readers (followers, replays, listings).
 const READERS: u32 = 4;
+/// The event log's page size (SQLite's largest), as [`attach_event_log`]
+/// sets it.
+#[cfg(test)]
+const EVENT_LOG_PAGE_SIZE: i64 = 65536;
+
+/// The event log's file: the database's path with `-events` appended.
+pub fn event_log_path(db: &Path) -> PathBuf {
+    let mut name = db.as_os_str().to_owned();
+    name.push("-events");
+    PathBuf::from(name)
+}
+
+/// Attaches the event log as `ev` to a new connection; for the writer,
+/// also sets its page size (kept by a file that already has one) and WAL
+/// mode, which are settings of that file, not of the connection.
+async fn attach_event_log(
+    conn: &mut sqlx::SqliteConnection,
+    path: Arc<str>,
+    writer: bool,
+) -> Result<(), sqlx::Error> {
+    use sqlx::Executor as _;
+    let mut sql = format!("ATTACH DATABASE '{}' AS ev;", path.replace('\'', "''"));
+    if writer {
+        sql.push_str(
+            " PRAGMA ev.page_size = 65536; PRAGMA ev.journal_mode = WAL; PRAGMA ev.synchronous = NORMAL;",
+        );
+    }
+    conn.execute(sql.as_str()).await?;
+    Ok(())
+}
 
 pub struct SqliteStore {
     /// Readers: any number of them run beside the writer under WAL.
@@ -38,19 +77,44 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(true);
+        let events = event_log_path(opts.get_filename());
+        let events_at: Arc<str> = events
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("the database path is not valid UTF-8"))?
+            .into();
+        let at = events_at.clone();
         // No ping before each use: the connection is in this process, and a
         // ping is a round trip to its thread that doubled a statement's cost.
         let write = SqlitePoolOptions::new()
             .max_connections(1)
             .test_before_acquire(false)
             .acquire_timeout(BUSY_TIMEOUT)
+            .after_connect(move |conn, _| {
+                let at = at.clone();
+                Box::pin(async move { attach_event_log(conn, at, true).await })
+            })
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("migrations/sqlite").run(&write).await?;
+        let has_log: bool = sqlx::query_scalar(
+            "SELECT COUNT(*) > 0 FROM ev.sqlite_schema WHERE type = 'table' AND name = 'event_batches'",
+        )
+        .fetch_one(&write)
+        .await?;
+        if !has_log {
+            anyhow::bail!(
+                "the event log {} is missing or is not this database's (it was moved or deleted; restore it beside the database)",
+                events.display()
+            );
+        }
         let read = SqlitePoolOptions::new()
             .max_connections(READERS)
             .test_before_acquire(false)
             .acquire_timeout(BUSY_TIMEOUT)
+            .after_connect(move |conn, _| {
+                let at = events_at.clone();
+                Box::pin(async move { attach_event_log(conn, at, false).await })
+            })
             .connect_with(opts.read_only(true))
             .await?;
         let a2a = Arc::new(super::a2a_tasks::SqliteTasks::new(
@@ -97,12 +161,20 @@ impl SqliteStore {
 }
 
 /// The insert of one event-batch row, borrowing what it binds.
+///
+/// The row takes its turn's key from the turn's row, not from the binds:
+/// the event log is in another file, beyond the foreign key's reach, and a
+/// turn that was never claimed (or was deleted) leaves the key NULL, which
+/// fails the statement, whole, on the columns' NOT NULL, as the foreign key
+/// did.
 fn insert_row<'q>(
     p: &'q super::sql::PendingBatch,
     (first, last, blob): &'q (i64, i64, Vec<u8>),
 ) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
     sqlx::query(
-        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
+         SELECT t.session_id, t.request_id, $3, $4, $5 \
+         FROM (SELECT 1) LEFT JOIN turns t ON t.session_id = $1 AND t.request_id = $2",
     )
     .bind(p.sid.as_str())
     .bind(p.rid.as_str())
@@ -116,12 +188,14 @@ fn insert_row<'q>(
 /// transaction.
 const ROWS_PER_STATEMENT: usize = 256;
 
-/// One insert statement for `rows`.
+/// One insert statement for `rows`, each row's turn checked as in
+/// [`insert_row`].
 fn insert_rows<'q>(
     rows: &[(&'q super::sql::PendingBatch, &'q (i64, i64, Vec<u8>))],
 ) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
     let mut q = sqlx::QueryBuilder::new(
-        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) ",
+        "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
+         SELECT t.session_id, t.request_id, v.column3, v.column4, v.column5 FROM (",
     );
     q.push_values(rows, |mut b, &(p, (first, last, blob))| {
         b.push_bind(p.sid.as_str())
@@ -130,6 +204,7 @@ fn insert_rows<'q>(
             .push_bind(*last)
             .push_bind(blob.as_slice());
     });
+    q.push(") AS v LEFT JOIN turns t ON t.session_id = v.column1 AND t.request_id = v.column2");
     q
 }
 
@@ -172,6 +247,12 @@ impl SqliteStore {
         }
         Ok(())
     }
+}
+
+impl SqliteStore {
+    /// The event log is in another file, where the turns' foreign key
+    /// cannot reach: deleting turns deletes their events by hand.
+    const EVENTS_APART: bool = true;
 }
 
 impl super::a2a_tasks::A2aTaskSource for SqliteStore {
@@ -328,5 +409,222 @@ mod tests {
         let texts: Vec<_> = events.iter().map(|e| e.event.text.clone()).collect();
         let want: Vec<_> = (0..n).map(|s| format!("t{s}")).collect();
         assert_eq!(texts, want);
+    }
+
+    async fn count(pool: &SqlitePool, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+    }
+
+    /// Appends `n` events to a new turn `rid` of a new session of alice's.
+    async fn turn_with_events(store: &SqliteStore, rid: &str, n: u64) -> TurnKey {
+        use crate::agent::Event;
+        use crate::store::{NewTurn, SeqEvent};
+        let session = store
+            .create_session(&crate::domain::UserId::parse("alice").unwrap())
+            .await
+            .unwrap();
+        let key = TurnKey {
+            session_id: session.id,
+            request_id: RequestId::parse(rid).unwrap(),
+        };
+        store
+            .claim_turn(&NewTurn {
+                key: key.clone(),
+                user_text: "hi".into(),
+                agent: "echo".into(),
+                owner: "a".into(),
+                lease: std::time::Duration::from_secs(5),
+            })
+            .await
+            .unwrap();
+        let events: Vec<_> = (0..n)
+            .map(|seq| SeqEvent {
+                seq,
+                event: Event::partial("echo", format!("t{seq}")),
+            })
+            .collect();
+        store.append_events(&key, events).await.unwrap();
+        key
+    }
+
+    /// The event log is its own file beside the database, with 64 KiB
+    /// pages, while the database keeps SQLite's default 4 KiB pages; the
+    /// events are written there and read back from there.
+    #[tokio::test]
+    async fn the_event_log_is_a_file_of_its_own_with_large_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("a.db");
+        let store = SqliteStore::open(&format!("sqlite://{}", db.display()))
+            .await
+            .unwrap();
+        assert!(dir.path().join("a.db-events").is_file());
+        assert_eq!(super::event_log_path(&db), dir.path().join("a.db-events"));
+        assert_eq!(
+            count(&store.write, "PRAGMA ev.page_size").await,
+            super::EVENT_LOG_PAGE_SIZE
+        );
+        assert_eq!(count(&store.write, "PRAGMA main.page_size").await, 4096);
+        let mode: String = sqlx::query_scalar("PRAGMA ev.journal_mode")
+            .fetch_one(&store.write)
+            .await
+            .unwrap();
+        assert_eq!(mode, "wal");
+        assert_eq!(
+            count(
+                &store.read,
+                "SELECT COUNT(*) FROM main.sqlite_schema WHERE name = 'event_batches'"
+            )
+            .await,
+            0,
+            "no event table left in the database file"
+        );
+        let key = turn_with_events(&store, "r1", 5).await;
+        assert_eq!(
+            count(&store.read, "SELECT COUNT(*) FROM ev.event_batches").await,
+            1
+        );
+        let got = store.events_after(&key, Some(1), 10).await.unwrap();
+        assert_eq!(got.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3, 4]);
+    }
+
+    /// Deleting a session or pruning its turns deletes their batches from
+    /// the event log too (no foreign key reaches across the files); a
+    /// running turn's events stay.
+    #[tokio::test]
+    async fn deleted_and_pruned_turns_leave_nothing_in_the_event_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("d.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let done = crate::store::TurnOutcome {
+            state: crate::store::TurnState::Completed,
+            code: 0,
+            message: String::new(),
+        };
+        let deleted = turn_with_events(&store, "r1", 3).await;
+        let pruned = turn_with_events(&store, "r2", 3).await;
+        let running = turn_with_events(&store, "r3", 3).await;
+        for k in [&deleted, &pruned] {
+            store.finish_turn(k, &done, Some("ok")).await.unwrap();
+        }
+        let batches = "SELECT COUNT(*) FROM ev.event_batches";
+        assert_eq!(count(&store.read, batches).await, 3);
+        assert!(store.delete_session(deleted.session_id).await.unwrap());
+        assert_eq!(count(&store.read, batches).await, 2);
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        assert_eq!(store.prune(later).await.unwrap(), 1);
+        assert_eq!(count(&store.read, batches).await, 1);
+        assert_eq!(
+            store.events_after(&running, None, 10).await.unwrap().len(),
+            3
+        );
+        assert!(
+            store
+                .events_after(&pruned, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    /// A database whose event log is still in the database file (schema
+    /// 0002) opens with its log moved to the event log file, every event
+    /// readable.
+    #[tokio::test]
+    async fn an_event_log_inside_the_database_file_is_moved_to_its_own_file_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = dir.path().join("migrations");
+        std::fs::create_dir(&before).unwrap();
+        for m in [
+            "0001_sessions_turns_events.sql",
+            "0002_event_batches.sql",
+            "0003_a2a_tasks.sql",
+        ] {
+            std::fs::copy(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("migrations/sqlite")
+                    .join(m),
+                before.join(m),
+            )
+            .unwrap();
+        }
+        let url = format!("sqlite://{}", dir.path().join("old.db").display());
+        let old = SqlitePool::connect_with(
+            SqliteConnectOptions::from_str(&url)
+                .unwrap()
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+        sqlx::migrate::Migrator::new(before.as_path())
+            .await
+            .unwrap()
+            .run(&old)
+            .await
+            .unwrap();
+        let sid = SessionId::generate().to_string();
+        sqlx::query("INSERT INTO sessions VALUES ($1, 'alice', 1, 1)")
+            .bind(&sid)
+            .execute(&old)
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
+             status_code, status_message, created_at, updated_at) \
+             VALUES ($1, 'r1', 'hi', 'echo', 'completed', 'a', 0, 0, '', 1, 1)",
+        )
+        .bind(&sid)
+        .execute(&old)
+        .await
+        .unwrap();
+        let events: Vec<_> = (0..4u64)
+            .map(|seq| crate::store::SeqEvent {
+                seq,
+                event: crate::agent::Event::partial("echo", format!("t{seq}")),
+            })
+            .collect();
+        for (first, rows) in [(0i64, &events[..2]), (2, &events[2..])] {
+            sqlx::query("INSERT INTO event_batches VALUES ($1, 'r1', $2, $3, $4)")
+                .bind(&sid)
+                .bind(first)
+                .bind(first + 1)
+                .bind(crate::store::codec::encode(rows))
+                .execute(&old)
+                .await
+                .unwrap();
+        }
+        old.close().await;
+
+        let store = SqliteStore::open(&url).await.unwrap();
+        let key = TurnKey {
+            session_id: SessionId::parse(&sid).unwrap(),
+            request_id: RequestId::parse("r1").unwrap(),
+        };
+        assert_eq!(store.events_after(&key, None, 10).await.unwrap(), events);
+        assert_eq!(
+            count(&store.read, "SELECT COUNT(*) FROM ev.event_batches").await,
+            2
+        );
+    }
+
+    /// A database whose event log file is gone does not open as if its
+    /// turns had no events: the error names the file.
+    #[tokio::test]
+    async fn a_missing_event_log_fails_the_open_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("m.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        turn_with_events(&store, "r1", 2).await;
+        store.write.close().await;
+        store.read.close().await;
+        drop(store);
+        for f in ["m.db-events", "m.db-events-wal", "m.db-events-shm"] {
+            let _ = std::fs::remove_file(dir.path().join(f));
+        }
+        let err = match SqliteStore::open(&url).await {
+            Ok(_) => panic!("opened without its event log"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains("m.db-events"), "{err}");
+        assert!(err.contains("missing"), "{err}");
     }
 }
