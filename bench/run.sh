@@ -111,7 +111,7 @@ fi
 bench() {
   local name=$1 workload=$2 streams=$3 conns=$4
   shift 4
-  [[ $name == agentd+sqlite ]] && rm -f "$sqlite_db" "$sqlite_db-wal" "$sqlite_db-shm"
+  [[ $name == agentd+sqlite ]] && rm -f "$sqlite_db" "$sqlite_db"-*
   # shellcheck disable=SC2046
   AGENTD_BENCH_SERVER_LOG=$out/servers.log "${client_pin[@]}" "$bin/agentd" --log-format text bench \
     --server-name "$name" --target "127.0.0.1:${port[$name]}" --workload "$workload" \
@@ -139,7 +139,7 @@ for s in "${store_servers[@]}"; do
   for n in 1 64; do bench "$s" short "$n" "$(conns_for "$n")" --duration "$duration"; done
   bench "$s" paced 64 8 --duration "$paced_duration" --rate 1000
 done
-rm -f "$sqlite_db" "$sqlite_db-wal" "$sqlite_db-shm"
+rm -f "$sqlite_db" "$sqlite_db"-*
 
 log "writing BENCHMARKS.md and bench/streams.png"
 "$venv/bin/python" bench/report.py "$results" BENCHMARKS.md bench/streams.png \

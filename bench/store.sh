@@ -30,7 +30,7 @@ for w in bursty one-at-a-time; do
     conns=$((n >= 8 ? 8 : n))
     for round in $(seq "$rounds"); do
       for store in "${stores[@]}"; do
-        rm -f "$db" "$db-wal" "$db-shm"
+        rm -f "$db" "$db"-*
         name=${store%%:*}
         "${pin_c[@]}" "$bin" --log-format text bench --server-name "$name" --target 127.0.0.1:50066 \
           --workload "$w" --streams "$n" --connections "$conns" --duration "$duration" --warmup 1s \
@@ -42,7 +42,7 @@ for w in bursty one-at-a-time; do
     done
   done
 done
-rm -f "$db" "$db-wal" "$db-shm"
+rm -f "$db" "$db"-*
 python3 - "$results" "$rounds" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

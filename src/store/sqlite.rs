@@ -95,6 +95,7 @@ impl SqliteStore {
             })
             .connect_with(opts.clone())
             .await?;
+        Self::check_event_log_is_ours(&write, &events).await?;
         sqlx::migrate!("migrations/sqlite").run(&write).await?;
         let has_log: bool = sqlx::query_scalar(
             "SELECT COUNT(*) > 0 FROM ev.sqlite_schema WHERE type = 'table' AND name = 'event_batches'",
@@ -250,6 +251,39 @@ impl SqliteStore {
 }
 
 impl SqliteStore {
+    /// Refuses an event log file that holds a log before this database has
+    /// moved its own there (migration 4): one left behind by a database
+    /// that was deleted, or copied in from another. Migrating would fail on
+    /// its table; the operator is told which file to move away instead.
+    async fn check_event_log_is_ours(write: &SqlitePool, events: &Path) -> anyhow::Result<()> {
+        let log_there: bool = sqlx::query_scalar(
+            "SELECT COUNT(*) > 0 FROM ev.sqlite_schema WHERE type = 'table' AND name = 'event_batches'",
+        )
+        .fetch_one(write)
+        .await?;
+        if !log_there {
+            return Ok(());
+        }
+        let migrated: bool = sqlx::query_scalar(
+            "SELECT COUNT(*) > 0 FROM main.sqlite_schema WHERE type = 'table' AND name = '_sqlx_migrations'",
+        )
+        .fetch_one(write)
+        .await?;
+        let moved: bool = migrated
+            && sqlx::query_scalar(
+                "SELECT COUNT(*) > 0 FROM _sqlx_migrations WHERE version = 4 AND success",
+            )
+            .fetch_one(write)
+            .await?;
+        if !moved {
+            anyhow::bail!(
+                "the event log {} holds events this database never wrote (the database is new, or it was replaced): move that file and its -wal file away, or restore the database it belongs to",
+                events.display()
+            );
+        }
+        Ok(())
+    }
+
     /// The event log is in another file, where the turns' foreign key
     /// cannot reach: deleting turns deletes their events by hand.
     const EVENTS_APART: bool = true;
@@ -626,5 +660,28 @@ mod tests {
         };
         assert!(err.contains("m.db-events"), "{err}");
         assert!(err.contains("missing"), "{err}");
+    }
+
+    /// A new database beside an event log left by a deleted one does not
+    /// start (it would mix the old log into the new turns' keys): the
+    /// error names the file to move away.
+    #[tokio::test]
+    async fn an_event_log_left_by_a_deleted_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("n.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        turn_with_events(&store, "r1", 2).await;
+        store.write.close().await;
+        store.read.close().await;
+        drop(store);
+        for f in ["n.db", "n.db-wal", "n.db-shm"] {
+            let _ = std::fs::remove_file(dir.path().join(f));
+        }
+        let err = match SqliteStore::open(&url).await {
+            Ok(_) => panic!("opened a new database with an old event log"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains("n.db-events"), "{err}");
+        assert!(err.contains("never wrote"), "{err}");
     }
 }
