@@ -28,6 +28,8 @@ struct Served {
 impl Served {
     fn start(args: &[&str]) -> Self {
         let mut child = Command::new(BIN)
+            // Not the default SQLite file: parallel tests would share it.
+            .env("AGENTD_STORE", "memory:")
             .args([
                 "--log-format",
                 "json",
@@ -162,6 +164,8 @@ fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
         r#"{"tokens": [{"token": "hunter2", "caller": "x", "user_ids": ["*"]}]}"#,
     );
     let out = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args([
             "serve",
             "--listen",
@@ -187,6 +191,8 @@ fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
         r#"{"tokens": [{"token": "a-long-enough-secret-token", "caler": "x", "user_ids": ["*"]}]}"#,
     );
     let out = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args([
             "serve",
             "--listen",
@@ -211,6 +217,8 @@ fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
     let cert = write(dir.path(), "c.pem", &pem.cert);
     let wrong_key = write(dir.path(), "k.pem", &other.key);
     let out = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args([
             "serve",
             "--listen",

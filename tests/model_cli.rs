@@ -22,6 +22,8 @@ fn a_bad_agents_file_stops_start_up_with_file_line_and_reason() {
         "[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:9/v1\"\nmodel = \"m\"\napi_key_env = \"AGENTD_TEST_SURELY_UNSET_KEY\"\n",
     );
     let out = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args(["serve", "--listen", "127.0.0.1:0", "--agents", &path])
         .env_remove("AGENTD_TEST_SURELY_UNSET_KEY")
         .output()
@@ -40,6 +42,8 @@ fn a_bad_agents_file_stops_start_up_with_file_line_and_reason() {
         "[agents.smart]\ndescripton = \"x\"\n",
     );
     let out = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args(["serve", "--listen", "127.0.0.1:0"])
         .env("AGENTD_AGENTS", &path)
         .output()
@@ -70,6 +74,8 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
         ),
     );
     let mut child = Command::new(BIN)
+        // Not the default SQLite file: parallel tests would share it.
+        .env("AGENTD_STORE", "memory:")
         .args([
             "--log-format",
             "json",

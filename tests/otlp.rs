@@ -75,6 +75,8 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
 
     let result = tokio::task::spawn_blocking(move || {
         let mut child = Command::new(BIN)
+            // Not the default SQLite file: parallel tests would share it.
+            .env("AGENTD_STORE", "memory:")
             .args([
                 "--log-format",
                 "json",

@@ -490,6 +490,8 @@ impl Child {
             &["--a2a-listen", "127.0.0.1:0"]
         };
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+            // Not the default SQLite file: parallel tests would share it.
+            .env("AGENTD_STORE", "memory:")
             .args([
                 "--log-format",
                 "json",
