@@ -64,6 +64,50 @@ pub struct SqliteStore {
     a2a: Arc<super::a2a_tasks::SqliteTasks>,
     /// The committer's queue: event batches are written through it.
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
+    /// Held while the store lives; the checkpointer stops when it goes.
+    _alive: Arc<()>,
+}
+
+/// How often the checkpointer copies what the WALs hold into their files.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
+
+/// Checkpoints both WALs every [`CHECKPOINT_EVERY`] on a connection of its
+/// own, until the store is dropped. A checkpoint copies the WAL's pages into
+/// the database file and syncs both; done by the writer (SQLite's automatic
+/// checkpoint, at 1,000 pages: 64 MB of event log) it holds every turn's
+/// next commit back while the disk syncs. PASSIVE checkpoints run beside
+/// the writer and never wait for it. The writer's automatic checkpoint
+/// stays as the bound: it runs only if these fall behind.
+fn spawn_checkpointer(pool: SqlitePool, alive: std::sync::Weak<()>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            if alive.strong_count() == 0 {
+                break;
+            }
+            let done = sqlx::raw_sql(
+                "PRAGMA main.wal_checkpoint(PASSIVE); PRAGMA ev.wal_checkpoint(PASSIVE);",
+            )
+            .execute(&pool)
+            .await;
+            match done {
+                Ok(_) if failing => {
+                    tracing::info!("SQLite checkpoints work again");
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err(e) if !failing => {
+                    tracing::warn!(error = %e, "SQLite checkpoint failed; the writer checkpoints when its WAL reaches 1,000 pages");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+        pool.close().await;
+    });
 }
 
 impl SqliteStore {
@@ -108,6 +152,17 @@ impl SqliteStore {
                 events.display()
             );
         }
+        let at = events_at.clone();
+        let checkpoints = SqlitePoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .acquire_timeout(BUSY_TIMEOUT)
+            .after_connect(move |conn, _| {
+                let at = at.clone();
+                Box::pin(async move { attach_event_log(conn, at, false).await })
+            })
+            .connect_with(opts.clone())
+            .await?;
         let read = SqlitePoolOptions::new()
             .max_connections(READERS)
             .test_before_acquire(false)
@@ -123,11 +178,14 @@ impl SqliteStore {
             write.clone(),
         ));
         let commits = Self::spawn_committer(write.clone(), 1);
+        let alive = Arc::new(());
+        spawn_checkpointer(checkpoints, Arc::downgrade(&alive));
         let store = Self {
             read,
             write,
             a2a,
             commits,
+            _alive: alive,
         };
         let moved = store.move_legacy_events().await?;
         if moved > 0 {
@@ -683,5 +741,46 @@ mod tests {
         };
         assert!(err.contains("n.db-events"), "{err}");
         assert!(err.contains("never wrote"), "{err}");
+    }
+
+    /// The event log's WAL is copied into its file in the background, long
+    /// before the writer's own checkpoint (1,000 pages, 64 MB) would.
+    #[tokio::test]
+    async fn the_event_log_is_checkpointed_in_the_background() {
+        use crate::agent::Event;
+        use crate::store::SeqEvent;
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("c.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let key = turn_with_events(&store, "r1", 0).await;
+        let file = dir.path().join("c.db-events");
+        let before = std::fs::metadata(&file).unwrap().len();
+        // About 2 MB: 32 of the log's pages, far below the writer's 1,000.
+        let events: Vec<_> = (0..2048u64)
+            .map(|seq| SeqEvent {
+                seq,
+                event: Event::partial("echo", "x".repeat(1000)),
+            })
+            .collect();
+        store.append_events(&key, events).await.unwrap();
+        let grown = 2 * 1024 * 1024 + before;
+        let mut waited = std::time::Duration::ZERO;
+        while std::fs::metadata(&file).unwrap().len() < grown {
+            assert!(
+                waited < std::time::Duration::from_secs(10),
+                "the event log file is still {} bytes",
+                std::fs::metadata(&file).unwrap().len()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            waited += std::time::Duration::from_millis(50);
+        }
+        assert_eq!(
+            store
+                .events_after(&key, Some(2000), 100)
+                .await
+                .unwrap()
+                .len(),
+            47
+        );
     }
 }
