@@ -365,21 +365,24 @@ mod tests {
     use crate::domain::{RequestId, SessionId, TurnKey};
     use crate::store::Store;
 
-    /// A file written by a build with the per-event layout (schema 0001)
-    /// opens with its whole log, now in batches, and the answer in history.
-    #[tokio::test]
-    async fn an_event_log_in_the_per_event_layout_is_moved_into_batches_at_open() {
-        let dir = tempfile::tempdir().unwrap();
-        let only_first = dir.path().join("migrations");
-        std::fs::create_dir(&only_first).unwrap();
-        let first = "0001_sessions_turns_events.sql";
-        std::fs::copy(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("migrations/sqlite")
-                .join(first),
-            only_first.join(first),
-        )
-        .unwrap();
+    /// A database at `dir/old.db` migrated by `migrations` only (as an older
+    /// build left it), with alice's session holding completed turn `r1`:
+    /// its URL, a pool on it and the session id.
+    async fn older_database(
+        dir: &tempfile::TempDir,
+        migrations: &[&str],
+    ) -> (String, SqlitePool, String) {
+        let some = dir.path().join("migrations");
+        std::fs::create_dir(&some).unwrap();
+        for m in migrations {
+            std::fs::copy(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("migrations/sqlite")
+                    .join(m),
+                some.join(m),
+            )
+            .unwrap();
+        }
         let url = format!("sqlite://{}", dir.path().join("old.db").display());
         let old = SqlitePool::connect_with(
             SqliteConnectOptions::from_str(&url)
@@ -388,7 +391,7 @@ mod tests {
         )
         .await
         .unwrap();
-        sqlx::migrate::Migrator::new(only_first.as_path())
+        sqlx::migrate::Migrator::new(some.as_path())
             .await
             .unwrap()
             .run(&old)
@@ -409,6 +412,15 @@ mod tests {
         .execute(&old)
         .await
         .unwrap();
+        (url, old, sid)
+    }
+
+    /// A file written by a build with the per-event layout (schema 0001)
+    /// opens with its whole log, now in batches, and the answer in history.
+    #[tokio::test]
+    async fn an_event_log_in_the_per_event_layout_is_moved_into_batches_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, old, sid) = older_database(&dir, &["0001_sessions_turns_events.sql"]).await;
         for (seq, kind, text) in [
             (0, "partial_text", "Hel"),
             (1, "partial_text", "lo"),
@@ -624,50 +636,15 @@ mod tests {
     #[tokio::test]
     async fn an_event_log_inside_the_database_file_is_moved_to_its_own_file_at_open() {
         let dir = tempfile::tempdir().unwrap();
-        let before = dir.path().join("migrations");
-        std::fs::create_dir(&before).unwrap();
-        for m in [
-            "0001_sessions_turns_events.sql",
-            "0002_event_batches.sql",
-            "0003_a2a_tasks.sql",
-        ] {
-            std::fs::copy(
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("migrations/sqlite")
-                    .join(m),
-                before.join(m),
-            )
-            .unwrap();
-        }
-        let url = format!("sqlite://{}", dir.path().join("old.db").display());
-        let old = SqlitePool::connect_with(
-            SqliteConnectOptions::from_str(&url)
-                .unwrap()
-                .create_if_missing(true),
+        let (url, old, sid) = older_database(
+            &dir,
+            &[
+                "0001_sessions_turns_events.sql",
+                "0002_event_batches.sql",
+                "0003_a2a_tasks.sql",
+            ],
         )
-        .await
-        .unwrap();
-        sqlx::migrate::Migrator::new(before.as_path())
-            .await
-            .unwrap()
-            .run(&old)
-            .await
-            .unwrap();
-        let sid = SessionId::generate().to_string();
-        sqlx::query("INSERT INTO sessions VALUES ($1, 'alice', 1, 1)")
-            .bind(&sid)
-            .execute(&old)
-            .await
-            .unwrap();
-        sqlx::query(
-            "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
-             status_code, status_message, created_at, updated_at) \
-             VALUES ($1, 'r1', 'hi', 'echo', 'completed', 'a', 0, 0, '', 1, 1)",
-        )
-        .bind(&sid)
-        .execute(&old)
-        .await
-        .unwrap();
+        .await;
         let events: Vec<_> = (0..4u64)
             .map(|seq| crate::store::SeqEvent {
                 seq,
