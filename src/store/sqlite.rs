@@ -247,11 +247,12 @@ fn insert_row<'q>(
 /// transaction.
 const ROWS_PER_STATEMENT: usize = 256;
 
+/// One row of a group: its batch, and (first_seq, last_seq, blob).
+type GroupRow<'q> = (&'q super::sql::PendingBatch, &'q (i64, i64, Vec<u8>));
+
 /// One insert statement for `rows`, each row's turn checked as in
 /// [`insert_row`].
-fn insert_rows<'q>(
-    rows: &[(&'q super::sql::PendingBatch, &'q (i64, i64, Vec<u8>))],
-) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
+fn insert_rows<'q>(rows: &[GroupRow<'q>]) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
     let mut q = sqlx::QueryBuilder::new(
         "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
          SELECT t.session_id, t.request_id, v.column3, v.column4, v.column5 FROM (",
