@@ -140,7 +140,16 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         Self::check_event_log_is_ours(&write, &events).await?;
-        sqlx::migrate!("migrations/sqlite").run(&write).await?;
+        if let Err(e) = sqlx::migrate!("migrations/sqlite").run(&write).await {
+            // Two processes opening a new file at once both migrate it, and
+            // the later fails on the earlier's tables.
+            let hint = if e.to_string().contains("already exists") {
+                " (a table it creates is already there: another process is opening the same file, which SQLite's store does not allow, or the file holds another application's tables)"
+            } else {
+                ""
+            };
+            anyhow::bail!("{e}{hint}");
+        }
         let has_log: bool = sqlx::query_scalar(
             "SELECT COUNT(*) > 0 FROM ev.sqlite_schema WHERE type = 'table' AND name = 'event_batches'",
         )
@@ -759,6 +768,36 @@ mod tests {
                 .unwrap()
                 .len(),
             47
+        );
+    }
+
+    /// A file whose tables are there without their migrations recorded (a
+    /// second process opening a new file at the same moment, or another
+    /// application's file) is refused with what to look for.
+    #[tokio::test]
+    async fn a_migration_that_finds_its_tables_already_there_says_why_that_may_be() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let other = SqlitePool::connect_with(
+            SqliteConnectOptions::from_str(&url)
+                .unwrap()
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+        sqlx::query("CREATE TABLE sessions (id TEXT)")
+            .execute(&other)
+            .await
+            .unwrap();
+        other.close().await;
+        let err = match SqliteStore::open(&url).await {
+            Ok(_) => panic!("migrated over a table it did not create"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains("already exists"), "{err}");
+        assert!(
+            err.contains("another process is opening the same file"),
+            "{err}"
         );
     }
 }
