@@ -685,24 +685,31 @@ mod tests {
         );
     }
 
-    /// A database whose event log file is gone does not open as if its
-    /// turns had no events: the error names the file.
-    #[tokio::test]
-    async fn a_missing_event_log_fails_the_open_naming_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("m.db").display());
+    /// Opens `dir/name` and stores a turn's events in it, closes it,
+    /// deletes the files named in `gone` and opens it again: the error.
+    async fn reopened_without(dir: &tempfile::TempDir, name: &str, gone: &[&str]) -> String {
+        let url = format!("sqlite://{}", dir.path().join(name).display());
         let store = SqliteStore::open(&url).await.unwrap();
         turn_with_events(&store, "r1", 2).await;
         store.write.close().await;
         store.read.close().await;
         drop(store);
-        for f in ["m.db-events", "m.db-events-wal", "m.db-events-shm"] {
+        for f in gone {
             let _ = std::fs::remove_file(dir.path().join(f));
         }
-        let err = match SqliteStore::open(&url).await {
-            Ok(_) => panic!("opened without its event log"),
+        match SqliteStore::open(&url).await {
+            Ok(_) => panic!("opened {name} without {gone:?}"),
             Err(e) => format!("{e:#}"),
-        };
+        }
+    }
+
+    /// A database whose event log file is gone does not open as if its
+    /// turns had no events: the error names the file.
+    #[tokio::test]
+    async fn a_missing_event_log_fails_the_open_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let gone = ["m.db-events", "m.db-events-wal", "m.db-events-shm"];
+        let err = reopened_without(&dir, "m.db", &gone).await;
         assert!(err.contains("m.db-events"), "{err}");
         assert!(err.contains("missing"), "{err}");
     }
@@ -713,19 +720,7 @@ mod tests {
     #[tokio::test]
     async fn an_event_log_left_by_a_deleted_database_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("n.db").display());
-        let store = SqliteStore::open(&url).await.unwrap();
-        turn_with_events(&store, "r1", 2).await;
-        store.write.close().await;
-        store.read.close().await;
-        drop(store);
-        for f in ["n.db", "n.db-wal", "n.db-shm"] {
-            let _ = std::fs::remove_file(dir.path().join(f));
-        }
-        let err = match SqliteStore::open(&url).await {
-            Ok(_) => panic!("opened a new database with an old event log"),
-            Err(e) => format!("{e:#}"),
-        };
+        let err = reopened_without(&dir, "n.db", &["n.db", "n.db-wal", "n.db-shm"]).await;
         assert!(err.contains("n.db-events"), "{err}");
         assert!(err.contains("never wrote"), "{err}");
     }
