@@ -290,6 +290,18 @@ async fn a_run_whose_client_leaves_is_cancelled_by_default_and_replays_cancelled
     s.stop().await;
 }
 
+/// The event log of turn `rid` of session `sid` is gone from the store.
+async fn assert_log_gone(store: &dyn agentd::store::Store, sid: &str, rid: &str) {
+    let key = TurnKey {
+        session_id: SessionId::parse(sid).unwrap(),
+        request_id: RequestId::parse(rid).unwrap(),
+    };
+    assert!(
+        store.events_after(&key, None, 10).await.unwrap().is_empty(),
+        "its event log went too"
+    );
+}
+
 async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: TestDb) {
     let store = db.open().await;
     let s = Server::start(
@@ -330,14 +342,7 @@ async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: 
     s.ended_turn(ALICE, &sid, "r1").await;
     del().await.unwrap();
     assert_eq!(code(&s.get_session(ALICE, &sid).await), Code::NotFound);
-    let key = TurnKey {
-        session_id: SessionId::parse(&sid).unwrap(),
-        request_id: RequestId::parse("r1").unwrap(),
-    };
-    assert!(
-        store.events_after(&key, None, 10).await.unwrap().is_empty(),
-        "its event log went too"
-    );
+    assert_log_gone(&*store, &sid, "r1").await;
     assert_eq!(
         code(&s.attach(ALICE, &sid, "r1", None).await),
         Code::NotFound
@@ -415,14 +420,7 @@ async fn finished_turns_are_pruned_after_the_retention(db: TestDb) {
             .then_some(())
     })
     .await;
-    let key = TurnKey {
-        session_id: SessionId::parse(&sid).unwrap(),
-        request_id: RequestId::parse("r1").unwrap(),
-    };
-    assert!(
-        store.events_after(&key, None, 10).await.unwrap().is_empty(),
-        "its event log went too"
-    );
+    assert_log_gone(&*store, &sid, "r1").await;
     assert!(
         s.get_session(ALICE, &sid).await.is_ok(),
         "the session stays"

@@ -472,29 +472,12 @@ mod tests {
     #[tokio::test]
     async fn a_group_larger_than_one_statement_is_written_whole() {
         use crate::agent::{Event, EventKind};
-        use crate::store::{EncodedEvent, NewTurn, SeqEvent};
+        use crate::store::{EncodedEvent, SeqEvent};
 
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("g.db").display());
         let store = SqliteStore::open(&url).await.unwrap();
-        let session = store
-            .create_session(&crate::domain::UserId::parse("alice").unwrap())
-            .await
-            .unwrap();
-        let key = TurnKey {
-            session_id: session.id,
-            request_id: RequestId::parse("r1").unwrap(),
-        };
-        store
-            .claim_turn(&NewTurn {
-                key: key.clone(),
-                user_text: "hi".into(),
-                agent: "echo".into(),
-                owner: "a".into(),
-                lease: std::time::Duration::from_secs(5),
-            })
-            .await
-            .unwrap();
+        let key = claimed_turn(&store, "r1").await;
         let n = super::ROWS_PER_STATEMENT as u64 * 2 + 3;
         let group: Vec<_> = (0..n)
             .map(|seq| {
@@ -529,10 +512,8 @@ mod tests {
         sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
     }
 
-    /// Appends `n` events to a new turn `rid` of a new session of alice's.
-    async fn turn_with_events(store: &SqliteStore, rid: &str, n: u64) -> TurnKey {
-        use crate::agent::Event;
-        use crate::store::{NewTurn, SeqEvent};
+    /// A running turn `rid` of a new session of alice's.
+    async fn claimed_turn(store: &SqliteStore, rid: &str) -> TurnKey {
         let session = store
             .create_session(&crate::domain::UserId::parse("alice").unwrap())
             .await
@@ -542,7 +523,7 @@ mod tests {
             request_id: RequestId::parse(rid).unwrap(),
         };
         store
-            .claim_turn(&NewTurn {
+            .claim_turn(&crate::store::NewTurn {
                 key: key.clone(),
                 user_text: "hi".into(),
                 agent: "echo".into(),
@@ -551,6 +532,14 @@ mod tests {
             })
             .await
             .unwrap();
+        key
+    }
+
+    /// Appends `n` events to a new turn `rid` of a new session of alice's.
+    async fn turn_with_events(store: &SqliteStore, rid: &str, n: u64) -> TurnKey {
+        use crate::agent::Event;
+        use crate::store::SeqEvent;
+        let key = claimed_turn(store, rid).await;
         let events: Vec<_> = (0..n)
             .map(|seq| SeqEvent {
                 seq,
