@@ -17,11 +17,16 @@ use crate::grpc::{convert, status};
 use crate::pb;
 use crate::store::{EncodedEvent, Store, StoreError, TurnOutcome};
 
-/// Queue between the pump and the writer: deep enough that a store batch in
-/// flight does not stall the pump, bounded so a dead store cannot eat memory.
-const WRITER_QUEUE: usize = 1024;
-/// The most events the writer commits in one batch.
-const WRITER_BATCH: usize = 512;
+/// Queue between the pump and the writer: a full batch can wait while the
+/// one before it commits, so a store commit in flight does not stall the
+/// pump; bounded so a dead store cannot eat memory.
+const WRITER_QUEUE: usize = 2 * WRITER_BATCH;
+/// The most events the writer commits in one batch (one row of the SQL
+/// stores' event log). Large rows fill SQLite's 64 KiB pages: at 512
+/// events (about 45 KB in the benchmark) a row took a page of its own and a
+/// quarter of the event log file was empty space, every byte of it written
+/// twice (WAL, then checkpoint).
+const WRITER_BATCH: usize = 2048;
 /// How long the final status waits for the outcome to be stored.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
@@ -321,7 +326,8 @@ struct Writer {
 impl Writer {
     async fn run(mut self) {
         let store: Arc<dyn Store> = self.turns.store.clone();
-        let mut batch = Vec::with_capacity(WRITER_BATCH);
+        // Both grow with what arrives: an idle run holds no batch-sized buffer.
+        let mut batch = Vec::new();
         let mut events = Vec::new();
         let lease = self.turns.cfg.lease;
         let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
