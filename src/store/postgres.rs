@@ -27,8 +27,18 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
-    /// The event log's foreign key deletes a turn's events with it.
-    const EVENTS_APART: bool = false;
+    /// The event log is keyed by (session_id, request_id, first_seq), and
+    /// its foreign key deletes a turn's events with it.
+    const SQL: super::sql::Dialect = super::sql::Dialect {
+        claim_turn: "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, 'running', $5, $6, $7, $7) ON CONFLICT (session_id, request_id) DO NOTHING",
+        events_after: "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
+             ORDER BY first_seq LIMIT $4",
+        delete_session_events: None,
+        prune_events: None,
+        insert_moved_batch: "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT DO NOTHING",
+    };
 }
 
 impl PostgresStore {

@@ -135,6 +135,26 @@ impl From<Failed> for StoreError {
     }
 }
 
+/// The statements in which the backends' schemas differ; each store has
+/// its own as `Self::SQL`. The binds are the same on both.
+pub(super) struct Dialect {
+    /// Claims a new turn: ($1 session, $2 request, $3 user text, $4 agent,
+    /// $5 owner, $6 lease expiry, $7 now), doing nothing on a conflict.
+    pub claim_turn: &'static str,
+    /// A turn's batches ending after a seq: ($1 session, $2 request,
+    /// $3 seq, $4 limit), selecting `events`, in order.
+    pub events_after: &'static str,
+    /// Deletes a session's event batches ($1 session), where no foreign key
+    /// does it with the session.
+    pub delete_session_events: Option<&'static str>,
+    /// Deletes the event batches of the turns pruned before $1, where no
+    /// foreign key does it with the turns.
+    pub prune_events: Option<&'static str>,
+    /// Stores one batch of a turn moved from the per-event table: ($1
+    /// session, $2 request, $3 first seq, $4 last seq, $5 blob).
+    pub insert_moved_batch: &'static str,
+}
+
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
 
@@ -286,10 +306,7 @@ macro_rules! sql_store {
 
             async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
                 let now = std::time::SystemTime::now();
-                let done = sqlx::query(
-                    "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, 'running', $5, $6, $7, $7) ON CONFLICT (session_id, request_id) DO NOTHING",
-                )
+                let done = sqlx::query(Self::SQL.claim_turn)
                 .bind(t.key.session_id.to_string())
                 .bind(t.key.request_id.as_str())
                 .bind(&t.user_text)
@@ -369,10 +386,7 @@ macro_rules! sql_store {
                 let mut out = Vec::new();
                 let mut cursor = after.map_or(-1, |a| a as i64);
                 while out.len() < limit {
-                    let rows = sqlx::query(
-                        "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
-                         ORDER BY first_seq LIMIT $4",
-                    )
+                    let rows = sqlx::query(Self::SQL.events_after)
                     .bind(key.session_id.to_string())
                     .bind(key.request_id.as_str())
                     .bind(cursor)
@@ -449,8 +463,8 @@ macro_rules! sql_store {
 
             async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
                 let mut tx = self.write.begin().await.map_err(db_err)?;
-                if Self::EVENTS_APART {
-                    sqlx::query("DELETE FROM event_batches WHERE session_id = $1")
+                if let Some(sql) = Self::SQL.delete_session_events {
+                    sqlx::query(sql)
                         .bind(id.to_string())
                         .execute(&mut *tx)
                         .await
@@ -508,11 +522,8 @@ macro_rules! sql_store {
 
             async fn prune(&self, before: std::time::SystemTime) -> StoreResult<u64> {
                 let mut tx = self.write.begin().await.map_err(db_err)?;
-                if Self::EVENTS_APART {
-                    sqlx::query(
-                        "DELETE FROM event_batches WHERE (session_id, request_id) IN \
-                         (SELECT session_id, request_id FROM turns WHERE state <> 'running' AND updated_at < $1)",
-                    )
+                if let Some(sql) = Self::SQL.prune_events {
+                    sqlx::query(sql)
                     .bind(to_micros(before))
                     .execute(&mut *tx)
                     .await
@@ -565,10 +576,7 @@ macro_rules! sql_store {
                     moved += events.len() as u64;
                     let encoded: Vec<_> = events.iter().map(EncodedEvent::of).collect();
                     for (first, last, blob) in $crate::store::sql::batch_rows(&encoded) {
-                        sqlx::query(
-                            "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
-                             ON CONFLICT DO NOTHING",
-                        )
+                        sqlx::query(Self::SQL.insert_moved_batch)
                         .bind(&sid)
                         .bind(&rid)
                         .bind(first)
