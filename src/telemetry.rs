@@ -88,11 +88,15 @@ fn install<W>(format: LogFormat, writer: W, provider: SdkTracerProvider, ansi: b
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let env = std::env::var("AGENTD_LOG")
+    let directives = std::env::var("AGENTD_LOG")
         .ok()
-        .and_then(|v| EnvFilter::try_new(v).ok())
-        .or_else(|| EnvFilter::try_from_default_env().ok())
-        .unwrap_or_else(|| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn"));
+        .filter(|v| EnvFilter::try_new(v).is_ok())
+        .or_else(|| {
+            std::env::var(EnvFilter::DEFAULT_ENV)
+                .ok()
+                .filter(|v| EnvFilter::try_new(v).is_ok())
+        })
+        .unwrap_or_else(|| DEFAULT_LOG.to_owned());
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(ansi);
@@ -123,11 +127,38 @@ where
                     ("tower", tracing::Level::WARN),
                 ]),
         );
+    let fmt = match log_filter(&directives) {
+        LogFilter::Targets(t) => fmt.with_filter(t).boxed(),
+        LogFilter::Env(e) => fmt.with_filter(e).boxed(),
+    };
     let _ = tracing_subscriber::registry()
-        .with(fmt.with_filter(env))
+        .with(fmt)
         .with(otel)
         .try_init();
     Telemetry { provider }
+}
+
+/// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid one.
+const DEFAULT_LOG: &str = "info,h2=warn,hyper=warn,tower=warn";
+
+enum LogFilter {
+    Targets(filter::Targets),
+    Env(EnvFilter),
+}
+
+/// The log filter for `directives`: a [`filter::Targets`] when they only
+/// name targets and levels (the usual case), an [`EnvFilter`] when they
+/// select by span or field. Both read `target=level` the same way, but an
+/// `EnvFilter` also works on every entry to and exit from a span (a lock
+/// and a map lookup, to track span-scoped directives), and a run's span is
+/// entered for every event it streams.
+fn log_filter(directives: &str) -> LogFilter {
+    if !directives.contains(['[', '{']) {
+        if let Ok(t) = directives.parse::<filter::Targets>() {
+            return LogFilter::Targets(t);
+        }
+    }
+    LogFilter::Env(EnvFilter::new(directives))
 }
 
 fn resource() -> Resource {
@@ -181,5 +212,40 @@ impl Visit for TextVisitor<'_> {
         } else {
             write!(self.writer, "{sep}{name}={value:?}")
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LogFilter, log_filter};
+    use tracing::Level;
+
+    #[test]
+    fn target_and_level_directives_get_the_light_filter_with_the_same_meaning() {
+        let LogFilter::Targets(t) = log_filter(super::DEFAULT_LOG) else {
+            panic!("the default filter should be a Targets filter");
+        };
+        assert!(t.would_enable("agentd::turn::pump", &Level::INFO));
+        assert!(!t.would_enable("agentd::turn::pump", &Level::DEBUG));
+        assert!(!t.would_enable("h2::codec", &Level::INFO));
+        assert!(t.would_enable("h2::codec", &Level::WARN));
+        let LogFilter::Targets(t) = log_filter("agentd=debug") else {
+            panic!("a target=level list should be a Targets filter");
+        };
+        assert!(t.would_enable("agentd::store", &Level::DEBUG));
+        // As with EnvFilter: a target no directive names logs nothing.
+        assert!(!t.would_enable("sqlx::query", &Level::ERROR));
+    }
+
+    #[test]
+    fn span_and_field_directives_keep_the_env_filter() {
+        assert!(matches!(
+            log_filter("info,agentd[run]=debug"),
+            LogFilter::Env(_)
+        ));
+        assert!(matches!(
+            log_filter("agentd[{request_id=q1}]=trace"),
+            LogFilter::Env(_)
+        ));
     }
 }

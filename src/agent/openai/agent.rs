@@ -107,11 +107,15 @@ impl Agent for ModelAgent {
                     sampling: &cfg.sampling,
                 };
                 // The call's span: the request goes out inside it, so its
-                // traceparent names this span.
+                // traceparent names this span. The steps that follow are not
+                // polled inside it: entering and leaving a span costs every
+                // layer a lookup, once per token, and nothing under a step
+                // needs it current (its warnings carry the run's span).
                 let span = crate::telemetry::trace::model_call_span("openai", "chat", &cfg.model);
-                let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout, span.clone());
+                let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout);
                 let id_prefix = format!("call_{}_{turn}", ctx.request_id);
-                let mut stream = failed(&span, bound.run(cfg.client.start(&req, &id_prefix)).await)?;
+                let start = tracing::Instrument::instrument(cfg.client.start(&req, &id_prefix), span.clone());
+                let mut stream = failed(&span, bound.run(start).await)?;
                 let mut announced = 0usize;
                 let completion = loop {
                     match failed(&span, bound.run(stream.next()).await)? {
@@ -244,32 +248,28 @@ struct CallBound {
     cancelled: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     timeout: Duration,
-    /// The model call's span, entered while the call's steps are polled.
-    span: tracing::Span,
 }
 
 impl CallBound {
-    fn new(deadline: Instant, ctx: &RunContext, timeout: Duration, span: tracing::Span) -> Self {
+    fn new(deadline: Instant, ctx: &RunContext, timeout: Duration) -> Self {
         Self {
             cancelled: Box::pin(ctx.cancel.clone().cancelled_owned()),
             deadline: Box::pin(tokio::time::sleep_until(deadline)),
             timeout,
-            span,
         }
     }
 
-    /// Awaits `f` (a step of the call, in the call's span) until the
-    /// deadline or cancellation, flattening its result. A cancelled run
-    /// ends with Unavailable here, but the turn has already ended it by then.
+    /// Awaits `f` (a step of the call) until the deadline or cancellation,
+    /// flattening its result. A cancelled run ends with Unavailable here,
+    /// but the turn has already ended it by then.
     async fn run<T>(
         &mut self,
         f: impl Future<Output = Result<T, AgentError>>,
     ) -> Result<T, AgentError> {
-        use tracing::Instrument as _;
         tokio::select! {
             biased;
             _ = self.cancelled.as_mut() => Err(AgentError::Unavailable { message: "the run was cancelled".into(), retry_after: None }),
-            r = f.instrument(self.span.clone()) => r,
+            r = f => r,
             _ = self.deadline.as_mut() => Err(AgentError::Unavailable {
                 message: format!("the model did not finish within {}; retry later", humantime::format_duration(self.timeout)),
                 retry_after: None,
