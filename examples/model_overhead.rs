@@ -111,6 +111,12 @@ async fn fake_model(tokens: usize) -> String {
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    // TCP_NODELAY, as model servers set it (uvicorn, llama-server): without
+    // it a lone chunk waits for the reader's delayed ACK (about 40 ms).
+    use axum::serve::ListenerExt as _;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     url
 }
