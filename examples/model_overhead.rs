@@ -417,7 +417,5 @@ async fn connect(url: &str) -> anyhow::Result<AgentClient> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err(last
-        .map(anyhow::Error::from)
-        .unwrap_or_else(|| anyhow::anyhow!("no server")))
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no server")))
 }

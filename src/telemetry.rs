@@ -141,6 +141,8 @@ where
 /// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid one.
 const DEFAULT_LOG: &str = "info,h2=warn,hyper=warn,tower=warn";
 
+// Made once, at start-up: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum LogFilter {
     Targets(filter::Targets),
     Env(EnvFilter),
@@ -153,10 +155,10 @@ enum LogFilter {
 /// and a map lookup, to track span-scoped directives), and a run's span is
 /// entered for every event it streams.
 fn log_filter(directives: &str) -> LogFilter {
-    if !directives.contains(['[', '{']) {
-        if let Ok(t) = directives.parse::<filter::Targets>() {
-            return LogFilter::Targets(t);
-        }
+    if !directives.contains(['[', '{'])
+        && let Ok(t) = directives.parse::<filter::Targets>()
+    {
+        return LogFilter::Targets(t);
     }
     LogFilter::Env(EnvFilter::new(directives))
 }
