@@ -117,8 +117,12 @@ where
     let otel = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("agentd"))
         .with_tracked_inactivity(false)
-        .with_context_activation(false)
-        .with_filter(
+        .with_context_activation(false);
+    // Even with both switched off, the layer looks its span up and stamps
+    // an end time on every exit; a span's end is its close (the layer ends
+    // a span there when no exit stamped it).
+    let otel = NoEnterExit(
+        otel.with_filter(
             filter::Targets::new()
                 .with_default(tracing::Level::INFO)
                 .with_targets([
@@ -126,9 +130,12 @@ where
                     ("hyper", tracing::Level::WARN),
                     ("tower", tracing::Level::WARN),
                 ]),
-        );
+        ),
+    );
     let fmt = match log_filter(&directives) {
-        LogFilter::Targets(t) => fmt.with_filter(t).boxed(),
+        // Neither the text nor the JSON format does anything on span entry
+        // or exit, and a Targets filter has no span scopes to track.
+        LogFilter::Targets(t) => NoEnterExit(fmt.with_filter(t)).boxed(),
         LogFilter::Env(e) => fmt.with_filter(e).boxed(),
     };
     let _ = tracing_subscriber::registry()
@@ -136,6 +143,94 @@ where
         .with(otel)
         .try_init();
     Telemetry { provider }
+}
+
+/// A layer whose span entries and exits are skipped: everything else goes
+/// to the layer inside. A run's span is entered and left on every poll of
+/// its task, once per event or token streamed, and the registry keeps the
+/// current span itself; the layers here need neither call (the log
+/// formats record no span timings; OpenTelemetry's context activation and
+/// busy/idle tracking are off). `EnvFilter` does need them, for its
+/// span-scoped directives, so a layer filtered by one is not wrapped.
+struct NoEnterExit<L>(L);
+
+impl<S, L> Layer<S> for NoEnterExit<L>
+where
+    S: tracing::Subscriber,
+    L: Layer<S>,
+{
+    fn on_register_dispatch(&self, subscriber: &tracing::Dispatch) {
+        self.0.on_register_dispatch(subscriber)
+    }
+    fn on_layer(&mut self, subscriber: &mut S) {
+        self.0.on_layer(subscriber)
+    }
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        self.0.register_callsite(metadata)
+    }
+    fn enabled(
+        &self,
+        metadata: &tracing::Metadata<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.enabled(metadata, ctx)
+    }
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        self.0.max_level_hint()
+    }
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_new_span(attrs, id, ctx)
+    }
+    fn on_record(
+        &self,
+        span: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_record(span, values, ctx)
+    }
+    fn on_follows_from(
+        &self,
+        span: &tracing::span::Id,
+        follows: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_follows_from(span, follows, ctx)
+    }
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.event_enabled(event, ctx)
+    }
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_event(event, ctx)
+    }
+    fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_close(id, ctx)
+    }
+    fn on_id_change(
+        &self,
+        old: &tracing::span::Id,
+        new: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_id_change(old, new, ctx)
+    }
+    // The per-layer filter machinery and OpenTelemetry's span context
+    // lookups find the inner layers through this.
+    unsafe fn downcast_raw(&self, id: std::any::TypeId) -> Option<*const ()> {
+        unsafe { self.0.downcast_raw(id) }
+    }
 }
 
 /// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid one.
