@@ -501,10 +501,7 @@ mod tests {
         old.close().await;
 
         let store = SqliteStore::open(&url).await.unwrap();
-        let key = TurnKey {
-            session_id: SessionId::parse(&sid).unwrap(),
-            request_id: RequestId::parse("r1").unwrap(),
-        };
+        let key = r1_of(&sid);
         let events = store.events_after(&key, None, 10).await.unwrap();
         let texts: Vec<_> = events
             .iter()
@@ -682,6 +679,42 @@ mod tests {
         );
     }
 
+    /// Stores turn `r1` of session `sid` as two batches of two events in
+    /// `table`, an older schema's `event_batches`; returns the events.
+    async fn older_batches(
+        old: &SqlitePool,
+        sid: &str,
+        table: &str,
+    ) -> Vec<crate::store::SeqEvent> {
+        let events: Vec<_> = (0..4u64)
+            .map(|seq| crate::store::SeqEvent {
+                seq,
+                event: crate::agent::Event::partial("echo", format!("t{seq}")),
+            })
+            .collect();
+        for (first, rows) in [(0i64, &events[..2]), (2, &events[2..])] {
+            sqlx::query(&format!(
+                "INSERT INTO {table} VALUES ($1, 'r1', $2, $3, $4)"
+            ))
+            .bind(sid)
+            .bind(first)
+            .bind(first + 1)
+            .bind(crate::store::codec::encode(rows))
+            .execute(old)
+            .await
+            .unwrap();
+        }
+        events
+    }
+
+    /// The key of turn `r1` of session `sid`.
+    fn r1_of(sid: &str) -> TurnKey {
+        TurnKey {
+            session_id: SessionId::parse(sid).unwrap(),
+            request_id: RequestId::parse("r1").unwrap(),
+        }
+    }
+
     /// A database whose event log is still in the database file (schema
     /// 0002) opens with its log moved to the event log file, every event
     /// readable.
@@ -697,29 +730,11 @@ mod tests {
             ],
         )
         .await;
-        let events: Vec<_> = (0..4u64)
-            .map(|seq| crate::store::SeqEvent {
-                seq,
-                event: crate::agent::Event::partial("echo", format!("t{seq}")),
-            })
-            .collect();
-        for (first, rows) in [(0i64, &events[..2]), (2, &events[2..])] {
-            sqlx::query("INSERT INTO event_batches VALUES ($1, 'r1', $2, $3, $4)")
-                .bind(&sid)
-                .bind(first)
-                .bind(first + 1)
-                .bind(crate::store::codec::encode(rows))
-                .execute(&old)
-                .await
-                .unwrap();
-        }
+        let events = older_batches(&old, &sid, "event_batches").await;
         old.close().await;
 
         let store = SqliteStore::open(&url).await.unwrap();
-        let key = TurnKey {
-            session_id: SessionId::parse(&sid).unwrap(),
-            request_id: RequestId::parse("r1").unwrap(),
-        };
+        let key = r1_of(&sid);
         assert_eq!(store.events_after(&key, None, 10).await.unwrap(), events);
         assert_eq!(
             count(&store.read, "SELECT COUNT(*) FROM ev.event_log").await,
@@ -744,29 +759,11 @@ mod tests {
             ],
         )
         .await;
-        let events: Vec<_> = (0..4u64)
-            .map(|seq| crate::store::SeqEvent {
-                seq,
-                event: crate::agent::Event::partial("echo", format!("t{seq}")),
-            })
-            .collect();
-        for (first, rows) in [(0i64, &events[..2]), (2, &events[2..])] {
-            sqlx::query("INSERT INTO ev.event_batches VALUES ($1, 'r1', $2, $3, $4)")
-                .bind(&sid)
-                .bind(first)
-                .bind(first + 1)
-                .bind(crate::store::codec::encode(rows))
-                .execute(&old)
-                .await
-                .unwrap();
-        }
+        let events = older_batches(&old, &sid, "ev.event_batches").await;
         old.close().await;
 
         let store = SqliteStore::open(&url).await.unwrap();
-        let key = TurnKey {
-            session_id: SessionId::parse(&sid).unwrap(),
-            request_id: RequestId::parse("r1").unwrap(),
-        };
+        let key = r1_of(&sid);
         assert_eq!(
             store.events_after(&key, Some(0), 10).await.unwrap(),
             events[1..]
