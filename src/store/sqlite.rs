@@ -707,6 +707,28 @@ mod tests {
         events
     }
 
+    /// A database at the schema of the first `migrations` migrations, with
+    /// turn `r1` stored as two batches in that schema's `table`
+    /// ([`older_batches`]), opened by this build: the store, the turn's key
+    /// and its events.
+    async fn opened_with_batches_of(
+        dir: &tempfile::TempDir,
+        migrations: usize,
+        table: &str,
+    ) -> (SqliteStore, TurnKey, Vec<crate::store::SeqEvent>) {
+        const ALL: [&str; 4] = [
+            "0001_sessions_turns_events.sql",
+            "0002_event_batches.sql",
+            "0003_a2a_tasks.sql",
+            "0004_event_log_file.sql",
+        ];
+        let (url, old, sid) = older_database(dir, &ALL[..migrations]).await;
+        let events = older_batches(&old, &sid, table).await;
+        old.close().await;
+        let store = SqliteStore::open(&url).await.unwrap();
+        (store, r1_of(&sid), events)
+    }
+
     /// The key of turn `r1` of session `sid`.
     fn r1_of(sid: &str) -> TurnKey {
         TurnKey {
@@ -721,20 +743,7 @@ mod tests {
     #[tokio::test]
     async fn an_event_log_inside_the_database_file_is_moved_to_its_own_file_at_open() {
         let dir = tempfile::tempdir().unwrap();
-        let (url, old, sid) = older_database(
-            &dir,
-            &[
-                "0001_sessions_turns_events.sql",
-                "0002_event_batches.sql",
-                "0003_a2a_tasks.sql",
-            ],
-        )
-        .await;
-        let events = older_batches(&old, &sid, "event_batches").await;
-        old.close().await;
-
-        let store = SqliteStore::open(&url).await.unwrap();
-        let key = r1_of(&sid);
+        let (store, key, events) = opened_with_batches_of(&dir, 3, "event_batches").await;
         assert_eq!(store.events_after(&key, None, 10).await.unwrap(), events);
         assert_eq!(
             count(&store.read, "SELECT COUNT(*) FROM ev.event_log").await,
@@ -749,21 +758,7 @@ mod tests {
     #[tokio::test]
     async fn an_event_log_keyed_by_session_and_request_is_keyed_by_turn_number_at_open() {
         let dir = tempfile::tempdir().unwrap();
-        let (url, old, sid) = older_database(
-            &dir,
-            &[
-                "0001_sessions_turns_events.sql",
-                "0002_event_batches.sql",
-                "0003_a2a_tasks.sql",
-                "0004_event_log_file.sql",
-            ],
-        )
-        .await;
-        let events = older_batches(&old, &sid, "ev.event_batches").await;
-        old.close().await;
-
-        let store = SqliteStore::open(&url).await.unwrap();
-        let key = r1_of(&sid);
+        let (store, key, events) = opened_with_batches_of(&dir, 4, "ev.event_batches").await;
         assert_eq!(
             store.events_after(&key, Some(0), 10).await.unwrap(),
             events[1..]
