@@ -122,14 +122,11 @@ where
     // an end time on every exit; a span's end is its close (the layer ends
     // a span there when no exit stamped it).
     let otel = NoEnterExit(
+        // The default log filter's levels, whatever the logs are set to.
         otel.with_filter(
-            filter::Targets::new()
-                .with_default(tracing::Level::INFO)
-                .with_targets([
-                    ("h2", tracing::Level::WARN),
-                    ("hyper", tracing::Level::WARN),
-                    ("tower", tracing::Level::WARN),
-                ]),
+            DEFAULT_LOG
+                .parse::<filter::Targets>()
+                .expect("the default log filter is a list of targets and levels"),
         ),
     );
     let fmt = match log_filter(&directives) {
@@ -233,7 +230,8 @@ where
     }
 }
 
-/// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid one.
+/// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid
+/// one, and the traces' filter always.
 const DEFAULT_LOG: &str = "info,h2=warn,hyper=warn,tower=warn";
 
 // Made once, at start-up: its size does not matter.
