@@ -86,7 +86,7 @@ impl PostgresStore {
         pool: &PgPool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
-        let n = group.iter().map(|p| p.rows.len()).sum();
+        let n = group.iter().map(|p| p.rows().count()).sum();
         let (mut sid, mut rid) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut first, mut last, mut blob) = (
             Vec::with_capacity(n),
@@ -94,12 +94,12 @@ impl PostgresStore {
             Vec::with_capacity(n),
         );
         for p in group {
-            for (f, l, b) in &p.rows {
+            for (f, l, events) in p.rows() {
                 sid.push(p.sid.as_str());
                 rid.push(p.rid.as_str());
-                first.push(*f);
-                last.push(*l);
-                blob.push(b.as_slice());
+                first.push(f);
+                last.push(l);
+                blob.push(Blob(events));
             }
         }
         sqlx::query(
@@ -114,6 +114,39 @@ impl PostgresStore {
         .execute(pool)
         .await?;
         Ok(())
+    }
+}
+
+/// A row's events bound as one `bytea`: their encodings written one after
+/// another straight into the statement's buffer (the stored batch; see
+/// `codec`), with no blob of their own in between.
+struct Blob<'a>(&'a [super::EncodedEvent]);
+
+impl sqlx::Type<sqlx::Postgres> for Blob<'_> {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        <&[u8] as sqlx::Type<sqlx::Postgres>>::type_info()
+    }
+}
+
+impl sqlx::postgres::PgHasArrayType for Blob<'_> {
+    fn array_type_info() -> sqlx::postgres::PgTypeInfo {
+        <&[u8] as sqlx::postgres::PgHasArrayType>::array_type_info()
+    }
+}
+
+impl sqlx::Encode<'_, sqlx::Postgres> for Blob<'_> {
+    fn encode_by_ref(
+        &self,
+        buf: &mut sqlx::postgres::PgArgumentBuffer,
+    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        for e in self.0 {
+            buf.extend_from_slice(e.as_bytes());
+        }
+        Ok(sqlx::encode::IsNull::No)
+    }
+
+    fn size_hint(&self) -> usize {
+        self.0.iter().map(|e| e.as_bytes().len()).sum()
     }
 }
 

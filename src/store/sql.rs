@@ -63,21 +63,26 @@ pub(super) fn split_batch(events: &[super::EncodedEvent]) -> Vec<&[super::Encode
     rows
 }
 
-/// The rows of `events`: (first_seq, last_seq, blob), each blob its events'
-/// encodings one after another (a stored batch; see `codec`).
-pub(super) fn batch_rows(events: &[super::EncodedEvent]) -> Vec<(i64, i64, Vec<u8>)> {
-    split_batch(events)
-        .into_iter()
-        .map(|chunk| {
-            let first = chunk.first().map_or(0, |e| e.seq as i64);
-            let last = chunk.last().map_or(0, |e| e.seq as i64);
-            let mut blob = Vec::with_capacity(chunk.iter().map(|e| e.as_bytes().len()).sum());
-            for e in chunk {
-                blob.extend_from_slice(e.as_bytes());
-            }
-            (first, last, blob)
-        })
-        .collect()
+/// The rows of `events`: (first_seq, last_seq, the row's events), split
+/// by [`split_batch`].
+pub(super) fn batch_rows(
+    events: &[super::EncodedEvent],
+) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
+    split_batch(events).into_iter().map(|chunk| {
+        let first = chunk.first().map_or(0, |e| e.seq as i64);
+        let last = chunk.last().map_or(0, |e| e.seq as i64);
+        (first, last, chunk)
+    })
+}
+
+/// A row's blob: its events' encodings one after another (a stored batch;
+/// see `codec`), in one allocation of the exact size.
+pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
+    let mut blob = Vec::with_capacity(events.iter().map(|e| e.as_bytes().len()).sum());
+    for e in events {
+        blob.extend_from_slice(e.as_bytes());
+    }
+    blob
 }
 
 /// Batches the committer takes into one transaction at most.
@@ -89,24 +94,32 @@ pub(super) const GROUP_QUEUE: usize = 1024;
 pub(super) struct PendingBatch {
     pub sid: String,
     pub rid: String,
-    /// (first_seq, last_seq, encoded events) of each row.
-    pub rows: Vec<(i64, i64, Vec<u8>)>,
+    /// The batch's events, kept (shared, not copied) until it is committed:
+    /// each backend copies them once, straight into what it binds, and a
+    /// group that fails is written again one batch at a time from them.
+    pub events: Vec<super::EncodedEvent>,
     pub done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
 }
 
 impl PendingBatch {
-    /// `events` (split into rows under the size limit) for `key`.
+    /// `events` for `key`.
     pub fn new(
         key: &crate::domain::TurnKey,
-        events: &[super::EncodedEvent],
+        events: Vec<super::EncodedEvent>,
         done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
     ) -> Self {
         Self {
             sid: key.session_id.to_string(),
             rid: key.request_id.as_str().to_owned(),
-            rows: batch_rows(events),
+            events,
             done,
         }
+    }
+
+    /// The batch's rows, each under the size limit: (first_seq, last_seq,
+    /// the row's events).
+    pub fn rows(&self) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
+        batch_rows(&self.events)
     }
 }
 
@@ -354,8 +367,7 @@ macro_rules! sql_store {
                     return Ok(());
                 }
                 let (done, committed) = tokio::sync::oneshot::channel();
-                let batch = $crate::store::sql::PendingBatch::new(key, &events, done);
-                drop(events);
+                let batch = $crate::store::sql::PendingBatch::new(key, events, done);
                 let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's committer stopped"));
                 self.commits.send(batch).await.map_err(|_| stopped())?;
                 committed.await.map_err(|_| stopped())?.map_err(StoreError::from)
@@ -575,13 +587,13 @@ macro_rules! sql_store {
                     events.sort_by_key(|e| e.seq);
                     moved += events.len() as u64;
                     let encoded: Vec<_> = events.iter().map(EncodedEvent::of).collect();
-                    for (first, last, blob) in $crate::store::sql::batch_rows(&encoded) {
+                    for (first, last, row) in $crate::store::sql::batch_rows(&encoded) {
                         sqlx::query(Self::SQL.insert_moved_batch)
                         .bind(&sid)
                         .bind(&rid)
                         .bind(first)
                         .bind(last)
-                        .bind(blob)
+                        .bind($crate::store::sql::blob(row))
                         .execute(&mut *tx)
                         .await
                         .map_err(db_err)?;
@@ -662,10 +674,11 @@ mod tests {
             .map(|e| EncodedEvent::encode(e.seq, &e.event, &mut buf))
             .collect();
         assert_eq!(encoded[2].decode().as_ref(), Some(&events[2]));
-        let rows = batch_rows(&encoded);
+        let rows: Vec<_> = batch_rows(&encoded).collect();
         assert_eq!(rows.len(), 1);
         assert_eq!((rows[0].0, rows[0].1), (3, 7));
-        assert_eq!(rows[0].2, crate::store::codec::encode(&events));
-        assert_eq!(crate::store::codec::decode(&rows[0].2), Some(events));
+        let blob = blob(rows[0].2);
+        assert_eq!(blob, crate::store::codec::encode(&events));
+        assert_eq!(crate::store::codec::decode(&blob), Some(events));
     }
 }

@@ -250,16 +250,32 @@ impl SqliteStore {
     }
 }
 
-/// The insert of one event-batch row, borrowing what it binds.
+/// One row of a group: its batch's ids, its first and last seq, and its
+/// blob, built for the statement and moved into it. sqlx hands a statement
+/// to SQLite's thread as owned values, so a borrowed blob would be copied
+/// once more on the way.
+type GroupRow<'q> = (&'q super::sql::PendingBatch, i64, i64, Vec<u8>);
+
+/// The rows of `group`, in order.
+fn group_rows(group: &[super::sql::PendingBatch]) -> Vec<GroupRow<'_>> {
+    group
+        .iter()
+        .flat_map(|p| {
+            p.rows()
+                .map(move |(first, last, events)| (p, first, last, super::sql::blob(events)))
+        })
+        .collect()
+}
+
+/// The insert of one event-batch row.
 ///
 /// The row takes its turn's number from the turn's row: the event log is
 /// in another file, beyond a foreign key's reach, and a turn that was never
 /// claimed (or was deleted) leaves the number NULL, which fails the
 /// statement, whole, on the column's NOT NULL, as a foreign key would.
-fn insert_row<'q>(
-    p: &'q super::sql::PendingBatch,
-    (first, last, blob): &'q (i64, i64, Vec<u8>),
-) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
+fn insert_row(
+    (p, first, last, blob): GroupRow<'_>,
+) -> sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'_>> {
     sqlx::query(
         "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
          SELECT t.turn_no, $3, $4, $5 \
@@ -267,9 +283,9 @@ fn insert_row<'q>(
     )
     .bind(p.sid.as_str())
     .bind(p.rid.as_str())
-    .bind(*first)
-    .bind(*last)
-    .bind(blob.as_slice())
+    .bind(first)
+    .bind(last)
+    .bind(blob)
 }
 
 /// The most rows one insert statement carries (5 binds each, far under
@@ -277,22 +293,21 @@ fn insert_row<'q>(
 /// transaction.
 const ROWS_PER_STATEMENT: usize = 256;
 
-/// One row of a group: its batch, and (first_seq, last_seq, blob).
-type GroupRow<'q> = (&'q super::sql::PendingBatch, &'q (i64, i64, Vec<u8>));
-
 /// One insert statement for `rows`, each row's turn checked as in
 /// [`insert_row`].
-fn insert_rows<'q>(rows: &[GroupRow<'q>]) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
+fn insert_rows<'q>(
+    rows: impl Iterator<Item = GroupRow<'q>>,
+) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
     let mut q = sqlx::QueryBuilder::new(
         "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
          SELECT t.turn_no, v.column3, v.column4, v.column5 FROM (",
     );
-    q.push_values(rows, |mut b, &(p, (first, last, blob))| {
+    q.push_values(rows, |mut b, (p, first, last, blob)| {
         b.push_bind(p.sid.as_str())
             .push_bind(p.rid.as_str())
-            .push_bind(*first)
-            .push_bind(*last)
-            .push_bind(blob.as_slice());
+            .push_bind(first)
+            .push_bind(last)
+            .push_bind(blob);
     });
     q.push(") AS v LEFT JOIN turns t ON t.session_id = v.column1 AND t.request_id = v.column2");
     q
@@ -306,27 +321,25 @@ impl SqliteStore {
         pool: &SqlitePool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
-        let rows: Vec<_> = group
-            .iter()
-            .flat_map(|p| p.rows.iter().map(move |r| (p, r)))
-            .collect();
-        match rows.as_slice() {
-            [] => {}
-            [(p, row)] => {
-                insert_row(p, row).execute(pool).await?;
+        let mut rows = group_rows(group);
+        match rows.len() {
+            0 => {}
+            1 => {
+                insert_row(rows.remove(0)).execute(pool).await?;
             }
-            few if few.len() <= ROWS_PER_STATEMENT => {
+            n if n <= ROWS_PER_STATEMENT => {
                 // Not kept prepared: the text differs with the row count.
-                insert_rows(few)
+                insert_rows(rows.into_iter())
                     .build()
                     .persistent(false)
                     .execute(pool)
                     .await?;
             }
-            many => {
+            _ => {
                 let mut tx = pool.begin().await?;
-                for chunk in many.chunks(ROWS_PER_STATEMENT) {
-                    insert_rows(chunk)
+                let mut rows = rows.into_iter().peekable();
+                while rows.peek().is_some() {
+                    insert_rows(rows.by_ref().take(ROWS_PER_STATEMENT))
                         .build()
                         .persistent(false)
                         .execute(&mut *tx)
@@ -543,7 +556,11 @@ mod tests {
                         created_unix_nanos: 1,
                     },
                 });
-                crate::store::sql::PendingBatch::new(&key, &[e], tokio::sync::oneshot::channel().0)
+                crate::store::sql::PendingBatch::new(
+                    &key,
+                    vec![e],
+                    tokio::sync::oneshot::channel().0,
+                )
             })
             .collect();
         SqliteStore::write_group(&store.write, &group)
