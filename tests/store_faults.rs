@@ -78,6 +78,36 @@ async fn an_unopenable_sqlite_file_at_start_up_exits_with_one_clear_line() {
     );
 }
 
+/// A pooled connection is handed out without a ping only when it was in use
+/// moments ago: one the server dropped while it sat idle is pinged, found
+/// dead and replaced, so no statement fails on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_connections_the_server_dropped_while_idle_are_replaced_without_failing_a_call() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let alice = agentd::domain::UserId::parse(ALICE).unwrap();
+    // Several connections into the pool.
+    let sessions = futures::future::try_join_all((0..4).map(|_| store.create_session(&alice)))
+        .await
+        .unwrap();
+    assert!(db.terminate_pg_connections().await >= 1);
+    // Longer than a connection may sit idle and still skip its ping.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for s in &sessions {
+        let got = store
+            .get_session(s.id)
+            .await
+            .expect("a call after the server dropped the pool's connections");
+        assert_eq!(got.map(|g| g.id), Some(s.id));
+    }
+    store
+        .create_session(&alice)
+        .await
+        .expect("a write after the server dropped the pool's connections");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

@@ -91,6 +91,25 @@ impl TestDb {
         format!("postgres://{}@127.0.0.1:{port}/{}", pg.user, pg.name)
     }
 
+    /// Ends every server connection to this PostgreSQL database (as a
+    /// server restart or an idle timeout would); how many it ended.
+    pub async fn terminate_pg_connections(&self) -> usize {
+        use sqlx::Connection;
+        let pg = self.pg.as_ref().expect("a PostgreSQL database");
+        let mut admin = sqlx::PgConnection::connect(&pg.admin)
+            .await
+            .expect("connect to AGENTD_TEST_POSTGRES_URL");
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind(&pg.name)
+        .fetch_all(&mut admin)
+        .await
+        .expect("end the database's connections");
+        let _ = admin.close().await;
+        ended.into_iter().filter(|&e| e).count()
+    }
+
     pub fn pg_addr(&self) -> SocketAddr {
         self.pg.as_ref().expect("a PostgreSQL database").addr
     }
