@@ -104,7 +104,8 @@ impl PostgresStore {
         pool: &PgPool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
-        let n = group.iter().map(|p| p.rows().count()).sum();
+        // A batch is one row unless it holds over a megabyte of events.
+        let n = group.len();
         let (mut sid, mut rid) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut first, mut last, mut blob) = (
             Vec::with_capacity(n),
