@@ -2,8 +2,10 @@
 //! `traceparent` continues inside agentd (RPC span, run span, tool span),
 //! the client sends its own, log lines carry the trace id, and a model-backed
 //! run's model calls and HTTP tool calls are spans whose traceparent the
-//! model server and the tool receive.
+//! model server and the tool receive, and a remote A2A agent's turn
+//! continues the trace on the remote.
 
+mod a2a_support;
 mod common;
 mod openai_support;
 mod secured;
@@ -338,6 +340,26 @@ async fn traced_model_and_tool() -> (String, String, Arc<Mutex<Vec<String>>>) {
     (format!("{base}/v1"), base, seen)
 }
 
+/// Alice's Run `r1` of `agent` in `session`, sent with `traceparent`.
+fn traced_run(
+    session: String,
+    agent: &str,
+    text: &str,
+    traceparent: &str,
+) -> tonic::Request<agentd::pb::RunRequest> {
+    let mut req = tonic::Request::new(agentd::pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session,
+        text: text.into(),
+        request_id: "r1".into(),
+        agent: agent.into(),
+        ..Default::default()
+    });
+    req.metadata_mut()
+        .insert("traceparent", traceparent.parse().unwrap());
+    req
+}
+
 #[tokio::test]
 async fn a_model_backed_runs_model_and_tool_calls_are_spans_whose_traceparent_reaches_the_servers()
 {
@@ -361,19 +383,11 @@ parameters = {{ type = "object" }}
     let mut d = openai_support::Agentd::start(&agents).await;
     let session = d.session("alice").await;
     let trace = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
-    let mut req = tonic::Request::new(agentd::pb::RunRequest {
-        user_id: "alice".into(),
-        session_id: session,
-        text: "Any cups?".into(),
-        request_id: "r1".into(),
-        agent: "helper".into(),
-        ..Default::default()
-    });
-    req.metadata_mut().insert(
-        "traceparent",
-        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            .parse()
-            .unwrap(),
+    let req = traced_run(
+        session,
+        "helper",
+        "Any cups?",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     );
     let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}
@@ -420,4 +434,96 @@ parameters = {{ type = "object" }}
     got_sorted.sort();
     assert_eq!(got_sorted, want_sorted, "in order of arrival: {seen:?}");
     d.stop().await;
+}
+
+/// A turn delegated to a remote A2A agent continues the caller's trace on
+/// the remote, over either binding: the delegating run's `invoke_agent` span
+/// carries the remote task's id, the remote's A2A task span is its child,
+/// and the remote's run and tool call follow under it.
+#[tokio::test]
+async fn a_remote_a2a_agents_turn_continues_the_trace_on_the_remote() {
+    telemetry();
+    let remote = a2a_support::A2aServer::start(Duration::ZERO).await;
+    let agents = format!(
+        r#"
+[agents.orders]
+kind = "remote_a2a"
+description = "Order questions, answered by another agentd (JSON-RPC)."
+[agents.orders.a2a]
+jsonrpc_url = "{url}/"
+agent = "order_helper"
+
+[agents.orders_grpc]
+kind = "remote_a2a"
+description = "The same, over A2A's gRPC binding."
+[agents.orders_grpc.a2a]
+card_url = "{url}/.well-known/agent-card.json"
+binding = "grpc"
+agent = "order_helper"
+"#,
+        url = remote.base_url()
+    );
+    let mut d = openai_support::Agentd::start(&agents).await;
+    for (agent, trace_hex) in [
+        ("orders", "5bf92f3577b34da6a3ce929d0e0e4736"),
+        ("orders_grpc", "6bf92f3577b34da6a3ce929d0e0e4736"),
+    ] {
+        let session = d.session("alice").await;
+        let req = traced_run(
+            session,
+            agent,
+            "Where is order 1187?",
+            &format!("00-{trace_hex}-00f067aa0ba902b7-01"),
+        );
+        let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
+        let mut last = None;
+        while let Some(e) = stream.message().await.unwrap() {
+            last = Some(e);
+        }
+        let last = last.expect("events");
+        assert!(last.is_final && last.text.contains("1187"), "{last:?}");
+
+        let trace = TraceId::from_hex(trace_hex).unwrap();
+        let invoke_name = format!("invoke_agent {agent}");
+        let spans = spans_of(trace, &[RPC, &invoke_name, "a2a task", TOOL]).await;
+        let child_of = |parent: &SpanData, name: &str| -> SpanData {
+            spans
+                .iter()
+                .find(|s| s.name == name && s.parent_span_id == parent.span_context.span_id())
+                .unwrap_or_else(|| {
+                    let all: Vec<_> = spans
+                        .iter()
+                        .map(|s| {
+                            (
+                                s.name.to_string(),
+                                s.span_context.span_id(),
+                                s.parent_span_id,
+                            )
+                        })
+                        .collect();
+                    panic!("{agent}: no {name} under {}: {all:?}", parent.name)
+                })
+                .clone()
+        };
+        let rpc = named(&spans, RPC).clone();
+        let run = child_of(&rpc, "run");
+        let invoke = child_of(&run, &invoke_name);
+        assert_eq!(attr(&invoke, "gen_ai.agent.name").as_deref(), Some(agent));
+        let task = child_of(&invoke, "a2a task");
+        assert!(
+            task.parent_span_is_remote,
+            "the task span continues a remote parent"
+        );
+        let task_id = attr(&task, "a2a.task.id");
+        assert!(task_id.is_some());
+        assert_eq!(
+            attr(&invoke, "a2a.task.id"),
+            task_id,
+            "both ends name the task"
+        );
+        let remote_run = child_of(&task, "run");
+        child_of(&remote_run, TOOL);
+    }
+    d.stop().await;
+    remote.stop().await;
 }

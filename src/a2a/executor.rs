@@ -25,6 +25,7 @@ use a2a_server::{AgentExecutor, ExecutorContext};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText};
 use crate::grpc::status;
@@ -98,6 +99,8 @@ pub(crate) struct Job {
     turn_index: usize,
     /// The task starts with this message (not a reply to INPUT_REQUIRED).
     is_new: bool,
+    /// The trace context the message's call carried.
+    trace_parent: opentelemetry::Context,
 }
 
 impl Job {
@@ -138,6 +141,7 @@ impl Job {
             .as_ref()
             .is_none_or(|t| t.status.state == TaskState::Submitted);
         Ok(Job {
+            trace_parent: crate::telemetry::trace::extract_params(&ctx.service_params),
             task_id: ctx.task_id,
             context_id: ctx.context_id,
             message,
@@ -159,6 +163,7 @@ impl Job {
             agent: None,
             turn_index: 0,
             is_new: false,
+            trace_parent: opentelemetry::Context::new(),
         }
     }
 
@@ -385,7 +390,10 @@ impl Shared {
             let cancel = CancellationToken::new();
             self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(job.task_id.clone(), cancel.clone());
             let _running = Running { tasks: self.running.clone(), task_id: job.task_id.clone() };
-            let events = match self.turns.start(input, None).await {
+            // The run's span is a child of this one, which continues the
+            // caller's trace; it ends with the task's stream.
+            let span = crate::telemetry::trace::a2a_task_span(&job.task_id, &job.context_id, job.trace_parent.clone());
+            let events = match self.turns.start(input, None).instrument(span.clone()).await {
                 Ok(started) => started.stream,
                 Err(e) => {
                     let (state, why) = refusal(e, &self.turns);
@@ -540,6 +548,7 @@ mod tests {
             agent: None,
             turn_index: 0,
             is_new: true,
+            trace_parent: opentelemetry::Context::new(),
         }
     }
 

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use a2a::{Message, Part, PartContent, Role, StreamResponse, TaskState};
 use tokio::sync::{Notify, OnceCell};
+use tracing::Instrument;
 
 use super::{Agent, AgentError, Event, EventStream, RunContext};
 use crate::client::a2a::{
@@ -203,6 +204,8 @@ struct CancelOnDrop {
     client: A2aClient,
     relay: Arc<Mutex<Relay>>,
     agent: String,
+    /// The call's span: the CancelTask request carries its traceparent.
+    span: tracing::Span,
     armed: bool,
 }
 
@@ -225,14 +228,18 @@ impl Drop for CancelOnDrop {
             return;
         };
         let (client, agent) = (self.client.clone(), self.agent.clone());
-        rt.spawn(async move {
-            let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
-                Ok(Ok(t)) => format!("{:?}", t.status.state),
-                Ok(Err(e)) => format!("cancel failed: {}", e.message),
-                Err(_) => "cancel timed out".into(),
-            };
-            tracing::info!(%agent, task = %task, %outcome, "remote_a2a: run dropped; cancelled the remote task");
-        });
+        self.span.record("a2a.task.id", task.as_str());
+        rt.spawn(
+            async move {
+                let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
+                    Ok(Ok(t)) => format!("{:?}", t.status.state),
+                    Ok(Err(e)) => format!("cancel failed: {}", e.message),
+                    Err(_) => "cancel timed out".into(),
+                };
+                tracing::info!(%agent, task = %task, %outcome, "remote_a2a: run dropped; cancelled the remote task");
+            }
+            .instrument(self.span.clone()),
+        );
     }
 }
 
@@ -378,10 +385,13 @@ impl Agent for RemoteA2aAgent {
             };
             let relay = Arc::new(Mutex::new(Relay::default()));
             let ready = Arc::new(Notify::new());
+            // Its traceparent goes with every request of the call.
+            let span = crate::telemetry::trace::invoke_agent_span(&agent);
             let mut guard = CancelOnDrop {
                 client: client.clone(),
                 relay: relay.clone(),
                 agent: agent.clone(),
+                span: span.clone(),
                 armed: true,
             };
             let mut listener = {
@@ -403,7 +413,7 @@ impl Agent for RemoteA2aAgent {
                 }
             };
             let result = {
-                let call = client.send(message, &opts, Some(&mut listener));
+                let call = client.send(message, &opts, Some(&mut listener)).instrument(span.clone());
                 tokio::pin!(call);
                 // Poll the call only while nothing waits to be sent: a slow
                 // reader back-pressures the remote stream instead of
@@ -422,6 +432,14 @@ impl Agent for RemoteA2aAgent {
             // The call is over: the client cancelled the task itself where
             // it had to (deadline, recovery given up).
             guard.armed = false;
+            guard.span = tracing::Span::none();
+            if let Some(task) = &relay.lock().unwrap_or_else(|e| e.into_inner()).task_id {
+                span.record("a2a.task.id", task.as_str());
+            }
+            if result.is_err() {
+                span.record("otel.status_code", "error");
+            }
+            drop(span);
             let (pending, status_text) = {
                 let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
                 (r.events.drain(..).collect::<Vec<_>>(), std::mem::take(&mut r.status_text))

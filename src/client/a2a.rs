@@ -30,6 +30,7 @@ use a2a::{
     A2AError, Artifact, CancelTaskRequest, GetTaskRequest, Message, Part, PartContent, Role,
     SendMessageRequest, StreamResponse, SubscribeToTaskRequest, Task, TaskState,
 };
+use a2a_client::middleware::CallInterceptor;
 use a2a_client::{A2AClient, A2AClientFactory, Transport};
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -37,6 +38,33 @@ use thiserror::Error;
 use tokio::time::Instant;
 
 type Stream = BoxStream<'static, Result<StreamResponse, A2AError>>;
+
+/// What every call sends besides its request: the current span's trace
+/// context, and `authorization: Bearer <token>` when a token is given.
+fn interceptors(token: Option<&str>) -> Vec<Arc<dyn CallInterceptor>> {
+    let mut v: Vec<Arc<dyn CallInterceptor>> = vec![Arc::new(TraceContext)];
+    if let Some(t) = token {
+        v.push(Arc::new(a2a_client::auth::AuthInterceptor::bearer(t)));
+    }
+    v
+}
+
+/// Sends the current span's `traceparent`, so a call made inside a span
+/// (a remote agent's turn: [`crate::telemetry::trace::invoke_agent_span`])
+/// continues the trace on the remote.
+struct TraceContext;
+
+#[async_trait::async_trait]
+impl CallInterceptor for TraceContext {
+    async fn before(
+        &self,
+        _method: &str,
+        params: &mut a2a_client::transport::ServiceParams,
+    ) -> Result<(), A2AError> {
+        crate::telemetry::trace::inject_params(params);
+        Ok(())
+    }
+}
 
 /// Which A2A binding to speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -399,9 +427,8 @@ impl A2aClient {
             )))
             .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
             .preferred_bindings(preferred);
-        if let Some(t) = token {
-            factory =
-                factory.with_interceptor(Arc::new(a2a_client::auth::AuthInterceptor::bearer(t)));
+        for i in interceptors(token) {
+            factory = factory.with_interceptor(i);
         }
         let factory = factory.build();
         let client = factory.create_from_card(&card).await.map_err(|e| {
@@ -430,11 +457,7 @@ impl A2aClient {
             http,
             url.to_owned(),
         ));
-        let mut client = A2AClient::new(transport);
-        if let Some(t) = token {
-            client = client
-                .with_interceptors(vec![Arc::new(a2a_client::auth::AuthInterceptor::bearer(t))]);
-        }
+        let client = A2AClient::new(transport).with_interceptors(interceptors(token));
         Ok(Self {
             inner: Arc::new(client),
         })
@@ -443,7 +466,7 @@ impl A2aClient {
     /// A client over an existing transport (e.g. gRPC on an in-process channel).
     pub fn from_transport(transport: Box<dyn Transport>) -> Self {
         Self {
-            inner: Arc::new(A2AClient::new(transport)),
+            inner: Arc::new(A2AClient::new(transport).with_interceptors(interceptors(None))),
         }
     }
 

@@ -3,7 +3,9 @@
 //! An incoming call's `traceparent` (gRPC metadata is HTTP/2 headers) becomes
 //! the parent of its RPC span, so a caller's trace continues inside agentd.
 //! Outbound calls carry the current span's context: [`inject_headers`] for an
-//! HTTP client (a model server), [`inject_metadata`] for a gRPC one.
+//! HTTP client (a model server), [`inject_metadata`] for a gRPC one,
+//! [`inject_params`] for an A2A call (either binding). An A2A task's span
+//! continues the trace of the call that sent its message ([`extract_params`]).
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TraceContextExt;
@@ -42,6 +44,41 @@ pub fn extract(headers: &http::HeaderMap) -> opentelemetry::Context {
     TraceContextPropagator::new().extract(&HeaderExtractor(headers))
 }
 
+/// An A2A call's headers (gRPC metadata or HTTP headers, names in lower
+/// case), as the A2A SDK hands them over.
+pub type Params = std::collections::HashMap<String, Vec<String>>;
+
+struct ParamsExtractor<'a>(&'a Params);
+
+impl Extractor for ParamsExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.first()).map(String::as_str)
+    }
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(String::as_str).collect()
+    }
+}
+
+struct ParamsInjector<'a>(&'a mut Params);
+
+impl Injector for ParamsInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key.to_owned(), vec![value]);
+    }
+}
+
+/// The trace context an A2A call carried; empty when it has none.
+pub fn extract_params(params: &Params) -> opentelemetry::Context {
+    TraceContextPropagator::new().extract(&ParamsExtractor(params))
+}
+
+/// Adds the current span's `traceparent` to an outbound A2A call's
+/// headers (nothing when the current span is not part of a trace).
+pub fn inject_params(params: &mut Params) {
+    let cx = Span::current().context();
+    TraceContextPropagator::new().inject_context(&cx, &mut ParamsInjector(params));
+}
+
 /// Adds the current span's `traceparent` to an outbound HTTP request.
 pub fn inject_headers(headers: &mut http::HeaderMap) {
     let cx = Span::current().context();
@@ -78,6 +115,37 @@ pub fn run_span(
     request_id: &dyn std::fmt::Display,
 ) -> Span {
     tracing::info_span!("run", otel.name = "run", mode, agent, session = %session, request_id = %request_id)
+}
+
+/// The span of one A2A task's turn on this server. Its parent is the trace
+/// context the message's call carried ([`extract_params`]): the A2A SDK runs
+/// the task on a task of its own, outside the call's span.
+pub fn a2a_task_span(task_id: &str, context_id: &str, parent: opentelemetry::Context) -> Span {
+    let span = tracing::info_span!(
+        "a2a_task",
+        otel.name = "a2a task",
+        otel.kind = "server",
+        a2a.task.id = task_id,
+        a2a.context.id = context_id,
+    );
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// The span of one turn delegated to a remote A2A agent, a child of the
+/// run's span, named as OpenTelemetry's GenAI conventions name an agent
+/// invocation. The call's requests (the message, GetTask and
+/// SubscribeToTask after a drop, CancelTask) carry its `traceparent`.
+pub fn invoke_agent_span(agent: &str) -> Span {
+    tracing::info_span!(
+        "invoke_agent",
+        otel.name = %format!("invoke_agent {agent}"),
+        otel.kind = "client",
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.agent.name = agent,
+        a2a.task.id = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
 }
 
 /// The span of one tool call, a child of the run's span.
