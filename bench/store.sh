@@ -3,16 +3,17 @@
 # store against the same agentd on SQLite and on PostgreSQL, bursty and
 # one-at-a-time workloads at 1 and 64 streams, pinned like bench/run.sh
 # (server on core 0, client on core 1). The stores take turns, round by
-# round, so each ratio is against a baseline run minutes apart at most;
-# the table gives each store's median events/s over the rounds and the
-# median (and range) of each round's ratio to the in-memory store.
+# round (every other round in the reverse order), so each ratio is against
+# a baseline run seconds before or after it. The table gives each store's
+# median events/s over the rounds and the median (and range) of each
+# round's ratio to the in-memory store.
 #
 #   bench/store.sh                       # AGENTD_BENCH_POSTGRES_URL, default postgres://postgres@127.0.0.1:5432/test
 #   BENCH_DURATION=2s BENCH_ROUNDS=1 bench/store.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 duration=${BENCH_DURATION:-4s}
-rounds=${BENCH_ROUNDS:-3}
+rounds=${BENCH_ROUNDS:-5}
 out=target/bench
 mkdir -p "$out"
 results=$out/store.jsonl
@@ -29,7 +30,14 @@ for w in bursty one-at-a-time; do
   for n in 1 64; do
     conns=$((n >= 8 ? 8 : n))
     for round in $(seq "$rounds"); do
-      for store in "${stores[@]}"; do
+      # Every other round runs the stores in the reverse order, so a machine
+      # whose speed drifts during a round favours no store.
+      order=("${stores[@]}")
+      if ((round % 2 == 0)); then
+        order=()
+        for ((i = ${#stores[@]} - 1; i >= 0; i--)); do order+=("${stores[i]}"); done
+      fi
+      for store in "${order[@]}"; do
         rm -f "$db" "$db"-*
         name=${store%%:*}
         "${pin_c[@]}" "$bin" --log-format text bench --server-name "$name" --target 127.0.0.1:50066 \
