@@ -527,3 +527,38 @@ agent = "order_helper"
     d.stop().await;
     remote.stop().await;
 }
+
+/// A replayed turn's span names the agent that ran it, like the first run's.
+#[tokio::test]
+async fn a_replays_run_span_names_the_agent_that_ran_the_turn() {
+    telemetry();
+    let mut d = openai_support::Agentd::start("").await;
+    let session = d.session("alice").await;
+    let first = traced_run(
+        session.clone(),
+        "",
+        "Where is order 1187?",
+        "00-7bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let mut stream = d.client.raw().run(first).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    let again = traced_run(
+        session,
+        "",
+        "Where is order 1187?",
+        "00-8bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let mut stream = d.client.raw().run(again).await.unwrap().into_inner();
+    let mut n = 0;
+    while stream.message().await.unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 3, "the replay sends the turn's three events");
+
+    let trace = TraceId::from_hex("8bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+    let spans = spans_of(trace, &["run"]).await;
+    let replay = named(&spans, "run");
+    assert_eq!(attr(replay, "mode").as_deref(), Some("replay"));
+    assert_eq!(attr(replay, "agent").as_deref(), Some("order_helper"));
+    d.stop().await;
+}

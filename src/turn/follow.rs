@@ -20,6 +20,7 @@ const PAGE: usize = 512;
 pub(super) fn spawn(
     turns: &Arc<Turns>,
     key: TurnKey,
+    agent: &str,
     after: Option<u64>,
     deadline: Deadline,
     mode: Mode,
@@ -40,10 +41,11 @@ pub(super) fn spawn(
     crate::telemetry::metrics::dedup(mode);
     let span = crate::telemetry::trace::run_span(
         mode.as_str(),
-        "",
+        agent,
         &follower.key.session_id,
         &follower.key.request_id,
     );
+    let agent = agent.to_owned();
     turns.tracker.spawn(tracing::Instrument::instrument(async move {
         let mut follower = follower;
         let started = Instant::now();
@@ -53,7 +55,7 @@ pub(super) fn spawn(
         crate::telemetry::metrics::run_finished(mode, &result, sent);
         let code = tonic::Code::from(status::outcome(&result).code);
         tracing::info!(method = "Run", mode = mode.as_str(), session = %key.session_id, request_id = %key.request_id,
-            code = ?code, duration_ms = started.elapsed().as_secs_f64() * 1e3, events_sent = sent, "run finished");
+            agent = %agent, code = ?code, duration_ms = started.elapsed().as_secs_f64() * 1e3, events_sent = sent, "run finished");
         // How the stream ends must be known before the channel closes: the
         // receiver reads it as soon as it sees the close.
         end2.set(result);

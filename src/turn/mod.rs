@@ -315,6 +315,7 @@ impl Turns {
         let stream = follow::spawn(
             self,
             key.clone(),
+            &existing.agent,
             after,
             self.deadline(client_timeout),
             mode,
@@ -406,7 +407,14 @@ impl Turns {
         } else {
             Mode::Attach
         };
-        let stream = follow::spawn(self, existing.key.clone(), None, deadline, mode);
+        let stream = follow::spawn(
+            self,
+            existing.key.clone(),
+            &existing.agent,
+            None,
+            deadline,
+            mode,
+        );
         Ok(Started {
             request_id: existing.key.request_id,
             mode,
