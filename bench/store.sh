@@ -16,8 +16,9 @@ duration=${BENCH_DURATION:-4s}
 rounds=${BENCH_ROUNDS:-5}
 out=target/bench
 mkdir -p "$out"
-results=$out/store.jsonl
-: > "$results"
+# One file per round, so a run that fails leaves its round's ratio out
+# instead of pairing later rounds wrongly.
+rm -f "$out"/store-round-*.jsonl
 postgres_url=${AGENTD_BENCH_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 cargo build --release --locked --bin agentd
 bin=${CARGO_TARGET_DIR:-target}/release/agentd
@@ -42,7 +43,7 @@ for w in bursty one-at-a-time; do
         name=${store%%:*}
         "${pin_c[@]}" "$bin" --log-format text bench --server-name "$name" --target 127.0.0.1:50066 \
           --workload "$w" --streams "$n" --connections "$conns" --duration "$duration" --warmup 1s \
-          --json-out "$results" -- "${pin_s[@]}" "$bin" serve --default-agent stream --listen 127.0.0.1:50066 \
+          --json-out "$out/store-round-$round.jsonl" -- "${pin_s[@]}" "$bin" serve --default-agent stream --listen 127.0.0.1:50066 \
           --store "$store" --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s \
           --admin-listen off --a2a-listen off >/dev/null 2>>"$out/store-servers.log" \
           || echo "bench/store.sh: FAILED $name $w $n (round $round)" >&2
@@ -51,26 +52,43 @@ for w in bursty one-at-a-time; do
   done
 done
 rm -f "$db" "$db"-*
-python3 - "$results" "$rounds" <<'PY'
+python3 - "$out" "$rounds" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-rounds = int(sys.argv[2])
+out, rounds = sys.argv[1], int(sys.argv[2])
+# (server, workload, streams) -> {round: events/s}
 runs = {}
-for r in rows:
-    runs.setdefault((r["server"], r["workload"], r["streams"]), []).append(r["events_per_second"])
+for rnd in range(1, rounds + 1):
+    try:
+        lines = open(f"{out}/store-round-{rnd}.jsonl").read().splitlines()
+    except FileNotFoundError:
+        continue
+    for l in lines:
+        r = json.loads(l)
+        runs.setdefault((r["server"], r["workload"], r["streams"]), {})[rnd] = r["events_per_second"]
 print(f"{rounds} round(s); events/s are medians over the rounds, ratios the median of each round's ratio")
 print("| workload | streams | memory events/s | SQLite events/s | PostgreSQL events/s | SQLite / memory | PostgreSQL / memory |")
 print("|---|---:|---:|---:|---:|---:|---:|")
+goals = []
 for w in ("bursty", "one-at-a-time"):
     for n in (1, 64):
-        m, s, p = (runs.get((k, w, n), []) for k in ("memory", "sqlite", "postgres"))
-        f = lambda xs: f"{statistics.median(xs)/1e3:.1f} k" if xs else "–"
+        m, s, p = (runs.get((k, w, n), {}) for k in ("memory", "sqlite", "postgres"))
+        f = lambda xs: f"{statistics.median(xs.values())/1e3:.1f} k" if xs else "–"
+        def ratios(xs):
+            return [xs[k] / m[k] for k in xs if m.get(k)]
         def r(xs):
-            pairs = [x / b for x, b in zip(xs, m) if b]
+            pairs = ratios(xs)
             if not pairs:
                 return "–"
             lo, hi = min(pairs), max(pairs)
             spread = f" ({lo:.2f}–{hi:.2f})" if len(pairs) > 1 else ""
             return f"{statistics.median(pairs):.2f}×{spread}"
         print(f"| {w} | {n} | {f(m)} | {f(s)} | {f(p)} | {r(s)} | {r(p)} |")
+        if n == 64:
+            for name, xs in (("SQLite", s), ("PostgreSQL", p)):
+                pairs = ratios(xs)
+                if pairs:
+                    med = statistics.median(pairs)
+                    goals.append(f"{name}, {w}, 64 streams: {med:.2f}× memory (target ≥ 0.80×: {'met' if med >= 0.8 else 'NOT met'})")
+print()
+print("\n".join(goals))
 PY
