@@ -228,7 +228,6 @@ impl Drop for CancelOnDrop {
             return;
         };
         let (client, agent) = (self.client.clone(), self.agent.clone());
-        self.span.record("a2a.task.id", task.as_str());
         rt.spawn(
             async move {
                 let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
@@ -395,11 +394,14 @@ impl Agent for RemoteA2aAgent {
                 armed: true,
             };
             let mut listener = {
-                let (relay, ready, agent) = (relay.clone(), ready.clone(), agent.clone());
+                let (relay, ready, agent, span) = (relay.clone(), ready.clone(), agent.clone(), span.clone());
                 move |ev: &StreamResponse, st: &CallState| {
                     let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
                     if r.task_id.is_none() {
                         r.task_id = st.task_id.clone();
+                        if let Some(task) = &r.task_id {
+                            span.record("a2a.task.id", task.as_str());
+                        }
                     }
                     if let Some(m) = &st.status_message {
                         r.status_text = parts_text(&m.parts);
@@ -433,9 +435,6 @@ impl Agent for RemoteA2aAgent {
             // it had to (deadline, recovery given up).
             guard.armed = false;
             guard.span = tracing::Span::none();
-            if let Some(task) = &relay.lock().unwrap_or_else(|e| e.into_inner()).task_id {
-                span.record("a2a.task.id", task.as_str());
-            }
             if result.is_err() {
                 span.record("otel.status_code", "error");
             }

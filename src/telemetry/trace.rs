@@ -75,14 +75,17 @@ pub fn extract_params(params: &Params) -> opentelemetry::Context {
 /// Adds the current span's `traceparent` to an outbound A2A call's
 /// headers (nothing when the current span is not part of a trace).
 pub fn inject_params(params: &mut Params) {
-    let cx = Span::current().context();
-    TraceContextPropagator::new().inject_context(&cx, &mut ParamsInjector(params));
+    inject_current(&mut ParamsInjector(params));
+}
+
+/// Writes the current span's trace context with `injector`.
+fn inject_current(injector: &mut dyn Injector) {
+    TraceContextPropagator::new().inject_context(&Span::current().context(), injector);
 }
 
 /// Adds the current span's `traceparent` to an outbound HTTP request.
 pub fn inject_headers(headers: &mut http::HeaderMap) {
-    let cx = Span::current().context();
-    TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(headers));
+    inject_current(&mut HeaderInjector(headers));
 }
 
 /// Adds the current span's `traceparent` to an outbound gRPC request.
