@@ -2,6 +2,7 @@
 //! over TLS: per method and final status (a stream's status is the one in
 //! its trailers), durations to the end of the stream, and the run metrics.
 
+mod a2a_support;
 mod common;
 mod secured;
 
@@ -422,4 +423,147 @@ async fn refusals_before_any_message_are_counted_with_their_status() {
         m.0
     );
     server.stop().await;
+}
+
+/// The process's metrics (an A2A server in this test's process records into
+/// the same recorder the admin port serves).
+fn local_metrics() -> Metrics {
+    Metrics(agentd::telemetry::metrics::render())
+}
+
+/// How many more A2A requests of `method` ended with `outcome` in `after`.
+fn a2a_delta(
+    after: &Metrics,
+    before: &Metrics,
+    method: &'static str,
+    outcome: &'static str,
+) -> f64 {
+    delta(
+        after,
+        before,
+        "agentd_a2a_requests_total",
+        &a2a(method, outcome),
+    )
+}
+
+fn a2a_opts() -> agentd::client::a2a::CallOptions {
+    agentd::client::a2a::CallOptions {
+        idle_timeout: Duration::from_secs(10),
+        deadline: DEADLINE,
+        ..Default::default()
+    }
+}
+
+fn a2a(method: &'static str, outcome: &'static str) -> [(&'static str, &'static str); 2] {
+    [("method", method), ("outcome", outcome)]
+}
+
+#[tokio::test]
+async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stream_to_its_end() {
+    use a2a::{Message, Part, Role, SendMessageRequest, StreamResponse};
+    use agentd::client::a2a::{A2aClient, Outcome};
+    use futures::StreamExt;
+
+    let tool = Duration::from_millis(300);
+    let server = a2a_support::A2aServer::start(tool).await;
+    let client = A2aClient::jsonrpc(&format!("{}/", server.base_url()), None).unwrap();
+    let before = local_metrics();
+
+    let opts = a2a_opts();
+    let out = client
+        .send_text("Where is order 1187?", None, &opts, None)
+        .await
+        .unwrap();
+    let Outcome::Completed { task_id, .. } = out else {
+        panic!("{out:?}")
+    };
+    client.get_task(&task_id).await.unwrap();
+    let missing = client.get_task("no-such-task").await.unwrap_err();
+    assert_eq!(missing.code, a2a::error_code::TASK_NOT_FOUND);
+
+    // A paced stream (20 s of events) whose reader goes away after the first.
+    let agent = [("agent".to_owned(), serde_json::json!("stream"))];
+    let req = SendMessageRequest {
+        message: Message {
+            metadata: Some(agent.into_iter().collect()),
+            ..Message::new(Role::User, vec![Part::text("n=1000 size=8 rate=50")])
+        },
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+    let first = tokio::time::timeout(DEADLINE, events.next())
+        .await
+        .unwrap()
+        .expect("the stream ended at once")
+        .unwrap();
+    let paced_task = match &first {
+        StreamResponse::Task(t) => t.id.clone(),
+        StreamResponse::StatusUpdate(u) => u.task_id.clone(),
+        other => panic!("first event {other:?}"),
+    };
+    drop(events);
+    let mut m = local_metrics();
+    for _ in 0..200 {
+        if a2a_delta(&m, &before, "SendStreamingMessage", "CANCELLED") == 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        m = local_metrics();
+    }
+    client.cancel(&paced_task).await.unwrap();
+    let m2 = local_metrics();
+
+    assert_eq!(
+        a2a_delta(&m, &before, "SendStreamingMessage", "CANCELLED"),
+        1.0,
+        "the dropped stream: {}",
+        m.0
+    );
+    assert_eq!(
+        a2a_delta(&m, &before, "SendStreamingMessage", "OK"),
+        1.0,
+        "{}",
+        m.0
+    );
+    assert_eq!(a2a_delta(&m, &before, "GetTask", "OK"), 1.0);
+    assert_eq!(a2a_delta(&m, &before, "GetTask", "TASK_NOT_FOUND"), 1.0);
+    assert_eq!(a2a_delta(&m2, &before, "CancelTask", "OK"), 1.0);
+    // Timed to the end of the stream: the worked trace waits on a 300 ms tool.
+    let ok = a2a("SendStreamingMessage", "OK");
+    let secs = delta(&m, &before, "agentd_a2a_request_seconds_sum", &ok);
+    assert!(
+        secs >= tool.as_secs_f64(),
+        "the streamed task was timed at {secs}s"
+    );
+    assert!(server.idle(Duration::from_secs(10)).await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a2a_requests_over_grpc_are_counted_by_the_same_metrics() {
+    use agentd::client::a2a::Outcome;
+
+    let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
+    let before = local_metrics();
+    let opts = a2a_opts();
+    let out = client
+        .send_text("Where is order 1187?", None, &opts, None)
+        .await
+        .unwrap();
+    assert!(matches!(out, Outcome::Completed { .. }), "{out:?}");
+    let err = client.cancel("no-such-task").await.unwrap_err();
+    assert_eq!(err.code, a2a::error_code::TASK_NOT_FOUND);
+
+    let m = local_metrics();
+    assert_eq!(
+        a2a_delta(&m, &before, "SendStreamingMessage", "OK"),
+        1.0,
+        "{}",
+        m.0
+    );
+    assert_eq!(a2a_delta(&m, &before, "CancelTask", "TASK_NOT_FOUND"), 1.0);
+    let _ = stop.send(());
+    handle.await.unwrap().unwrap();
 }

@@ -1,6 +1,7 @@
 //! The request handler both A2A bindings serve: the crate's
 //! `DefaultRequestHandler` on our task store, plus SubscribeToTask for a task
-//! that runs on another replica.
+//! that runs on another replica, and each request's metrics (method,
+//! outcome, duration; see [`Observed`]), whichever binding it came over.
 //!
 //! `DefaultRequestHandler` can only resubscribe to an execution of its own
 //! process (it keeps them in memory), and answers TaskNotFound for a task
@@ -54,10 +55,7 @@ impl Handler {
     }
 
     /// Follows a task that is not terminal and runs elsewhere.
-    async fn follow_remote(
-        &self,
-        task_id: &str,
-    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
+    async fn follow_remote(&self, task_id: &str) -> Result<EventStream, A2AError> {
         let prefix = format!("{task_id}.");
         for _ in 0..TURN_WAIT_POLLS {
             let Some(task) = self.tasks.get(task_id).await? else {
@@ -153,6 +151,69 @@ impl Handler {
     }
 }
 
+type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
+
+/// One A2A request in the metrics (`agentd_a2a_requests_total` and
+/// `agentd_a2a_request_seconds`), recorded when it ends: a unary request
+/// when it is answered, a streaming one when its stream ends. The outcome is
+/// `OK`, the reason of the A2A error it ended with, or `CANCELLED` when the
+/// caller went away first (the request or its stream was dropped).
+struct Observed {
+    method: &'static str,
+    started: std::time::Instant,
+    outcome: Option<&'static str>,
+}
+
+impl Observed {
+    fn start(method: &'static str) -> Self {
+        Self {
+            method,
+            started: std::time::Instant::now(),
+            outcome: None,
+        }
+    }
+
+    fn unary<T>(mut self, r: Result<T, A2AError>) -> Result<T, A2AError> {
+        self.outcome = Some(match &r {
+            Ok(_) => "OK",
+            Err(e) => error_reason(e.code),
+        });
+        r
+    }
+
+    /// The stream's outcome is its last error, else `OK` once it ends.
+    fn stream(mut self, r: Result<EventStream, A2AError>) -> Result<EventStream, A2AError> {
+        let events = match r {
+            Ok(events) => events,
+            Err(e) => {
+                self.outcome = Some(error_reason(e.code));
+                return Err(e);
+            }
+        };
+        Ok(Box::pin(async_stream::stream! {
+            let mut obs = self;
+            let mut events = events;
+            while let Some(item) = events.next().await {
+                if let Err(e) = &item {
+                    obs.outcome = Some(error_reason(e.code));
+                }
+                yield item;
+            }
+            obs.outcome.get_or_insert("OK");
+        }))
+    }
+}
+
+impl Drop for Observed {
+    fn drop(&mut self) {
+        crate::telemetry::metrics::a2a_request(
+            self.method,
+            self.outcome.unwrap_or("CANCELLED"),
+            self.started.elapsed(),
+        );
+    }
+}
+
 fn terminal(task_id: &str) -> A2AError {
     A2AError::unsupported_operation(format!(
         "task {task_id} has already reached a terminal state"
@@ -166,15 +227,17 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: SendMessageRequest,
     ) -> Result<SendMessageResponse, A2AError> {
-        self.inner.send_message(params, req).await
+        let obs = Observed::start("SendMessage");
+        obs.unary(self.inner.send_message(params, req).await)
     }
 
     async fn send_streaming_message(
         &self,
         params: &ServiceParams,
         req: SendMessageRequest,
-    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
-        self.inner.send_streaming_message(params, req).await
+    ) -> Result<EventStream, A2AError> {
+        let obs = Observed::start("SendStreamingMessage");
+        obs.stream(self.inner.send_streaming_message(params, req).await)
     }
 
     async fn get_task(
@@ -182,7 +245,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: GetTaskRequest,
     ) -> Result<Task, A2AError> {
-        self.inner.get_task(params, req).await
+        let obs = Observed::start("GetTask");
+        obs.unary(self.inner.get_task(params, req).await)
     }
 
     async fn list_tasks(
@@ -190,7 +254,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: ListTasksRequest,
     ) -> Result<ListTasksResponse, A2AError> {
-        self.inner.list_tasks(params, req).await
+        let obs = Observed::start("ListTasks");
+        obs.unary(self.inner.list_tasks(params, req).await)
     }
 
     async fn cancel_task(
@@ -198,19 +263,21 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: CancelTaskRequest,
     ) -> Result<Task, A2AError> {
-        self.inner.cancel_task(params, req).await
+        let obs = Observed::start("CancelTask");
+        obs.unary(self.inner.cancel_task(params, req).await)
     }
 
     async fn subscribe_to_task(
         &self,
         params: &ServiceParams,
         req: SubscribeToTaskRequest,
-    ) -> Result<BoxStream<'static, Result<StreamResponse, A2AError>>, A2AError> {
+    ) -> Result<EventStream, A2AError> {
+        let obs = Observed::start("SubscribeToTask");
         let id = req.id.clone();
-        match self.inner.subscribe_to_task(params, req).await {
+        obs.stream(match self.inner.subscribe_to_task(params, req).await {
             Err(e) if e.code == error_code::TASK_NOT_FOUND => self.follow_remote(&id).await,
             other => other,
-        }
+        })
     }
 
     async fn create_push_config(
@@ -218,7 +285,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: TaskPushNotificationConfig,
     ) -> Result<TaskPushNotificationConfig, A2AError> {
-        self.inner.create_push_config(params, req).await
+        let obs = Observed::start("CreateTaskPushNotificationConfig");
+        obs.unary(self.inner.create_push_config(params, req).await)
     }
 
     async fn get_push_config(
@@ -226,7 +294,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: GetTaskPushNotificationConfigRequest,
     ) -> Result<TaskPushNotificationConfig, A2AError> {
-        self.inner.get_push_config(params, req).await
+        let obs = Observed::start("GetTaskPushNotificationConfig");
+        obs.unary(self.inner.get_push_config(params, req).await)
     }
 
     async fn list_push_configs(
@@ -234,7 +303,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: ListTaskPushNotificationConfigsRequest,
     ) -> Result<ListTaskPushNotificationConfigsResponse, A2AError> {
-        self.inner.list_push_configs(params, req).await
+        let obs = Observed::start("ListTaskPushNotificationConfigs");
+        obs.unary(self.inner.list_push_configs(params, req).await)
     }
 
     async fn delete_push_config(
@@ -242,7 +312,8 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: DeleteTaskPushNotificationConfigRequest,
     ) -> Result<(), A2AError> {
-        self.inner.delete_push_config(params, req).await
+        let obs = Observed::start("DeleteTaskPushNotificationConfig");
+        obs.unary(self.inner.delete_push_config(params, req).await)
     }
 
     async fn get_extended_agent_card(
@@ -250,6 +321,7 @@ impl RequestHandler for Handler {
         params: &ServiceParams,
         req: GetExtendedAgentCardRequest,
     ) -> Result<AgentCard, A2AError> {
-        self.inner.get_extended_agent_card(params, req).await
+        let obs = Observed::start("GetExtendedAgentCard");
+        obs.unary(self.inner.get_extended_agent_card(params, req).await)
     }
 }

@@ -5,7 +5,8 @@
 //! `a2a-grpc`'s tonic binding. What is ours: the executor that runs a task on
 //! the turn engine ([`executor`]), the task store on our store
 //! (`store::a2a_tasks`: tasks survive restarts and are shared by replicas on
-//! PostgreSQL), SubscribeToTask for a task another replica runs ([`follow`]),
+//! PostgreSQL), SubscribeToTask for a task another replica runs and the
+//! per-request metrics of both bindings ([`follow`]),
 //! the agent card, the version check the gRPC binding lacks ([`version`]),
 //! and the assembly below. The gRPC service joins
 //! agents.v1 on the same port (see `server`); JSON-RPC, SSE and the card are

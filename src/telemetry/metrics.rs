@@ -13,6 +13,8 @@
 //! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown` |
 //! | `agentd_slow_consumer_terminations_total` | | Runs ended with RESOURCE_EXHAUSTED because the client stopped reading |
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
+//! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), or `CANCELLED` for a stream the client dropped |
+//! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
 
 use std::sync::OnceLock;
 
@@ -28,6 +30,8 @@ pub const RUN_EVENTS: &str = "agentd_run_events";
 pub const CANCELLATIONS: &str = "agentd_run_cancellations_total";
 pub const SLOW_CONSUMER: &str = "agentd_slow_consumer_terminations_total";
 pub const DEDUP: &str = "agentd_dedup_total";
+pub const A2A_REQUESTS: &str = "agentd_a2a_requests_total";
+pub const A2A_REQUEST_SECONDS: &str = "agentd_a2a_request_seconds";
 
 /// Call durations from 1 ms to the longest run a server allows by default.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -86,6 +90,15 @@ fn describe() {
         DEDUP,
         "repeated request ids answered without running the agent"
     );
+    metrics::describe_counter!(
+        A2A_REQUESTS,
+        "A2A requests (JSON-RPC or gRPC binding), by method and outcome"
+    );
+    metrics::describe_histogram!(
+        A2A_REQUEST_SECONDS,
+        metrics::Unit::Seconds,
+        "A2A request duration to its answer, or to the end of its stream"
+    );
 }
 
 /// Counts an agent run in flight for as long as it lives.
@@ -129,6 +142,16 @@ pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) 
     if mode == Mode::New {
         metrics::counter!(CANCELLATIONS, "cause" => cause).increment(1);
     }
+}
+
+/// An A2A request ended. `method` is the A2A method name, `outcome` `OK`,
+/// an A2A error reason, or `CANCELLED`; both come from fixed sets, so a
+/// caller cannot grow the label space.
+pub fn a2a_request(method: &'static str, outcome: &'static str, elapsed: std::time::Duration) {
+    handle();
+    metrics::counter!(A2A_REQUESTS, "method" => method, "outcome" => outcome).increment(1);
+    metrics::histogram!(A2A_REQUEST_SECONDS, "method" => method, "outcome" => outcome)
+        .record(elapsed.as_secs_f64());
 }
 
 /// The name of a gRPC status code as the gRPC specification spells it.
