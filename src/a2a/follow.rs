@@ -174,11 +174,24 @@ impl Observed {
     }
 
     fn unary<T>(mut self, r: Result<T, A2AError>) -> Result<T, A2AError> {
-        self.outcome = Some(match &r {
-            Ok(_) => "OK",
-            Err(e) => error_reason(e.code),
-        });
+        match &r {
+            Ok(_) => self.outcome = Some("OK"),
+            Err(e) => self.failed(e),
+        }
         r
+    }
+
+    /// Records the error as the outcome; one on the server's side (the
+    /// store unreachable, say) is logged as a warning, a caller's mistake
+    /// (an unknown task, bad parameters) at debug.
+    fn failed(&mut self, e: &A2AError) {
+        let reason = error_reason(e.code);
+        self.outcome = Some(reason);
+        if matches!(reason, "INTERNAL_ERROR" | "INVALID_AGENT_RESPONSE") {
+            tracing::warn!(method = self.method, outcome = reason, error = %e.message, "a2a: request failed");
+        } else {
+            tracing::debug!(method = self.method, outcome = reason, error = %e.message, "a2a: request refused");
+        }
     }
 
     /// The stream's outcome is its last error, else `OK` once it ends.
@@ -186,7 +199,7 @@ impl Observed {
         let events = match r {
             Ok(events) => events,
             Err(e) => {
-                self.outcome = Some(error_reason(e.code));
+                self.failed(&e);
                 return Err(e);
             }
         };
@@ -195,7 +208,7 @@ impl Observed {
             let mut events = events;
             while let Some(item) = events.next().await {
                 if let Err(e) = &item {
-                    obs.outcome = Some(error_reason(e.code));
+                    obs.failed(e);
                 }
                 yield item;
             }
