@@ -1,7 +1,7 @@
 //! The request handler both A2A bindings serve: the crate's
 //! `DefaultRequestHandler` on our task store, plus SubscribeToTask for a task
 //! that runs on another replica, and each request's metrics (method,
-//! outcome, duration; see [`Observed`]), whichever binding it came over.
+//! outcome, duration; see `Observed`), whichever binding it came over.
 //!
 //! `DefaultRequestHandler` can only resubscribe to an execution of its own
 //! process (it keeps them in memory), and answers TaskNotFound for a task
