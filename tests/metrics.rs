@@ -1,6 +1,8 @@
 //! Prometheus metrics scraped over HTTP from the admin port after real calls
 //! over TLS: per method and final status (a stream's status is the one in
 //! its trailers), durations to the end of the stream, and the run metrics.
+//! The A2A request metrics, after real calls over both A2A bindings, are
+//! read from the process's recorder (what the admin port serves).
 
 mod a2a_support;
 mod common;
@@ -431,6 +433,21 @@ fn local_metrics() -> Metrics {
     Metrics(agentd::telemetry::metrics::render())
 }
 
+/// The process's metrics once `cond` holds (a request is counted when its
+/// stream ends on the server, which can be just after the client saw its
+/// last event); waits at most 10 s, then returns what it has.
+async fn local_metrics_until(cond: impl Fn(&Metrics) -> bool) -> Metrics {
+    let mut m = local_metrics();
+    for _ in 0..200 {
+        if cond(&m) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        m = local_metrics();
+    }
+    m
+}
+
 /// How many more A2A requests of `method` ended with `outcome` in `after`.
 fn a2a_delta(
     after: &Metrics,
@@ -504,14 +521,9 @@ async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stre
         other => panic!("first event {other:?}"),
     };
     drop(events);
-    let mut m = local_metrics();
-    for _ in 0..200 {
-        if a2a_delta(&m, &before, "SendStreamingMessage", "CANCELLED") == 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        m = local_metrics();
-    }
+    let m =
+        local_metrics_until(|m| a2a_delta(m, &before, "SendStreamingMessage", "CANCELLED") == 1.0)
+            .await;
     client.cancel(&paced_task).await.unwrap();
     let m2 = local_metrics();
 
@@ -556,7 +568,8 @@ async fn a2a_requests_over_grpc_are_counted_by_the_same_metrics() {
     let err = client.cancel("no-such-task").await.unwrap_err();
     assert_eq!(err.code, a2a::error_code::TASK_NOT_FOUND);
 
-    let m = local_metrics();
+    let m =
+        local_metrics_until(|m| a2a_delta(m, &before, "SendStreamingMessage", "OK") == 1.0).await;
     assert_eq!(
         a2a_delta(&m, &before, "SendStreamingMessage", "OK"),
         1.0,
