@@ -463,11 +463,21 @@ fn a2a_delta(
     )
 }
 
-fn a2a_opts() -> agentd::client::a2a::CallOptions {
-    agentd::client::a2a::CallOptions {
+/// Asks the demo agent about order 1187 and returns the completed task's id.
+async fn completed_order_task(client: &agentd::client::a2a::A2aClient) -> String {
+    use agentd::client::a2a::{CallOptions, Outcome};
+    let opts = CallOptions {
         idle_timeout: Duration::from_secs(10),
         deadline: DEADLINE,
         ..Default::default()
+    };
+    match client
+        .send_text("Where is order 1187?", None, &opts, None)
+        .await
+        .unwrap()
+    {
+        Outcome::Completed { task_id, .. } => task_id,
+        out => panic!("{out:?}"),
     }
 }
 
@@ -478,7 +488,7 @@ fn a2a(method: &'static str, outcome: &'static str) -> [(&'static str, &'static 
 #[tokio::test]
 async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stream_to_its_end() {
     use a2a::{Message, Part, Role, SendMessageRequest, StreamResponse};
-    use agentd::client::a2a::{A2aClient, Outcome};
+    use agentd::client::a2a::A2aClient;
     use futures::StreamExt;
 
     let tool = Duration::from_millis(300);
@@ -486,14 +496,7 @@ async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stre
     let client = A2aClient::jsonrpc(&format!("{}/", server.base_url()), None).unwrap();
     let before = local_metrics();
 
-    let opts = a2a_opts();
-    let out = client
-        .send_text("Where is order 1187?", None, &opts, None)
-        .await
-        .unwrap();
-    let Outcome::Completed { task_id, .. } = out else {
-        panic!("{out:?}")
-    };
+    let task_id = completed_order_task(&client).await;
     client.get_task(&task_id).await.unwrap();
     let missing = client.get_task("no-such-task").await.unwrap_err();
     assert_eq!(missing.code, a2a::error_code::TASK_NOT_FOUND);
@@ -555,16 +558,9 @@ async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stre
 
 #[tokio::test]
 async fn a2a_requests_over_grpc_are_counted_by_the_same_metrics() {
-    use agentd::client::a2a::Outcome;
-
     let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
     let before = local_metrics();
-    let opts = a2a_opts();
-    let out = client
-        .send_text("Where is order 1187?", None, &opts, None)
-        .await
-        .unwrap();
-    assert!(matches!(out, Outcome::Completed { .. }), "{out:?}");
+    completed_order_task(&client).await;
     let err = client.cancel("no-such-task").await.unwrap_err();
     assert_eq!(err.code, a2a::error_code::TASK_NOT_FOUND);
 
