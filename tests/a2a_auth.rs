@@ -17,6 +17,16 @@ fn tokens() -> String {
     format!(r#"{{"tokens": [{{"token": "{BILLING}", "caller": "billing", "user_ids": ["*"]}}]}}"#)
 }
 
+/// `agentd_a2a_requests_total` for one method and outcome in this process
+/// (0 before the first).
+fn a2a_requests(method: &str, outcome: &str) -> f64 {
+    let series = format!("agentd_a2a_requests_total{{method=\"{method}\",outcome=\"{outcome}\"}} ");
+    agentd::telemetry::metrics::render()
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 fn opts() -> CallOptions {
     CallOptions {
         idle_timeout: Duration::from_secs(10),
@@ -94,6 +104,7 @@ async fn json_rpc_without_a_good_token_is_401_with_a_json_rpc_error_and_runs_not
         "jsonrpc": "2.0", "id": 1, "method": "SendMessage",
         "params": {"message": {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}}
     });
+    let refused_before = a2a_requests("unknown", "UNAUTHENTICATED");
     for auth in [
         None,
         Some("Bearer tok-not-a-real-token-000"),
@@ -120,6 +131,12 @@ async fn json_rpc_without_a_good_token_is_401_with_a_json_rpc_error_and_runs_not
     }
     assert_eq!(server.turns.in_flight(), 0);
     assert_eq!(sessions_of(&server, "a2a-anonymous").await, 0);
+    // Counted as refused, never as a request the handler saw.
+    assert_eq!(
+        a2a_requests("unknown", "UNAUTHENTICATED") - refused_before,
+        3.0
+    );
+    assert_eq!(a2a_requests("SendMessage", "OK"), 0.0);
     server.stop().await;
 }
 

@@ -58,6 +58,13 @@ async fn check(
         }
         Err(why) => {
             tracing::info!(reason = %why, "A2A call refused: unauthenticated");
+            // Counted without its method: the body of an unauthenticated
+            // request is not read.
+            crate::telemetry::metrics::a2a_request(
+                "unknown",
+                "UNAUTHENTICATED",
+                std::time::Duration::ZERO,
+            );
             unauthorized(&why.to_string())
         }
     }

@@ -13,7 +13,7 @@
 //! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown` |
 //! | `agentd_slow_consumer_terminations_total` | | Runs ended with RESOURCE_EXHAUSTED because the client stopped reading |
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
-//! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), or `CANCELLED` for a stream the client dropped |
+//! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials |
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
 
 use std::sync::OnceLock;
@@ -144,9 +144,9 @@ pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) 
     }
 }
 
-/// An A2A request ended. `method` is the A2A method name, `outcome` `OK`,
-/// an A2A error reason, or `CANCELLED`; both come from fixed sets, so a
-/// caller cannot grow the label space.
+/// An A2A request ended. `method` is the A2A method name (or `unknown`),
+/// `outcome` `OK`, an A2A error reason, `CANCELLED` or `UNAUTHENTICATED`;
+/// both come from fixed sets, so a caller cannot grow the label space.
 pub fn a2a_request(method: &'static str, outcome: &'static str, elapsed: std::time::Duration) {
     handle();
     metrics::counter!(A2A_REQUESTS, "method" => method, "outcome" => outcome).increment(1);
