@@ -38,6 +38,7 @@ async fn check(
     mut req: Request,
     next: Next,
 ) -> Response {
+    let started = std::time::Instant::now();
     req.headers_mut().remove(CALLER_HEADER);
     let Some(auth) = auth else {
         return next.run(req).await;
@@ -60,11 +61,7 @@ async fn check(
             tracing::info!(reason = %why, "A2A call refused: unauthenticated");
             // Counted without its method: the body of an unauthenticated
             // request is not read.
-            crate::telemetry::metrics::a2a_request(
-                "unknown",
-                "UNAUTHENTICATED",
-                std::time::Duration::ZERO,
-            );
+            crate::telemetry::metrics::a2a_request("unknown", "UNAUTHENTICATED", started.elapsed());
             unauthorized(&why.to_string())
         }
     }
