@@ -304,6 +304,20 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         outcome: &TurnOutcome,
         answer: Option<&str>,
     ) -> StoreResult<()>;
+    /// A turn's last events and its outcome: [`Store::append_encoded`], then
+    /// [`Store::finish_turn`] once the events are stored; when the events
+    /// fail, the outcome is not recorded. The SQL stores write both in their
+    /// committer's next group, beside other turns' writes.
+    async fn append_and_finish(
+        &self,
+        key: &TurnKey,
+        events: Vec<EncodedEvent>,
+        outcome: &TurnOutcome,
+        answer: Option<&str>,
+    ) -> StoreResult<()> {
+        self.append_encoded(key, events).await?;
+        self.finish_turn(key, outcome, answer).await
+    }
     /// Events with seq greater than `after` (all with `None`), at most `limit`.
     async fn events_after(
         &self,
@@ -313,6 +327,20 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     ) -> StoreResult<Vec<SeqEvent>>;
     /// The session's terminal turns, oldest first, at most the last `limit`.
     async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>>;
+    /// The session `id` and its [`Store::history`], or `None` if there is no
+    /// such session. The SQL stores read both in one statement: a Run's one
+    /// read before its claim.
+    async fn session_with_history(
+        &self,
+        id: SessionId,
+        limit: usize,
+    ) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+        let (session, history) = tokio::join!(self.get_session(id), self.history(id, limit));
+        match session? {
+            Some(s) => Ok(Some((s, history?))),
+            None => Ok(None),
+        }
+    }
 
     /// A user's sessions, oldest first, at most `limit`, after `after`.
     async fn list_sessions(

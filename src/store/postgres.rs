@@ -33,14 +33,14 @@ pub struct PostgresStore {
     a2a: Arc<super::a2a_tasks::PostgresTasks>,
     /// The committer's queue: event batches are written through it.
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
+    /// The claimers' queue: turns are claimed through it.
+    claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
 }
 
 impl PostgresStore {
     /// The event log is keyed by (session_id, request_id, first_seq), and
     /// its foreign key deletes a turn's events with it.
     const SQL: super::sql::Dialect = super::sql::Dialect {
-        claim_turn: "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, 'running', $5, $6, $7, $7) ON CONFLICT (session_id, request_id) DO NOTHING",
         events_after: "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
              ORDER BY first_seq LIMIT $4",
         delete_session_events: None,
@@ -81,6 +81,7 @@ impl PostgresStore {
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let store = Self {
             commits: Self::spawn_committer(pool.clone(), COMMITTERS),
+            claims: Self::spawn_claimer(pool.clone(), COMMITTERS),
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
                 pool.clone(),
@@ -98,12 +99,14 @@ impl PostgresStore {
 
 impl PostgresStore {
     /// Writes a committer's group as one statement: every row of every
-    /// batch as arrays, unnested by the server. One round trip and one
-    /// commit for the group, whatever its size.
+    /// batch as arrays, unnested by the server, and the outcomes of the
+    /// turns that end with it, recorded in the same statement (and so
+    /// atomically with the events). One round trip and one commit for the
+    /// group, whatever its size.
     async fn write_group(
         pool: &PgPool,
         group: &[super::sql::PendingBatch],
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), super::sql::GroupError> {
         // A batch is one row unless it holds over a megabyte of events.
         let n = group.len();
         let (mut sid, mut rid) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -121,18 +124,115 @@ impl PostgresStore {
                 blob.push(Blob(events));
             }
         }
-        sqlx::query(
-            "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[])",
-        )
+        let outcomes: Vec<_> = group
+            .iter()
+            .filter_map(|p| Some((p, p.outcome.as_ref()?)))
+            .collect();
+        const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[])";
+        if outcomes.is_empty() {
+            sqlx::query(INSERT)
+                .bind(&sid)
+                .bind(&rid)
+                .bind(&first)
+                .bind(&last)
+                .bind(&blob)
+                .execute(pool)
+                .await?;
+            return Ok(());
+        }
+        let m = outcomes.len();
+        let (mut o_sid, mut o_rid, mut state, mut code) = (
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+        );
+        let (mut message, mut answer, mut at) = (
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+        );
+        for (p, o) in outcomes {
+            o_sid.push(p.sid.as_str());
+            o_rid.push(p.rid.as_str());
+            state.push(o.state);
+            code.push(o.code);
+            message.push(o.message.as_str());
+            answer.push(o.answer.as_deref());
+            at.push(o.at);
+        }
+        // The insert runs whole before the update's rows are visible to
+        // anyone: both commit together, or neither does.
+        sqlx::query(&format!(
+            "WITH stored AS ({INSERT}) \
+             UPDATE turns t SET state = o.state, status_code = o.code, status_message = o.message, \
+             answer = o.answer, updated_at = o.at \
+             FROM UNNEST($6::text[], $7::text[], $8::text[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
+             AS o(session_id, request_id, state, code, message, answer, at) \
+             WHERE t.session_id = o.session_id AND t.request_id = o.request_id AND t.state = 'running'"
+        ))
         .bind(&sid)
         .bind(&rid)
         .bind(&first)
         .bind(&last)
         .bind(&blob)
+        .bind(&o_sid)
+        .bind(&o_rid)
+        .bind(&state)
+        .bind(&code)
+        .bind(&message)
+        .bind(&answer)
+        .bind(&at)
         .execute(pool)
         .await?;
         Ok(())
+    }
+}
+
+impl PostgresStore {
+    /// Claims `claims` (distinct keys) in one statement, which also marks
+    /// their sessions updated; for each, whether it stored its turn. Race
+    /// free across replicas: of two inserts of one key, one finds the
+    /// other's row and does nothing.
+    async fn insert_claims(
+        pool: &PgPool,
+        claims: &[super::sql::PendingClaim],
+    ) -> Result<Vec<bool>, sqlx::Error> {
+        let col = |f: fn(&super::sql::PendingClaim) -> &str| -> Vec<&str> {
+            claims.iter().map(f).collect()
+        };
+        let rows = sqlx::query(
+            "WITH claimed AS ( \
+               INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
+               SELECT c.session_id, c.request_id, c.user_text, c.agent, 'running', c.owner, c.lease, c.at, c.at \
+               FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[], $7::int8[]) \
+               AS c(session_id, request_id, user_text, agent, owner, lease, at) \
+               ON CONFLICT (session_id, request_id) DO NOTHING \
+               RETURNING session_id, request_id, created_at \
+             ), touched AS ( \
+               UPDATE sessions s SET updated_at = c.created_at FROM claimed c WHERE s.id = c.session_id \
+             ) \
+             SELECT session_id, request_id FROM claimed",
+        )
+        .bind(col(|c| &c.sid))
+        .bind(col(|c| &c.rid))
+        .bind(col(|c| &c.user_text))
+        .bind(col(|c| &c.agent))
+        .bind(col(|c| &c.owner))
+        .bind(claims.iter().map(|c| c.lease_until).collect::<Vec<_>>())
+        .bind(claims.iter().map(|c| c.at).collect::<Vec<_>>())
+        .fetch_all(pool)
+        .await?;
+        use sqlx::Row as _;
+        let stored: std::collections::HashSet<(String, String)> = rows
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<_, sqlx::Error>>()?;
+        Ok(claims
+            .iter()
+            .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
+            .collect())
     }
 }
 

@@ -85,6 +85,15 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
     blob
 }
 
+/// How long events wait, at most, to share a commit with what follows them,
+/// when the committer committed less than this long ago: a turn streaming a
+/// model's tokens hands its writer a few events at a time, and a commit for
+/// each of them rewrote the event log's last page (64 KiB on SQLite) and its
+/// checksum every time. Events still reach the client at once; only their
+/// storage (and followers reading it) waits. A turn's last events, which go
+/// with its outcome, never wait.
+pub(super) const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Batches the committer takes into one transaction at most.
 pub(super) const GROUP_MAX: usize = 256;
 /// Batches waiting for the committer; a full queue holds turn writers back.
@@ -98,7 +107,34 @@ pub(super) struct PendingBatch {
     /// each backend copies them once, straight into what it binds, and a
     /// group that fails is written again one batch at a time from them.
     pub events: Vec<super::EncodedEvent>,
+    /// The turn's outcome, stored after its events (after the whole
+    /// group's): a turn's last batch and its outcome, and the outcomes of
+    /// every turn that ends at about the same moment, share the commits of
+    /// one group instead of taking one commit each.
+    pub outcome: Option<PendingOutcome>,
     pub done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
+}
+
+/// A turn's outcome as the committer writes it (`finish_turn`'s binds).
+pub(super) struct PendingOutcome {
+    pub state: &'static str,
+    pub code: i64,
+    pub message: String,
+    pub answer: Option<String>,
+    /// When it was recorded, in microseconds (`updated_at`).
+    pub at: i64,
+}
+
+impl PendingOutcome {
+    pub fn new(outcome: &super::TurnOutcome, answer: Option<&str>) -> Self {
+        Self {
+            state: outcome.state.as_str(),
+            code: outcome.code as i64,
+            message: outcome.message.clone(),
+            answer: answer.map(str::to_owned),
+            at: super::to_micros(std::time::SystemTime::now()),
+        }
+    }
 }
 
 impl PendingBatch {
@@ -112,6 +148,7 @@ impl PendingBatch {
             sid: key.session_id.to_string(),
             rid: key.request_id.as_str().to_owned(),
             events,
+            outcome: None,
             done,
         }
     }
@@ -120,6 +157,42 @@ impl PendingBatch {
     /// the row's events).
     pub fn rows(&self) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
         batch_rows(&self.events)
+    }
+}
+
+/// A claim queued for the store's claimer, which writes the claims queued
+/// while it wrote the previous ones in one statement: one commit for every
+/// turn that starts at about the same moment.
+pub(super) struct PendingClaim {
+    pub sid: String,
+    pub rid: String,
+    pub user_text: String,
+    pub agent: String,
+    pub owner: String,
+    /// The lease's expiry and the claim's time, in microseconds.
+    pub lease_until: i64,
+    pub at: i64,
+    /// Whether this claim stored the turn; false when the turn was there.
+    pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
+}
+
+/// Claims the claimer writes in one statement at most.
+pub(super) const CLAIMS_MAX: usize = 128;
+
+/// Why a committer's group was not written.
+#[derive(Debug)]
+pub(super) struct GroupError {
+    pub error: sqlx::Error,
+    /// The group's events were committed; its outcomes were not.
+    pub events_stored: bool,
+}
+
+impl From<sqlx::Error> for GroupError {
+    fn from(error: sqlx::Error) -> Self {
+        Self {
+            error,
+            events_stored: false,
+        }
     }
 }
 
@@ -151,9 +224,6 @@ impl From<Failed> for StoreError {
 /// The statements in which the backends' schemas differ; each store has
 /// its own as `Self::SQL`. The binds are the same on both.
 pub(super) struct Dialect {
-    /// Claims a new turn: ($1 session, $2 request, $3 user text, $4 agent,
-    /// $5 owner, $6 lease expiry, $7 now), doing nothing on a conflict.
-    pub claim_turn: &'static str,
     /// A turn's batches ending after a seq: ($1 session, $2 request,
     /// $3 seq, $4 limit), selecting `events`, in order.
     pub events_after: &'static str,
@@ -261,27 +331,127 @@ macro_rules! sql_store {
                 tx
             }
 
+            /// Starts the store's claimers: a claim waits for the one in
+            /// flight, then goes into one statement with every claim that
+            /// queued meanwhile (each backend's `insert_claims`). A key
+            /// claimed twice in one group is written once; the later claims
+            /// find it there. Ends when the store is dropped.
+            fn spawn_claimer(
+                pool: sqlx::Pool<$db>,
+                claimers: usize,
+            ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim> {
+                let (tx, rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
+                let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+                for _ in 0..claimers {
+                    tokio::spawn(Self::claim_groups(pool.clone(), rx.clone()));
+                }
+                tx
+            }
+
+            async fn claim_groups(
+                pool: sqlx::Pool<$db>,
+                rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingClaim>>>,
+            ) {
+                use $crate::store::sql::Failed;
+                let mut group = Vec::with_capacity($crate::store::sql::CLAIMS_MAX);
+                while rx.lock().await.recv_many(&mut group, $crate::store::sql::CLAIMS_MAX).await > 0 {
+                    let mut seen = std::collections::HashSet::with_capacity(group.len());
+                    let (first, repeats): (Vec<_>, Vec<_>) =
+                        group.drain(..).partition(|c| seen.insert((c.sid.clone(), c.rid.clone())));
+                    let results: Vec<Result<bool, Failed>> = match Self::insert_claims(&pool, &first).await {
+                        Ok(stored) => stored.into_iter().map(Ok).collect(),
+                        // One claim at a time, so that only a bad one fails.
+                        Err(_) if first.len() > 1 => {
+                            let mut results = Vec::with_capacity(first.len());
+                            for c in &first {
+                                let r = Self::insert_claims(&pool, std::slice::from_ref(c)).await;
+                                results.push(r.map(|s| s[0]).map_err(|e| db_err(e).into()));
+                            }
+                            results
+                        }
+                        Err(e) => vec![Err(Failed::from(db_err(e)))],
+                    };
+                    // A repeated key fails with its first claim, or finds
+                    // the turn that claim stored (or found).
+                    let repeat_results: Vec<Result<bool, Failed>> = repeats
+                        .iter()
+                        .map(|c| {
+                            first
+                                .iter()
+                                .zip(&results)
+                                .find(|(f, _)| f.sid == c.sid && f.rid == c.rid)
+                                .map_or(Ok(false), |(_, r)| r.clone().map(|_| false))
+                        })
+                        .collect();
+                    for (c, r) in first.into_iter().zip(results) {
+                        let _ = c.done.send(r);
+                    }
+                    for (c, r) in repeats.into_iter().zip(repeat_results) {
+                        let _ = c.done.send(r);
+                    }
+                }
+            }
+
+            /// Queues a turn's events and outcome for the committer and
+            /// waits until they are committed.
+            async fn commit(
+                &self,
+                key: &TurnKey,
+                events: Vec<EncodedEvent>,
+                outcome: Option<$crate::store::sql::PendingOutcome>,
+            ) -> StoreResult<()> {
+                let (done, committed) = tokio::sync::oneshot::channel();
+                let mut batch = $crate::store::sql::PendingBatch::new(key, events, done);
+                batch.outcome = outcome;
+                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's committer stopped"));
+                self.commits.send(batch).await.map_err(|_| stopped())?;
+                committed.await.map_err(|_| stopped())?.map_err(StoreError::from)
+            }
+
             async fn commit_groups(
                 pool: sqlx::Pool<$db>,
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
             ) {
-                    let mut group = Vec::with_capacity($crate::store::sql::GROUP_MAX);
-                    while rx.lock().await.recv_many(&mut group, $crate::store::sql::GROUP_MAX).await > 0 {
+                    use $crate::store::sql::{GROUP_MAX, LINGER};
+                    let mut group = Vec::with_capacity(GROUP_MAX);
+                    let mut last = tokio::time::Instant::now();
+                    loop {
+                        let mut queue = rx.lock().await;
+                        if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
+                            break;
+                        }
+                        // Events alone, with the last commit moments ago: they
+                        // wait out the rest of the interval, joined by what
+                        // comes meanwhile. An outcome (a turn's end) is not
+                        // kept waiting, nor is anything queued with one.
+                        while group.len() < GROUP_MAX && group.iter().all(|p| p.outcome.is_none()) {
+                            let room = GROUP_MAX - group.len();
+                            let more = tokio::time::timeout_at(last + LINGER, queue.recv_many(&mut group, room));
+                            if !matches!(more.await, Ok(n) if n > 0) {
+                                break;
+                            }
+                        }
+                        drop(queue);
+                        last = tokio::time::Instant::now();
                         match Self::write_group(&pool, &group).await {
                             Ok(()) => {
                                 for p in group.drain(..) {
                                     let _ = p.done.send(Ok(()));
                                 }
                             }
-                            // One batch at a time, so that only a bad one fails.
-                            Err(_) if group.len() > 1 => {
-                                for p in group.drain(..) {
+                            // One batch at a time, so that only a bad one fails
+                            // (without its events again if the group's are stored).
+                            Err(e) if group.len() > 1 => {
+                                for mut p in group.drain(..) {
+                                    if e.events_stored {
+                                        p.events.clear();
+                                    }
                                     let r = Self::write_group(&pool, std::slice::from_ref(&p)).await;
-                                    let _ = p.done.send(r.map_err(|e| db_err(e).into()));
+                                    let _ = p.done.send(r.map_err(|e| db_err(e.error).into()));
                                 }
                             }
                             Err(e) => {
-                                let failed = $crate::store::sql::Failed::from(db_err(e));
+                                let failed = $crate::store::sql::Failed::from(db_err(e.error));
                                 for p in group.drain(..) {
                                     let _ = p.done.send(Err(failed.clone()));
                                 }
@@ -319,24 +489,20 @@ macro_rules! sql_store {
 
             async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
                 let now = std::time::SystemTime::now();
-                let done = sqlx::query(Self::SQL.claim_turn)
-                .bind(t.key.session_id.to_string())
-                .bind(t.key.request_id.as_str())
-                .bind(&t.user_text)
-                .bind(&t.agent)
-                .bind(&t.owner)
-                .bind(to_micros(now + t.lease))
-                .bind(to_micros(now))
-                .execute(&self.write)
-                .await
-                .map_err(db_err)?;
-                if done.rows_affected() == 1 {
-                    sqlx::query("UPDATE sessions SET updated_at = $1 WHERE id = $2")
-                        .bind(to_micros(now))
-                        .bind(t.key.session_id.to_string())
-                        .execute(&self.write)
-                        .await
-                        .map_err(db_err)?;
+                let (done, stored) = tokio::sync::oneshot::channel();
+                let claim = $crate::store::sql::PendingClaim {
+                    sid: t.key.session_id.to_string(),
+                    rid: t.key.request_id.as_str().to_owned(),
+                    user_text: t.user_text.clone(),
+                    agent: t.agent.clone(),
+                    owner: t.owner.clone(),
+                    lease_until: to_micros(now + t.lease),
+                    at: to_micros(now),
+                    done,
+                };
+                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's claimer stopped"));
+                self.claims.send(claim).await.map_err(|_| stopped())?;
+                if stored.await.map_err(|_| stopped())?.map_err(StoreError::from)? {
                     return Ok(Claim::New);
                 }
                 // Read on the writer: the winner's row is committed there.
@@ -366,29 +532,21 @@ macro_rules! sql_store {
                 if events.is_empty() {
                     return Ok(());
                 }
-                let (done, committed) = tokio::sync::oneshot::channel();
-                let batch = $crate::store::sql::PendingBatch::new(key, events, done);
-                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's committer stopped"));
-                self.commits.send(batch).await.map_err(|_| stopped())?;
-                committed.await.map_err(|_| stopped())?.map_err(StoreError::from)
+                self.commit(key, events, None).await
             }
 
             async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<()> {
-                sqlx::query(
-                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, answer = $7, updated_at = $4 \
-                     WHERE session_id = $5 AND request_id = $6 AND state = 'running'",
-                )
-                .bind(outcome.state.as_str())
-                .bind(outcome.code as i64)
-                .bind(&outcome.message)
-                .bind(to_micros(std::time::SystemTime::now()))
-                .bind(key.session_id.to_string())
-                .bind(key.request_id.as_str())
-                .bind(answer)
-                .execute(&self.write)
-                .await
-                .map_err(db_err)?;
-                Ok(())
+                self.commit(key, Vec::new(), Some($crate::store::sql::PendingOutcome::new(outcome, answer))).await
+            }
+
+            async fn append_and_finish(
+                &self,
+                key: &TurnKey,
+                events: Vec<EncodedEvent>,
+                outcome: &TurnOutcome,
+                answer: Option<&str>,
+            ) -> StoreResult<()> {
+                self.commit(key, events, Some($crate::store::sql::PendingOutcome::new(outcome, answer))).await
             }
 
             async fn events_after(&self, key: &TurnKey, after: Option<u64>, limit: usize) -> StoreResult<Vec<SeqEvent>> {
@@ -447,6 +605,44 @@ macro_rules! sql_store {
                     .collect::<StoreResult<Vec<_>>>()?;
                 turns.reverse();
                 Ok(turns)
+            }
+
+            async fn session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+                // One row per history turn, each with the session's columns
+                // (one row of NULL turn columns when it has none); no row at
+                // all when there is no such session.
+                let rows = sqlx::query(
+                    "SELECT s.id, s.user_id, s.created_at, s.updated_at, \
+                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+                     FROM sessions s LEFT JOIN ( \
+                       SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
+                       WHERE session_id = $1 AND state <> 'running' \
+                       ORDER BY created_at DESC, request_id DESC LIMIT $2 \
+                     ) h ON true \
+                     WHERE s.id = $1 \
+                     ORDER BY h.created_at, h.request_id",
+                )
+                .bind(id.to_string())
+                .bind(limit as i64)
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                let Some(first) = rows.first() else {
+                    return Ok(None);
+                };
+                let session = session_from_row(first)?;
+                let mut history = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let Some(request_id) = r.try_get::<Option<String>, _>("h_request_id").map_err(db_err)? else {
+                        continue;
+                    };
+                    history.push(PriorTurn {
+                        request_id,
+                        user_text: r.try_get("h_user_text").map_err(db_err)?,
+                        answer: r.try_get("h_answer").map_err(db_err)?,
+                    });
+                }
+                Ok(Some((session, history)))
             }
 
             async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {

@@ -70,6 +70,8 @@ pub struct SqliteStore {
     a2a: Arc<super::a2a_tasks::SqliteTasks>,
     /// The committer's queue: event batches are written through it.
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
+    /// The claimer's queue: turns are claimed through it.
+    claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
     /// Held while the store lives; the checkpointer stops when it goes.
     _alive: Arc<()>,
 }
@@ -209,6 +211,7 @@ impl SqliteStore {
             write.clone(),
         ));
         let commits = Self::spawn_committer(write.clone(), 1);
+        let claims = Self::spawn_claimer(write.clone(), 1);
         let alive = Arc::new(());
         spawn_checkpointer(checkpoints, Arc::downgrade(&alive));
         let store = Self {
@@ -216,6 +219,7 @@ impl SqliteStore {
             write,
             a2a,
             commits,
+            claims,
             _alive: alive,
         };
         let moved = store.move_legacy_events().await?;
@@ -313,11 +317,81 @@ fn insert_rows<'q>(
     q
 }
 
+/// Statements built for up to this many rows are kept prepared (on the
+/// writer connection, in sqlx's cache): the text differs with the row count,
+/// and small groups, the usual ones at low load, would otherwise be prepared
+/// again every time.
+const KEEP_PREPARED_UP_TO: usize = 4;
+
+/// One statement recording the outcomes of `turns`, each only while its
+/// turn is still running (as [`Store::finish_turn`](super::Store::finish_turn)).
+fn update_outcomes<'q>(
+    turns: &'q [(&'q super::sql::PendingBatch, &'q super::sql::PendingOutcome)],
+) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
+    let mut q = sqlx::QueryBuilder::new(
+        "UPDATE turns SET state = v.column3, status_code = v.column4, status_message = v.column5, \
+         answer = v.column6, updated_at = v.column7 FROM (",
+    );
+    q.push_values(turns, |mut b, (p, o)| {
+        b.push_bind(p.sid.as_str())
+            .push_bind(p.rid.as_str())
+            .push_bind(o.state)
+            .push_bind(o.code)
+            .push_bind(o.message.as_str())
+            .push_bind(o.answer.as_deref())
+            .push_bind(o.at);
+    });
+    q.push(
+        ") AS v WHERE turns.session_id = v.column1 AND turns.request_id = v.column2 \
+         AND turns.state = 'running'",
+    );
+    q
+}
+
 impl SqliteStore {
-    /// Writes a committer's group, as one statement when it fits in one:
+    /// Writes a committer's group: its events, then its outcomes. Each is
+    /// one statement, and one commit, for the whole group (see
+    /// [`write_events`](Self::write_events)).
+    ///
+    /// Two commits, not one transaction: the event log is another file,
+    /// and SQLite commits a transaction over two WAL files one file at a
+    /// time, the main one (the outcomes) first. A process killed between the
+    /// two would keep an outcome whose last events are gone. In this order
+    /// it can only keep events of a turn still `running`, which the next
+    /// start fails with UNAVAILABLE.
+    async fn write_group(
+        pool: &SqlitePool,
+        group: &[super::sql::PendingBatch],
+    ) -> Result<(), super::sql::GroupError> {
+        Self::write_events(pool, group).await?;
+        let outcomes: Vec<_> = group
+            .iter()
+            .filter_map(|p| Some((p, p.outcome.as_ref()?)))
+            .collect();
+        if outcomes.is_empty() {
+            return Ok(());
+        }
+        let mut stored = 0;
+        while stored < outcomes.len() {
+            let chunk = &outcomes[stored..outcomes.len().min(stored + ROWS_PER_STATEMENT)];
+            update_outcomes(chunk)
+                .build()
+                .persistent(chunk.len() <= KEEP_PREPARED_UP_TO)
+                .execute(pool)
+                .await
+                .map_err(|error| super::sql::GroupError {
+                    error,
+                    events_stored: true,
+                })?;
+            stored += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Writes a group's events, as one statement when it fits in one:
     /// each statement is a round trip to sqlx's SQLite thread, so a
     /// statement per row made a group of 64 turns 66 of them.
-    async fn write_group(
+    async fn write_events(
         pool: &SqlitePool,
         group: &[super::sql::PendingBatch],
     ) -> Result<(), sqlx::Error> {
@@ -386,14 +460,54 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// The statements that differ from PostgreSQL's: a turn is claimed with
-    /// the next turn number, and the event log, keyed by that number in
-    /// another file (where no foreign key reaches), is found through the
-    /// turn's row and deleted with it by hand.
+    /// Claims `claims` (distinct keys) in one statement; for each, whether
+    /// it stored its turn. Turns get the next numbers, in claim order (the
+    /// select reads the table it inserts into, so SQLite computes it whole,
+    /// numbers included, before the first row goes in). The session's
+    /// `updated_at` follows by trigger (migration 6).
+    async fn insert_claims(
+        pool: &SqlitePool,
+        claims: &[super::sql::PendingClaim],
+    ) -> Result<Vec<bool>, sqlx::Error> {
+        let mut q = sqlx::QueryBuilder::new(
+            "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
+             created_at, updated_at, turn_no) \
+             SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, v.column6, v.column7, v.column7, \
+             (SELECT IFNULL(MAX(turn_no), 0) FROM turns) + ROW_NUMBER() OVER () FROM (",
+        );
+        q.push_values(claims, |mut b, c| {
+            b.push_bind(c.sid.as_str())
+                .push_bind(c.rid.as_str())
+                .push_bind(c.user_text.as_str())
+                .push_bind(c.agent.as_str())
+                .push_bind(c.owner.as_str())
+                .push_bind(c.lease_until)
+                .push_bind(c.at);
+        });
+        // `WHERE true`: without it SQLite would read ON CONFLICT as a join's.
+        q.push(
+            ") AS v WHERE true ON CONFLICT (session_id, request_id) DO NOTHING \
+             RETURNING session_id, request_id",
+        );
+        let rows = q
+            .build()
+            .persistent(claims.len() <= KEEP_PREPARED_UP_TO)
+            .fetch_all(pool)
+            .await?;
+        let stored: std::collections::HashSet<(String, String)> = rows
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<_, sqlx::Error>>()?;
+        Ok(claims
+            .iter()
+            .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
+            .collect())
+    }
+
+    /// The statements that differ from PostgreSQL's: the event log, keyed
+    /// by the turn's number in another file (where no foreign key reaches),
+    /// is found through the turn's row and deleted with it by hand.
     const SQL: super::sql::Dialect = super::sql::Dialect {
-        claim_turn: "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at, turn_no) \
-             VALUES ($1, $2, $3, $4, 'running', $5, $6, $7, $7, (SELECT IFNULL(MAX(turn_no), 0) + 1 FROM turns)) \
-             ON CONFLICT (session_id, request_id) DO NOTHING",
         events_after: "SELECT events FROM event_log \
              WHERE turn_no = (SELECT turn_no FROM turns WHERE session_id = $1 AND request_id = $2) AND last_seq > $3 \
              ORDER BY first_seq LIMIT $4",

@@ -245,26 +245,27 @@ impl Turns {
         self.check_store()?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
-        // Three independent reads, made at once: a Run waits for one store
-        // round trip here, not three. Nothing read is used unless the
-        // session is the caller's.
-        let (session, existing, history) = tokio::join!(
-            self.owned_session(key.session_id, &input.user_id),
-            self.store.get_turn(&key),
-            self.store.history(key.session_id, self.cfg.history_turns),
-        );
-        session?;
-        if let Some(existing) = existing? {
-            return self.join(existing, &input, deadline);
-        }
-        let permit = self
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| RunError::Busy {
-                limit: self.cfg.max_concurrent_runs,
-            })?;
-        let history = history?;
+        // One read before the claim: the session and its history together.
+        // Nothing read is used unless the session is the caller's. A turn
+        // already there (a repeated request id) is found by the claim.
+        let history = match self
+            .store
+            .session_with_history(key.session_id, self.cfg.history_turns)
+            .await?
+        {
+            Some((session, history)) if session.user_id == input.user_id => history,
+            _ => return Err(RunError::SessionNotFound),
+        };
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            // At the cap, a repeated request id is still answered from the
+            // turn it names; only a new turn is refused.
+            return match self.store.get_turn(&key).await? {
+                Some(existing) => self.join(existing, &input, deadline),
+                None => Err(RunError::Busy {
+                    limit: self.cfg.max_concurrent_runs,
+                }),
+            };
+        };
         let claim = NewTurn {
             key: key.clone(),
             user_text: input.text.as_str().to_owned(),

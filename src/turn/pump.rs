@@ -356,9 +356,41 @@ impl Writer {
                     ToWriter::Finish(f) => finish = Some(*f),
                 }
             }
-            self.flush(&*store, &mut events).await;
-            if let Some(o) = finish {
-                break o;
+            match finish {
+                // The last events and the outcome go to the store together.
+                Some((outcome, answer))
+                    if !events.is_empty() && !self.progress.borrow().store_failed =>
+                {
+                    let last = events.last().map(|e| e.seq);
+                    match store
+                        .append_and_finish(
+                            &self.key,
+                            std::mem::take(&mut events),
+                            &outcome,
+                            answer.as_deref(),
+                        )
+                        .await
+                    {
+                        Ok(()) => {
+                            self.progress.send_modify(|p| {
+                                p.stored_through = last;
+                                p.done = true;
+                            });
+                            self.forget();
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not store turn events; ending the run");
+                            self.progress.send_modify(|p| p.store_failed = true);
+                            break (outcome, answer);
+                        }
+                    }
+                }
+                Some(o) => {
+                    self.flush(&*store, &mut events).await;
+                    break o;
+                }
+                None => self.flush(&*store, &mut events).await,
             }
         };
         let (outcome, answer) = outcome;
@@ -379,6 +411,11 @@ impl Writer {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
         }
         self.progress.send_modify(|p| p.done = true);
+        self.forget();
+    }
+
+    /// The turn is over here: a repeated request id no longer attaches live.
+    fn forget(&self) {
         self.turns
             .live
             .lock()
