@@ -700,6 +700,245 @@ async fn appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone(
     }
 }
 
+fn new_turn(key: &TurnKey, owner: &str) -> NewTurn {
+    NewTurn {
+        key: key.clone(),
+        user_text: format!("question {}", key.request_id),
+        agent: "echo".into(),
+        owner: owner.into(),
+        lease: Duration::from_secs(30),
+    }
+}
+
+/// Turns starting together are claimed together (the SQL stores write the
+/// claims queued at one moment in one statement): each key is claimed once
+/// whoever races for it, even twice in one group; a claim in a session that
+/// does not exist fails alone; and every claimed turn marks its session
+/// updated.
+async fn claims_made_together_each_win_once_and_a_bad_one_fails_alone(db: TestDb) {
+    use agentd::store::Claim;
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let sessions = [
+        store.create_session(&alice).await.unwrap(),
+        store.create_session(&alice).await.unwrap(),
+    ];
+    let keys: Vec<TurnKey> = (0..24)
+        .map(|i| TurnKey {
+            session_id: sessions[i % 2].id,
+            request_id: RequestId::parse(format!("r{i}")).unwrap(),
+        })
+        .collect();
+    let missing = TurnKey {
+        session_id: SessionId::generate(),
+        request_id: RequestId::parse("r0").unwrap(),
+    };
+    // Round 0 claims the first 16 keys; round 1 all 24, with a claim in a
+    // session that does not exist among them.
+    for round in 0..2 {
+        let (upto, fresh) = if round == 0 {
+            (16, 0..16)
+        } else {
+            (24, 16..24)
+        };
+        // Every key three times over (three replicas), all at once.
+        let claims = keys[..upto]
+            .iter()
+            .flat_map(|k| ["a", "b", "c"].map(|owner| (k.clone(), owner)))
+            .map(|(k, owner)| {
+                let store = store.clone();
+                async move { (k.clone(), store.claim_turn(&new_turn(&k, owner)).await) }
+            });
+        let bad_turn = new_turn(&missing, "a");
+        let bad = async {
+            if round == 1 {
+                assert!(
+                    store.claim_turn(&bad_turn).await.is_err(),
+                    "a claim in a session that does not exist fails"
+                );
+            }
+        };
+        let (claims, ()) = tokio::join!(futures::future::join_all(claims), bad);
+        for (i, k) in keys[..upto].iter().enumerate() {
+            let results: Vec<&Claim> = claims
+                .iter()
+                .filter(|(key, _)| key == k)
+                .map(|(_, r)| r.as_ref().unwrap())
+                .collect();
+            let new = results.iter().filter(|c| ***c == Claim::New).count();
+            let want = usize::from(fresh.contains(&i));
+            assert_eq!(new, want, "round {round}, {k}: {results:?}");
+            for c in results {
+                if let Claim::Existing(t) = c {
+                    assert_eq!(&t.key, k);
+                    assert_eq!(t.user_text, format!("question {}", k.request_id));
+                }
+            }
+            let stored = store.get_turn(k).await.unwrap().unwrap();
+            assert!(["a", "b", "c"].contains(&stored.owner.as_str()));
+        }
+    }
+    assert!(store.get_turn(&missing).await.unwrap().is_none());
+    for s in &sessions {
+        let now = store.get_session(s.id).await.unwrap().unwrap();
+        assert!(
+            now.updated_at > s.updated_at,
+            "a claim marks its session updated"
+        );
+        assert_eq!(store.list_turns(s.id).await.unwrap().len(), 12);
+    }
+}
+
+/// Turns ending together store their last events and outcomes together
+/// (one committer group); a turn that was never claimed fails alone and
+/// records nothing. The session and its history are then read in one call:
+/// oldest first, the last `limit`, none for a session that does not exist.
+async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::{EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let key = |i: usize| TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse(format!("r{i:02}")).unwrap(),
+    };
+    let keys: Vec<TurnKey> = (0..16).map(key).collect();
+    for k in &keys {
+        // One at a time: claim order is history order.
+        assert_eq!(
+            store.claim_turn(&new_turn(k, "a")).await.unwrap(),
+            agentd::store::Claim::New
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let events = |k: &TurnKey| -> Vec<SeqEvent> {
+        (0..3)
+            .map(|seq| SeqEvent {
+                seq,
+                event: Event {
+                    kind: if seq == 2 {
+                        EventKind::FinalAnswer
+                    } else {
+                        EventKind::PartialText
+                    },
+                    author: "echo".into(),
+                    text: format!("answer {} {seq}", k.request_id),
+                    tool_name: String::new(),
+                    tool_call_id: String::new(),
+                    payload_json: String::new(),
+                    created_unix_nanos: 1,
+                },
+            })
+            .collect()
+    };
+    // Odd turns fail, even ones complete; all end at once.
+    let outcome = |i: usize| {
+        if i % 2 == 0 {
+            TurnOutcome {
+                state: TurnState::Completed,
+                code: 0,
+                message: String::new(),
+            }
+        } else {
+            TurnOutcome {
+                state: TurnState::Failed,
+                code: 14,
+                message: "the model is unreachable".into(),
+            }
+        }
+    };
+    let ends = keys.iter().enumerate().map(|(i, k)| {
+        let store = store.clone();
+        let (events, outcome) = (events(k), outcome(i));
+        async move {
+            let answer = format!("answer {} 2", k.request_id);
+            let encoded = events.iter().map(EncodedEvent::of).collect();
+            store
+                .append_and_finish(
+                    k,
+                    encoded,
+                    &outcome,
+                    (i % 2 == 0).then_some(answer.as_str()),
+                )
+                .await
+        }
+    });
+    let never = key(99);
+    let completed = outcome(0);
+    let bad = store.append_and_finish(
+        &never,
+        events(&never).iter().map(EncodedEvent::of).collect(),
+        &completed,
+        Some("x"),
+    );
+    // The first half alone, then the second with the bad one among them.
+    let mut ends: Vec<_> = ends.collect();
+    let second = ends.split_off(keys.len() / 2);
+    let mut done = futures::future::join_all(ends).await;
+    let (rest, bad) = tokio::join!(futures::future::join_all(second), bad);
+    done.extend(rest);
+    assert!(bad.is_err(), "a turn never claimed is refused");
+    assert!(store.get_turn(&never).await.unwrap().is_none());
+    for (i, (k, r)) in keys.iter().zip(done).enumerate() {
+        r.unwrap();
+        let t = store.get_turn(k).await.unwrap().unwrap();
+        assert_eq!(t.outcome, Some(outcome(i)), "{k}");
+        assert_eq!(
+            store.events_after(k, None, 10).await.unwrap(),
+            events(k),
+            "{k}"
+        );
+    }
+    // A turn's outcome is kept once recorded.
+    store
+        .finish_turn(&keys[0], &outcome(1), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_turn(&keys[0]).await.unwrap().unwrap().outcome,
+        Some(outcome(0))
+    );
+
+    let (s, history) = store
+        .session_with_history(session.id, 5)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.id, session.id);
+    assert_eq!(s.user_id, alice);
+    let ids: Vec<&str> = history.iter().map(|t| t.request_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["r11", "r12", "r13", "r14", "r15"],
+        "the last five, oldest first"
+    );
+    assert_eq!(history[1].answer, "answer r12 2");
+    assert_eq!(history[0].answer, "", "a failed turn has no answer");
+    assert_eq!(history[0].user_text, "question r11");
+    assert_eq!(history, store.history(session.id, 5).await.unwrap());
+    let (_, none) = store
+        .session_with_history(session.id, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(none.is_empty());
+    let fresh = store.create_session(&alice).await.unwrap();
+    let (s, none) = store
+        .session_with_history(fresh.id, 5)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((s.id, none.len()), (fresh.id, 0));
+    assert!(
+        store
+            .session_with_history(SessionId::generate(), 5)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -727,6 +966,8 @@ macro_rules! per_backend {
 
 per_backend!(
     appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone,
+    claims_made_together_each_win_once_and_a_bad_one_fails_alone,
+    turns_ending_together_store_their_last_events_and_outcomes,
     sessions_are_listed_per_user_oldest_first_a_page_at_a_time,
     get_session_lists_each_turn_with_its_final_status,
     a_foreign_or_unknown_session_is_not_found_on_every_call,

@@ -118,6 +118,13 @@ impl Store for MemoryStore {
         if let Some(existing) = inner.turns.get(&t.key).and_then(|x| x.record.clone()) {
             return Ok(Claim::Existing(existing));
         }
+        if !inner.sessions.contains_key(&t.key.session_id) {
+            // As the SQL stores' foreign key refuses it.
+            return Err(StoreError::Unexpected(anyhow::anyhow!(
+                "claim of {} in a session that does not exist",
+                t.key
+            )));
+        }
         let now = SystemTime::now();
         inner
             .by_session
