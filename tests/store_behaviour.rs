@@ -834,7 +834,7 @@ async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) 
     };
     // Odd turns fail, even ones complete; all end at once.
     let outcome = |i: usize| {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             TurnOutcome {
                 state: TurnState::Completed,
                 code: 0,
@@ -859,7 +859,7 @@ async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) 
                     k,
                     encoded,
                     &outcome,
-                    (i % 2 == 0).then_some(answer.as_str()),
+                    i.is_multiple_of(2).then_some(answer.as_str()),
                 )
                 .await
         }
