@@ -25,6 +25,9 @@ bin=${CARGO_TARGET_DIR:-target}/release/agentd
 pin_s=() pin_c=()
 if [[ $(nproc) -ge 2 ]] && command -v taskset >/dev/null; then pin_s=(taskset -c 0); pin_c=(taskset -c 1); fi
 db=$out/store-bench.db
+# The servers' own logs (why one did not start, say) go beside the client's.
+export AGENTD_BENCH_SERVER_LOG=$out/store-servers.log
+rm -f "$AGENTD_BENCH_SERVER_LOG"
 stores=(memory: "sqlite://$db")
 if command -v pg_isready >/dev/null && pg_isready -q -d "$postgres_url"; then stores+=("$postgres_url"); fi
 for w in bursty one-at-a-time; do

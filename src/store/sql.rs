@@ -85,14 +85,35 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
     blob
 }
 
-/// How long events wait, at most, to share a commit with what follows them,
-/// when the committer committed less than this long ago: a turn streaming a
-/// model's tokens hands its writer a few events at a time, and a commit for
-/// each of them rewrote the event log's last page (64 KiB on SQLite) and its
-/// checksum every time. Events still reach the client at once; only their
-/// storage (and followers reading it) waits. A turn's last events, which go
-/// with its outcome, never wait.
+/// How long a few events wait, at most, to share a commit with what follows
+/// them, when the committer committed less than this long ago: a turn
+/// streaming a model's tokens hands its writer a few events at a time, and a
+/// commit for each of them rewrote the event log's last page (64 KiB on
+/// SQLite) and its checksum every time. Events still reach the client at
+/// once; only their storage (and followers reading it) waits. A turn's last
+/// events, which go with its outcome, never wait.
 pub(super) const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// A group holding at least this many bytes of events is committed at once.
+const LINGER_BELOW: usize = 16 * 1024;
+
+/// Whether `group` may wait for more ([`LINGER`]): it holds only events (an
+/// outcome, a turn's end, is never kept waiting, nor is anything queued with
+/// one), and few of them. A group of streams going flat out is large and is
+/// committed at once, as before.
+pub(super) fn lingers(group: &[PendingBatch]) -> bool {
+    let mut bytes = 0;
+    for p in group {
+        if p.outcome.is_some() {
+            return false;
+        }
+        bytes += p.events.iter().map(|e| e.as_bytes().len()).sum::<usize>();
+        if bytes >= LINGER_BELOW {
+            return false;
+        }
+    }
+    true
+}
 
 /// Batches the committer takes into one transaction at most.
 pub(super) const GROUP_MAX: usize = 256;
@@ -420,11 +441,10 @@ macro_rules! sql_store {
                         if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
                             break;
                         }
-                        // Events alone, with the last commit moments ago: they
-                        // wait out the rest of the interval, joined by what
-                        // comes meanwhile. An outcome (a turn's end) is not
-                        // kept waiting, nor is anything queued with one.
-                        while group.len() < GROUP_MAX && group.iter().all(|p| p.outcome.is_none()) {
+                        // A few events alone, with the last commit moments
+                        // ago: they wait out the rest of the interval, joined
+                        // by what comes meanwhile ([`lingers`]).
+                        while group.len() < GROUP_MAX && $crate::store::sql::lingers(&group) {
                             let room = GROUP_MAX - group.len();
                             let more = tokio::time::timeout_at(last + LINGER, queue.recv_many(&mut group, room));
                             if !matches!(more.await, Ok(n) if n > 0) {
@@ -844,6 +864,47 @@ mod tests {
         assert_eq!(seqs, vec![vec![0, 1, 2], vec![3], vec![4], vec![5]]);
         assert!(split_batch(&[]).is_empty());
         assert_eq!(split_batch(&events[..1]).len(), 1);
+    }
+
+    /// Small groups of events alone wait for more; a group with an outcome,
+    /// or with 16 KiB of events, is committed at once.
+    #[test]
+    fn only_small_groups_of_events_alone_linger() {
+        let key = crate::domain::TurnKey {
+            session_id: crate::domain::SessionId::generate(),
+            request_id: crate::domain::RequestId::parse("r1").unwrap(),
+        };
+        let batch = |sizes: &[usize]| {
+            let events = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| event(i as u64, n))
+                .collect();
+            PendingBatch::new(&key, events, tokio::sync::oneshot::channel().0)
+        };
+        assert!(lingers(&[]));
+        assert!(lingers(&[batch(&[10, 10]), batch(&[100])]));
+        assert!(!lingers(&[batch(&[10]), batch(&[8 * 1024, 8 * 1024])]));
+        let mut ending = batch(&[10]);
+        ending.outcome = Some(PendingOutcome::new(
+            &crate::store::TurnOutcome {
+                state: crate::store::TurnState::Completed,
+                code: 0,
+                message: String::new(),
+            },
+            None,
+        ));
+        assert!(!lingers(&[batch(&[10]), ending]));
+        let mut alone = batch(&[]);
+        alone.outcome = Some(PendingOutcome::new(
+            &crate::store::TurnOutcome {
+                state: crate::store::TurnState::Failed,
+                code: 14,
+                message: "gone".into(),
+            },
+            None,
+        ));
+        assert!(!lingers(&[alone]));
     }
 
     /// A row's blob is the batch encoding of its events: the same bytes the
