@@ -224,15 +224,7 @@ impl PostgresStore {
         .bind(claims.iter().map(|c| c.at).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
-        use sqlx::Row as _;
-        let stored: std::collections::HashSet<(String, String)> = rows
-            .iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-            .collect::<Result<_, sqlx::Error>>()?;
-        Ok(claims
-            .iter()
-            .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
-            .collect())
+        super::sql::stored_claims(claims, &rows)
     }
 }
 

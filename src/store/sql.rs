@@ -197,6 +197,27 @@ pub(super) struct PendingClaim {
     pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
 }
 
+/// Which of `claims` stored their turn, from the (session_id, request_id)
+/// rows the claim statement returned for the turns it inserted.
+pub(super) fn stored_claims<R>(
+    claims: &[PendingClaim],
+    rows: &[R],
+) -> Result<Vec<bool>, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let stored: std::collections::HashSet<(String, String)> = rows
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<Result<_, sqlx::Error>>()?;
+    Ok(claims
+        .iter()
+        .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
+        .collect())
+}
+
 /// Claims the claimer writes in one statement at most.
 pub(super) const CLAIMS_MAX: usize = 128;
 

@@ -494,14 +494,7 @@ impl SqliteStore {
             .persistent(claims.len() <= KEEP_PREPARED_UP_TO)
             .fetch_all(pool)
             .await?;
-        let stored: std::collections::HashSet<(String, String)> = rows
-            .iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-            .collect::<Result<_, sqlx::Error>>()?;
-        Ok(claims
-            .iter()
-            .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
-            .collect())
+        super::sql::stored_claims(claims, &rows)
     }
 
     /// The statements that differ from PostgreSQL's: the event log, keyed
