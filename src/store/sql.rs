@@ -115,6 +115,22 @@ pub(super) fn lingers(group: &[PendingBatch]) -> bool {
     true
 }
 
+/// A queue shared by `workers` tasks, each running `work` on it (the
+/// committers, the claimers): each takes what queued while it was busy.
+pub(super) fn spawn_queue<T, W, F>(workers: usize, work: W) -> tokio::sync::mpsc::Sender<T>
+where
+    T: Send + 'static,
+    W: Fn(std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<T>>>) -> F,
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
+    let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+    for _ in 0..workers {
+        tokio::spawn(work(rx.clone()));
+    }
+    tx
+}
+
 /// Batches the committer takes into one transaction at most.
 pub(super) const GROUP_MAX: usize = 256;
 /// Batches waiting for the committer; a full queue holds turn writers back.
@@ -365,12 +381,7 @@ macro_rules! sql_store {
                 pool: sqlx::Pool<$db>,
                 committers: usize,
             ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch> {
-                let (tx, rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
-                let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
-                for _ in 0..committers {
-                    tokio::spawn(Self::commit_groups(pool.clone(), rx.clone()));
-                }
-                tx
+                $crate::store::sql::spawn_queue(committers, |rx| Self::commit_groups(pool.clone(), rx))
             }
 
             /// Starts the store's claimers: a claim waits for the one in
@@ -382,12 +393,7 @@ macro_rules! sql_store {
                 pool: sqlx::Pool<$db>,
                 claimers: usize,
             ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim> {
-                let (tx, rx) = tokio::sync::mpsc::channel($crate::store::sql::GROUP_QUEUE);
-                let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
-                for _ in 0..claimers {
-                    tokio::spawn(Self::claim_groups(pool.clone(), rx.clone()));
-                }
-                tx
+                $crate::store::sql::spawn_queue(claimers, |rx| Self::claim_groups(pool.clone(), rx))
             }
 
             async fn claim_groups(
@@ -577,7 +583,7 @@ macro_rules! sql_store {
             }
 
             async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<()> {
-                self.commit(key, Vec::new(), Some($crate::store::sql::PendingOutcome::new(outcome, answer))).await
+                self.append_and_finish(key, Vec::new(), outcome, answer).await
             }
 
             async fn append_and_finish(
