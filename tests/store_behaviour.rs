@@ -2,6 +2,7 @@
 //! backend: `memory::`, `sqlite::` (a fresh file) and `postgres::` (a fresh
 //! database on AGENTD_TEST_POSTGRES_URL).
 
+mod prom;
 mod support;
 
 use std::time::{Duration, SystemTime};
@@ -939,6 +940,117 @@ async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) 
     );
 }
 
+/// Every call of the store a server opens is timed, and a failure counted
+/// by its cause; the SQL stores also time each group they write and count
+/// what went into it. (Each test runs in a process of its own, so the
+/// process's recorder holds just this test's calls.)
+async fn every_store_call_is_timed_and_a_failure_counted(db: TestDb) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::{Claim, EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    let scrape = || prom::Metrics(agentd::telemetry::metrics::render());
+    let calls =
+        |m: &prom::Metrics, op: &str| m.count("agentd_store_call_seconds_count", &[("op", op)]);
+    let store = db.open().await;
+    let before = scrape();
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let key = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    assert_eq!(
+        store.claim_turn(&new_turn(&key, "a")).await.unwrap(),
+        Claim::New
+    );
+    assert!(matches!(
+        store.claim_turn(&new_turn(&key, "b")).await.unwrap(),
+        Claim::Existing(_)
+    ));
+    let missing = TurnKey {
+        session_id: SessionId::generate(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    assert!(store.claim_turn(&new_turn(&missing, "a")).await.is_err());
+    let last = SeqEvent {
+        seq: 0,
+        event: Event {
+            kind: EventKind::FinalAnswer,
+            author: "echo".into(),
+            text: "done".into(),
+            tool_name: String::new(),
+            tool_call_id: String::new(),
+            payload_json: String::new(),
+            created_unix_nanos: 1,
+        },
+    };
+    let completed = TurnOutcome {
+        state: TurnState::Completed,
+        code: 0,
+        message: String::new(),
+    };
+    store
+        .append_and_finish(
+            &key,
+            vec![EncodedEvent::of(&last)],
+            &completed,
+            Some("done"),
+        )
+        .await
+        .unwrap();
+    store
+        .session_with_history(session.id, 5)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let after = scrape();
+    let delta = |name: &str, labels: &[(&str, &str)]| {
+        after.count(name, labels) - before.count(name, labels)
+    };
+    for (op, n) in [
+        ("create_session", 1.0),
+        ("claim_turn", 3.0),
+        ("append_and_finish", 1.0),
+        ("session_with_history", 1.0),
+        ("get_turn", 0.0),
+    ] {
+        assert_eq!(
+            calls(&after, op) - calls(&before, op),
+            n,
+            "{op}: {}",
+            after.0
+        );
+    }
+    let waited = delta("agentd_store_call_seconds_sum", &[("op", "claim_turn")]);
+    assert!(waited > 0.0 && waited < 60.0, "claims took {waited} s");
+    assert_eq!(
+        delta(
+            "agentd_store_errors_total",
+            &[("op", "claim_turn"), ("error", "unexpected")]
+        ),
+        1.0,
+        "the claim in a missing session: {}",
+        after.0
+    );
+    assert_eq!(
+        delta("agentd_store_errors_total", &[("op", "append_and_finish")]),
+        0.0
+    );
+    // The SQL stores' groups: the three claims one after another (three
+    // groups of one), the last events with the outcome (one commit group).
+    let (claims, commits) = if db.url.starts_with("memory:") {
+        (0.0, 0.0)
+    } else {
+        (3.0, 1.0)
+    };
+    for (queue, n) in [("claim", claims), ("commit", commits)] {
+        let q = [("queue", queue)];
+        assert_eq!(delta("agentd_store_group_size_count", &q), n, "{queue}");
+        assert_eq!(delta("agentd_store_group_size_sum", &q), n, "{queue}");
+        assert_eq!(delta("agentd_store_group_seconds_count", &q), n, "{queue}");
+    }
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -965,6 +1077,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    every_store_call_is_timed_and_a_failure_counted,
     appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone,
     claims_made_together_each_win_once_and_a_bad_one_fails_alone,
     turns_ending_together_store_their_last_events_and_outcomes,

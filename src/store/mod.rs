@@ -7,6 +7,7 @@
 pub mod a2a_tasks;
 mod codec;
 pub mod memory;
+mod metered;
 pub mod postgres;
 mod sql;
 pub mod sqlite;
@@ -238,10 +239,12 @@ pub fn from_micros(us: i64) -> SystemTime {
 /// Opens the store a `--store` URL names: `sqlite://PATH`, `postgres://...`
 /// (or `postgresql://...`), or `memory:`. Migrations run here; an
 /// unreachable database is an error (one line, no secrets from the URL).
+/// Every call of the store returned is timed and its failures counted
+/// (`agentd_store_*` metrics).
 pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
     use anyhow::Context;
     let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
-    Ok(match scheme {
+    let store: std::sync::Arc<dyn Store> = match scheme {
         "memory" => std::sync::Arc::new(memory::MemoryStore::new()),
         "sqlite" => std::sync::Arc::new(
             sqlite::SqliteStore::open(url)
@@ -258,7 +261,8 @@ pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
                 })?,
         ),
         _ => anyhow::bail!("--store must be sqlite://PATH, postgres://... or memory:"),
-    })
+    };
+    Ok(std::sync::Arc::new(metered::Metered::new(store)))
 }
 
 /// sqlx errors already name their cause; keep just that, once.

@@ -406,7 +406,10 @@ macro_rules! sql_store {
                     let mut seen = std::collections::HashSet::with_capacity(group.len());
                     let (first, repeats): (Vec<_>, Vec<_>) =
                         group.drain(..).partition(|c| seen.insert((c.sid.clone(), c.rid.clone())));
-                    let results: Vec<Result<bool, Failed>> = match Self::insert_claims(&pool, &first).await {
+                    let started = std::time::Instant::now();
+                    let written = Self::insert_claims(&pool, &first).await;
+                    $crate::telemetry::metrics::store_group("claim", first.len(), started.elapsed());
+                    let results: Vec<Result<bool, Failed>> = match written {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
                         // One claim at a time, so that only a bad one fails.
                         Err(_) if first.len() > 1 => {
@@ -480,7 +483,9 @@ macro_rules! sql_store {
                         }
                         drop(queue);
                         last = tokio::time::Instant::now();
-                        match Self::write_group(&pool, &group).await {
+                        let written = Self::write_group(&pool, &group).await;
+                        $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
+                        match written {
                             Ok(()) => {
                                 for p in group.drain(..) {
                                     let _ = p.done.send(Ok(()));

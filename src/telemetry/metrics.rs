@@ -15,6 +15,10 @@
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
 //! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials |
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
+//! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_with_history`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
+//! | `agentd_store_errors_total` | `op`, `error` | store calls that failed: `unavailable` (the database could not be reached) or `unexpected` |
+//! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together) |
+//! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches or claims per group written |
 
 use std::sync::OnceLock;
 
@@ -32,11 +36,21 @@ pub const SLOW_CONSUMER: &str = "agentd_slow_consumer_terminations_total";
 pub const DEDUP: &str = "agentd_dedup_total";
 pub const A2A_REQUESTS: &str = "agentd_a2a_requests_total";
 pub const A2A_REQUEST_SECONDS: &str = "agentd_a2a_request_seconds";
+pub const STORE_CALL_SECONDS: &str = "agentd_store_call_seconds";
+pub const STORE_ERRORS: &str = "agentd_store_errors_total";
+pub const STORE_GROUP_SECONDS: &str = "agentd_store_group_seconds";
+pub const STORE_GROUP_SIZE: &str = "agentd_store_group_size";
 
 /// Call durations from 1 ms to the longest run a server allows by default.
 const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
+/// Store calls and group writes: from a cached read to a stalled database.
+const STORE_SECONDS_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+];
+/// Batches or claims per group: one alone up to a group's limit.
+const GROUP_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 /// Events per run: a tool-using turn is a handful, a streamed answer hundreds.
 const EVENTS_BUCKETS: &[f64] = &[
     0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0, 10000.0,
@@ -51,6 +65,15 @@ pub fn handle() -> &'static PrometheusHandle {
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
             .and_then(|b| {
                 b.set_buckets_for_metric(Matcher::Full(RUN_EVENTS.into()), EVENTS_BUCKETS)
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Prefix("agentd_store_".into()),
+                    STORE_SECONDS_BUCKETS,
+                )
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(STORE_GROUP_SIZE.into()), GROUP_SIZE_BUCKETS)
             })
             .expect("bucket lists are non-empty");
         let recorder = builder.build_recorder();
@@ -99,6 +122,18 @@ fn describe() {
         metrics::Unit::Seconds,
         "A2A request duration to its answer, or to the end of its stream"
     );
+    metrics::describe_histogram!(
+        STORE_CALL_SECONDS,
+        metrics::Unit::Seconds,
+        "store calls, as their callers waited for them (queueing included)"
+    );
+    metrics::describe_counter!(STORE_ERRORS, "store calls that failed, by cause");
+    metrics::describe_histogram!(
+        STORE_GROUP_SECONDS,
+        metrics::Unit::Seconds,
+        "SQL stores: writing one group of commits or claims"
+    );
+    metrics::describe_histogram!(STORE_GROUP_SIZE, "SQL stores: batches or claims per group");
 }
 
 /// Counts an agent run in flight for as long as it lives.
@@ -142,6 +177,29 @@ pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) 
     if mode == Mode::New {
         metrics::counter!(CANCELLATIONS, "cause" => cause).increment(1);
     }
+}
+
+/// The histogram of one store method's calls (`op` from a fixed set).
+pub fn store_call_histogram(op: &'static str) -> metrics::Histogram {
+    handle();
+    metrics::histogram!(STORE_CALL_SECONDS, "op" => op)
+}
+
+/// A store call failed.
+pub fn store_error(op: &'static str, error: &crate::store::StoreError) {
+    let cause = match error {
+        crate::store::StoreError::Unavailable(_) => "unavailable",
+        crate::store::StoreError::Unexpected(_) => "unexpected",
+    };
+    metrics::counter!(STORE_ERRORS, "op" => op, "error" => cause).increment(1);
+}
+
+/// A SQL store wrote one group of `size` batches (`queue` `commit`) or
+/// claims (`claim`).
+pub fn store_group(queue: &'static str, size: usize, elapsed: std::time::Duration) {
+    handle();
+    metrics::histogram!(STORE_GROUP_SECONDS, "queue" => queue).record(elapsed);
+    metrics::histogram!(STORE_GROUP_SIZE, "queue" => queue).record(size as f64);
 }
 
 /// An A2A request ended. `method` is the A2A method name (or `unknown`),

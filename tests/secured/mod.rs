@@ -22,6 +22,10 @@ use rcgen::{
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+#[path = "../prom/mod.rs"]
+mod prom;
+pub use prom::Metrics;
+
 /// A certificate authority made for one test.
 pub struct Ca {
     pub pem: String,
@@ -277,43 +281,6 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     (status, String::from_utf8(body.to_vec()).unwrap())
-}
-
-/// One scrape of `/metrics` in the Prometheus text format.
-pub struct Metrics(pub String);
-
-impl Metrics {
-    /// The value of the sample `name` whose labels include every `labels`
-    /// pair; `None` when there is no such sample.
-    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.0
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|line| {
-                let (series, value) = line.rsplit_once(' ')?;
-                let (n, rest) = match series.split_once('{') {
-                    Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                    None => (series, ""),
-                };
-                if n != name {
-                    return None;
-                }
-                let have: Vec<(&str, &str)> = rest
-                    .split(',')
-                    .filter_map(|kv| kv.split_once('='))
-                    .map(|(k, v)| (k, v.trim_matches('"')))
-                    .collect();
-                labels
-                    .iter()
-                    .all(|want| have.contains(want))
-                    .then(|| value.parse().ok())?
-            })
-    }
-
-    /// Like [`Metrics::get`], 0 when absent (a counter not yet incremented).
-    pub fn count(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.get(name, labels).unwrap_or(0.0)
-    }
 }
 
 /// Labels of one gRPC method of the agents service.

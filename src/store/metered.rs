@@ -1,0 +1,246 @@
+//! The store as the server uses it: every call timed and its failures
+//! counted (`agentd_store_call_seconds`, `agentd_store_errors_total`).
+//!
+//! A call's time is what its caller waited, queueing included: a claim's
+//! wait for the claimer, a batch's wait for the committer's next group. The
+//! groups themselves are measured where they are written ([`super::sql`]).
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use async_trait::async_trait;
+
+use super::a2a_tasks::{A2aTaskSource, A2aTasks};
+use super::{
+    Claim, EncodedEvent, NewTurn, PageCursor, SeqEvent, Session, SessionPage, Store, StoreResult,
+    TurnOutcome, TurnRecord,
+};
+use crate::agent::PriorTurn;
+use crate::domain::{SessionId, TurnKey, UserId};
+use crate::telemetry::metrics;
+
+/// The `op` label: one value per [`Store`] method.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    CreateSession,
+    GetSession,
+    ClaimTurn,
+    GetTurn,
+    Append,
+    FinishTurn,
+    AppendAndFinish,
+    EventsAfter,
+    History,
+    SessionWithHistory,
+    ListSessions,
+    DeleteSession,
+    ListTurns,
+    RenewLease,
+    FailExpired,
+    Prune,
+    Ping,
+}
+
+impl Op {
+    const ALL: [Op; 17] = [
+        Op::CreateSession,
+        Op::GetSession,
+        Op::ClaimTurn,
+        Op::GetTurn,
+        Op::Append,
+        Op::FinishTurn,
+        Op::AppendAndFinish,
+        Op::EventsAfter,
+        Op::History,
+        Op::SessionWithHistory,
+        Op::ListSessions,
+        Op::DeleteSession,
+        Op::ListTurns,
+        Op::RenewLease,
+        Op::FailExpired,
+        Op::Prune,
+        Op::Ping,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::CreateSession => "create_session",
+            Op::GetSession => "get_session",
+            Op::ClaimTurn => "claim_turn",
+            Op::GetTurn => "get_turn",
+            Op::Append => "append",
+            Op::FinishTurn => "finish_turn",
+            Op::AppendAndFinish => "append_and_finish",
+            Op::EventsAfter => "events_after",
+            Op::History => "history",
+            Op::SessionWithHistory => "session_with_history",
+            Op::ListSessions => "list_sessions",
+            Op::DeleteSession => "delete_session",
+            Op::ListTurns => "list_turns",
+            Op::RenewLease => "renew_lease",
+            Op::FailExpired => "fail_expired",
+            Op::Prune => "prune",
+            Op::Ping => "ping",
+        }
+    }
+}
+
+/// Wraps a store; see the module docs.
+pub struct Metered {
+    inner: Arc<dyn Store>,
+    /// One histogram per [`Op`], registered once.
+    seconds: Vec<::metrics::Histogram>,
+}
+
+impl Metered {
+    pub fn new(inner: Arc<dyn Store>) -> Self {
+        let seconds = Op::ALL
+            .iter()
+            .map(|op| metrics::store_call_histogram(op.name()))
+            .collect();
+        Self { inner, seconds }
+    }
+
+    async fn timed<T>(&self, op: Op, call: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
+        let start = Instant::now();
+        let result = call.await;
+        self.seconds[op as usize].record(start.elapsed());
+        if let Err(e) = &result {
+            metrics::store_error(op.name(), e);
+        }
+        result
+    }
+}
+
+impl A2aTaskSource for Metered {
+    fn a2a_tasks(&self) -> Arc<dyn A2aTasks> {
+        self.inner.a2a_tasks()
+    }
+}
+
+#[async_trait]
+impl Store for Metered {
+    async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
+        self.timed(Op::CreateSession, self.inner.create_session(user_id))
+            .await
+    }
+
+    async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
+        self.timed(Op::GetSession, self.inner.get_session(id)).await
+    }
+
+    async fn claim_turn(&self, turn: &NewTurn) -> StoreResult<Claim> {
+        self.timed(Op::ClaimTurn, self.inner.claim_turn(turn)).await
+    }
+
+    async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>> {
+        self.timed(Op::GetTurn, self.inner.get_turn(key)).await
+    }
+
+    async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
+        self.timed(Op::Append, self.inner.append_encoded(key, events))
+            .await
+    }
+
+    async fn append_events(&self, key: &TurnKey, events: Vec<SeqEvent>) -> StoreResult<()> {
+        self.timed(Op::Append, self.inner.append_events(key, events))
+            .await
+    }
+
+    async fn finish_turn(
+        &self,
+        key: &TurnKey,
+        outcome: &TurnOutcome,
+        answer: Option<&str>,
+    ) -> StoreResult<()> {
+        self.timed(Op::FinishTurn, self.inner.finish_turn(key, outcome, answer))
+            .await
+    }
+
+    async fn append_and_finish(
+        &self,
+        key: &TurnKey,
+        events: Vec<EncodedEvent>,
+        outcome: &TurnOutcome,
+        answer: Option<&str>,
+    ) -> StoreResult<()> {
+        self.timed(
+            Op::AppendAndFinish,
+            self.inner.append_and_finish(key, events, outcome, answer),
+        )
+        .await
+    }
+
+    async fn events_after(
+        &self,
+        key: &TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<SeqEvent>> {
+        self.timed(Op::EventsAfter, self.inner.events_after(key, after, limit))
+            .await
+    }
+
+    async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
+        self.timed(Op::History, self.inner.history(session, limit))
+            .await
+    }
+
+    async fn session_with_history(
+        &self,
+        id: SessionId,
+        limit: usize,
+    ) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+        self.timed(
+            Op::SessionWithHistory,
+            self.inner.session_with_history(id, limit),
+        )
+        .await
+    }
+
+    async fn list_sessions(
+        &self,
+        user_id: &UserId,
+        limit: usize,
+        after: Option<&PageCursor>,
+    ) -> StoreResult<SessionPage> {
+        self.timed(
+            Op::ListSessions,
+            self.inner.list_sessions(user_id, limit, after),
+        )
+        .await
+    }
+
+    async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+        self.timed(Op::DeleteSession, self.inner.delete_session(id))
+            .await
+    }
+
+    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
+        self.timed(Op::ListTurns, self.inner.list_turns(session))
+            .await
+    }
+
+    async fn renew_lease(
+        &self,
+        key: &TurnKey,
+        owner: &str,
+        until: SystemTime,
+    ) -> StoreResult<bool> {
+        self.timed(Op::RenewLease, self.inner.renew_lease(key, owner, until))
+            .await
+    }
+
+    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
+        self.timed(Op::FailExpired, self.inner.fail_expired(now, outcome))
+            .await
+    }
+
+    async fn prune(&self, before: SystemTime) -> StoreResult<u64> {
+        self.timed(Op::Prune, self.inner.prune(before)).await
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        self.timed(Op::Ping, self.inner.ping()).await
+    }
+}
