@@ -9,10 +9,14 @@
 //!   cargo run --release --example model_overhead -- tokens=256 concurrency=64 rounds=5
 //!
 //! `agentd=PATH` serves the agent from a separate `agentd serve` process
-//! (that binary, in-memory store) instead of a server inside this process,
+//! (that binary) instead of a server inside this process,
 //! as in a deployment where agentd has its own pod; `pin=1` then puts
 //! agentd on core 0 and this process (fake model and clients) on core 1.
-//! `store=URL` picks agentd's store (default `memory:`).
+//! `store=URL` picks agentd's store (default `memory:`). `ttft=50ms` makes
+//! the fake model think that long before its first token, as a real one
+//! does; `claim_first=1` runs agentd with `--claim-first` (the model call
+//! waits for the turn's claim); `admin=127.0.0.1:9090` opens agentd's admin
+//! port (its `/metrics`, the store's call times among them) while it runs.
 //!
 //! Prints time-to-first-token and time-to-last-token (median, p99) of both
 //! paths and the ratios. Target: under 10% added to time-to-last-token and
@@ -49,6 +53,12 @@ struct Params {
     agentd: Option<std::path::PathBuf>,
     pin: bool,
     store: String,
+    /// How long the fake model thinks before its first token (prefill).
+    ttft: Duration,
+    /// agentd's `--claim-first`.
+    claim_first: bool,
+    /// agentd's admin port (`/metrics`), when it runs as its own process.
+    admin: String,
 }
 
 fn params() -> anyhow::Result<Params> {
@@ -59,6 +69,9 @@ fn params() -> anyhow::Result<Params> {
         agentd: None,
         pin: false,
         store: "memory:".into(),
+        ttft: Duration::ZERO,
+        claim_first: false,
+        admin: "off".into(),
     };
     for a in std::env::args().skip(1) {
         let (k, v) = a
@@ -71,8 +84,11 @@ fn params() -> anyhow::Result<Params> {
             "agentd" => p.agentd = Some(v.into()),
             "pin" => p.pin = v == "1",
             "store" => p.store = v.into(),
+            "ttft" => p.ttft = humantime::parse_duration(v)?,
+            "claim_first" => p.claim_first = v == "1",
+            "admin" => p.admin = v.into(),
             _ => anyhow::bail!(
-                "unknown parameter {k:?}; use tokens, concurrency, rounds, agentd, pin, store"
+                "unknown parameter {k:?}; use tokens, concurrency, rounds, agentd, pin, store, ttft, claim_first, admin"
             ),
         }
     }
@@ -80,8 +96,8 @@ fn params() -> anyhow::Result<Params> {
 }
 
 /// The fake model: `tokens` deltas, one SSE event per body chunk, as fast as
-/// the reader takes them.
-async fn fake_model(tokens: usize) -> String {
+/// the reader takes them, the first after `ttft`.
+async fn fake_model(tokens: usize, ttft: Duration) -> String {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(tokens + 3);
     chunks.push(Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"));
     for i in 0..tokens {
@@ -99,9 +115,17 @@ async fn fake_model(tokens: usize) -> String {
         post(move || {
             let chunks = chunks.clone();
             async move {
-                let body = futures::stream::iter(
-                    (0..chunks.len()).map(move |i| Ok::<_, Infallible>(chunks[i].clone())),
+                let first = chunks[0].clone();
+                let prefill = futures::stream::once(async move {
+                    if !ttft.is_zero() {
+                        tokio::time::sleep(ttft).await;
+                    }
+                    Ok::<_, Infallible>(first)
+                });
+                let rest = futures::stream::iter(
+                    (1..chunks.len()).map(move |i| Ok::<_, Infallible>(chunks[i].clone())),
                 );
+                let body = futures::StreamExt::chain(prefill, rest);
                 Response::builder()
                     .header("content-type", "text/event-stream")
                     .body(Body::from_stream(body))
@@ -233,7 +257,7 @@ fn summarise(samples: &[Sample]) -> Summary {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let p = params()?;
-    let url = fake_model(p.tokens).await;
+    let url = fake_model(p.tokens, p.ttft).await;
 
     // (a) Direct: the chat client reading the model's stream.
     let direct_client = ChatClient::new(http_client()?, Endpoint::new(&url), "bench");
@@ -256,6 +280,7 @@ async fn main() -> anyhow::Result<()> {
             let cfg = TurnConfig {
                 max_concurrent_runs: 4096,
                 history_turns: 0,
+                claim_first: p.claim_first,
                 ..TurnConfig::default()
             };
             let store = agentd::store::open(&p.store).await?;
@@ -387,7 +412,7 @@ fn spawn_agentd(
         .args(["--max-concurrent-runs", "4096", "--history-turns", "0"])
         .args([
             "--admin-listen",
-            "off",
+            &p.admin,
             "--a2a-listen",
             "off",
             "--drain-delay",
@@ -395,6 +420,9 @@ fn spawn_agentd(
         ])
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.join("agentd.log"))?);
+    if p.claim_first {
+        cmd.arg("--claim-first");
+    }
     let child = cmd.spawn()?;
     if p.pin {
         // This process (the fake model and the clients) on the other core.

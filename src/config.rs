@@ -115,6 +115,15 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
 
+    /// Start every agent only once its turn is claimed. Without this flag a
+    /// model-backed agent calls its model while its turn is being claimed,
+    /// so the first token waits for the slower of the two, not both; a
+    /// repeated request id then starts a model call that is dropped as soon
+    /// as the claim finds the turn. With it, no model call is made for a
+    /// repeat, and a server short of CPU spends it on claims before streams.
+    #[arg(long, env = "AGENTD_CLAIM_FIRST")]
+    pub claim_first: bool,
+
     /// HTTP/2 PING interval on idle connections (0s disables).
     #[arg(long, env = "AGENTD_KEEPALIVE_INTERVAL", value_parser = duration, default_value = "30s")]
     pub keepalive_interval: Duration,
@@ -302,6 +311,7 @@ impl ServeArgs {
             max_concurrent_runs: self.max_concurrent_runs,
             replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
             history_turns: self.history_turns,
+            claim_first: self.claim_first,
             lease: self.turn_lease,
             retain_turns: (!self.retain_turns.is_zero()).then_some(self.retain_turns),
             ..TurnConfig::default()

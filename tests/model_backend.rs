@@ -481,6 +481,232 @@ async fn a_client_deadline_closes_the_connection_to_the_model_server() {
     d.stop().await;
 }
 
+/// Holds SQLite's write lock, as another connection's open write
+/// transaction does, until [`held_writes_end`]: agentd's claims wait.
+async fn hold_writes(db_url: &str) -> sqlx::SqliteConnection {
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(db_url).await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c
+}
+
+async fn held_writes_end(mut c: sqlx::SqliteConnection) {
+    sqlx::query("ROLLBACK").execute(&mut c).await.unwrap();
+}
+
+/// Waits (at most 5 s) until the model server has had `n` requests.
+async fn requests_seen(f: &Fake, n: usize) -> bool {
+    for _ in 0..500 {
+        if f.seen.lock().unwrap().len() >= n {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+/// The `helper` agent of a fake model answering `replies`, served on a
+/// fresh SQLite store, with a session of u1's.
+struct OnSqlite {
+    _dir: tempfile::TempDir,
+    db: String,
+    store: Arc<dyn agentd::store::Store>,
+    f: Fake,
+    d: Agentd,
+    session: String,
+}
+
+async fn on_sqlite(replies: Vec<Reply>, cfg: agentd::turn::TurnConfig) -> OnSqlite {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("agentd.db").display());
+    let store = agentd::store::open(&db).await.unwrap();
+    let f = fake(replies).await;
+    let mut d = Agentd::start_with(&agents_file(&f.url, ""), store.clone(), cfg).await;
+    let session = d.session("u1").await;
+    OnSqlite {
+        _dir: dir,
+        db,
+        store,
+        f,
+        d,
+        session,
+    }
+}
+
+type RunEnd = (Vec<agentd::pb::AgentEvent>, Result<(), tonic::Status>);
+
+/// Holds the store's writes, then sends u1's Run `r1` ("hi"): its claim
+/// waits until the lock is given to [`held_writes_end`].
+async fn r1_behind_held_writes(
+    db: &str,
+    d: &Agentd,
+    session: &str,
+) -> (
+    sqlx::SqliteConnection,
+    tokio::task::JoinHandle<Result<RunEnd, tonic::Status>>,
+) {
+    let lock = hold_writes(db).await;
+    let mut client = d.client.clone();
+    let req = run_r1(session, "hi");
+    let run = tokio::spawn(async move { client.run_to_end(req, Duration::from_secs(20)).await });
+    (lock, run)
+}
+
+fn run_r1(session: &str, text: &str) -> agentd::pb::RunRequest {
+    agentd::pb::RunRequest {
+        user_id: "u1".into(),
+        session_id: session.into(),
+        text: text.into(),
+        request_id: "r1".into(),
+        agent: "helper".into(),
+        ..Default::default()
+    }
+}
+
+/// A model-backed run calls its model while its turn is still being
+/// claimed (here the claim waits on a SQLite write lock): its first token
+/// then waits for the slower of the two, not for both. Nothing reaches the
+/// client before the claim is won; then the run goes on as any other and
+/// its turn is stored.
+#[tokio::test]
+async fn a_model_backed_run_calls_its_model_while_its_turn_is_being_claimed() {
+    let OnSqlite {
+        _dir,
+        db,
+        store,
+        f,
+        d,
+        session: s,
+    } = on_sqlite(
+        vec![Reply::Sse(vec![
+            text("early "),
+            text("bird"),
+            stop(),
+            DONE.into(),
+        ])],
+        Default::default(),
+    )
+    .await;
+
+    let (lock, run) = r1_behind_held_writes(&db, &d, &s).await;
+    assert!(
+        requests_seen(&f, 1).await,
+        "the model was called while the claim waited"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!run.is_finished(), "nothing is answered before the claim");
+    held_writes_end(lock).await;
+
+    let (events, status) = run.await.unwrap().unwrap();
+    status.unwrap();
+    assert_eq!(partial_text(&events), "early bird");
+    assert_eq!(kinds(&events).last(), Some(&EventKind::FinalAnswer));
+    let sessions = store
+        .list_sessions(&agentd::domain::UserId::parse("u1").unwrap(), 10, None)
+        .await
+        .unwrap();
+    let turns = store.list_turns(sessions.sessions[0].id).await.unwrap();
+    assert_eq!(turns.len(), 1);
+    assert_eq!(turns[0].state, agentd::store::TurnState::Completed);
+    d.stop().await;
+}
+
+/// A repeated request id whose model call started beside its claim loses
+/// the claim: that model call is dropped (the model server sees the
+/// connection close), and the caller gets the stored turn replayed, never
+/// a second run.
+#[tokio::test]
+async fn a_model_call_started_beside_a_lost_claim_is_dropped_and_the_turn_replayed() {
+    let OnSqlite {
+        _dir,
+        db,
+        mut f,
+        mut d,
+        session: s,
+        ..
+    } = on_sqlite(
+        vec![
+            Reply::Sse(vec![text("the answer"), stop(), DONE.into()]),
+            Reply::Endless,
+        ],
+        Default::default(),
+    )
+    .await;
+    let (first, status) = d
+        .client
+        .run_to_end(run_r1(&s, "hi"), Duration::from_secs(20))
+        .await
+        .unwrap();
+    status.unwrap();
+
+    let lock = hold_writes(&db).await;
+    let mut client = d.client.clone();
+    let again = tokio::spawn(async move {
+        let call = client
+            .run(run_r1(&s, "hi"), Duration::from_secs(20))
+            .await?;
+        let mode = call.mode.clone();
+        let mut events = call.events;
+        let mut got = Vec::new();
+        while let Some(e) = events.message().await? {
+            got.push(e);
+        }
+        Ok::<_, tonic::Status>((mode, got))
+    });
+    assert!(
+        requests_seen(&f, 2).await,
+        "the repeat's model call started beside its claim"
+    );
+    held_writes_end(lock).await;
+
+    let (mode, replayed) = again.await.unwrap().unwrap();
+    assert_eq!(mode, "replay");
+    assert_eq!(replayed, first, "the stored turn, event for event");
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("the dropped model call's connection closed")
+        .unwrap();
+    assert_eq!(f.seen.lock().unwrap().len(), 2);
+    d.stop().await;
+}
+
+/// With `--claim-first` the model is called only once the turn is claimed.
+#[tokio::test]
+async fn with_claim_first_the_model_is_called_only_once_the_turn_is_claimed() {
+    let cfg = agentd::turn::TurnConfig {
+        claim_first: true,
+        ..Default::default()
+    };
+    let OnSqlite {
+        _dir,
+        db,
+        f,
+        d,
+        session: s,
+        ..
+    } = on_sqlite(
+        vec![Reply::Sse(vec![text("late bird"), stop(), DONE.into()])],
+        cfg,
+    )
+    .await;
+
+    let (lock, run) = r1_behind_held_writes(&db, &d, &s).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        f.seen.lock().unwrap().is_empty(),
+        "no model call before the claim"
+    );
+    held_writes_end(lock).await;
+    let (events, status) = run.await.unwrap().unwrap();
+    status.unwrap();
+    assert_eq!(partial_text(&events), "late bird");
+    assert_eq!(f.seen.lock().unwrap().len(), 1);
+    d.stop().await;
+}
+
 #[tokio::test]
 async fn the_per_call_timeout_bounds_a_model_call() {
     let mut f = fake(vec![Reply::Endless]).await;

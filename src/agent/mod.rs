@@ -177,6 +177,16 @@ pub trait Agent: Send + Sync + 'static {
     /// Starts a run. The stream ends after the final-answer event or an error;
     /// dropping it early must cancel whatever the run was doing.
     fn run(&self, ctx: RunContext, input: String) -> EventStream;
+    /// True when nothing the run does before its first event reaches
+    /// outside agentd but a model call (no tool, no other agent): the turn
+    /// engine may then start the run while its turn is still being claimed,
+    /// polling it only up to that first event, which is held until the claim
+    /// is won. A lost claim (a repeated request id) drops the run, and with
+    /// it the model call. The first token then waits for the slower of the
+    /// claim and the model, not for both one after the other.
+    fn starts_before_claim(&self) -> bool {
+        false
+    }
 }
 
 /// The agents one process serves, by name, with a default.

@@ -14,18 +14,21 @@ mod stream;
 mod upkeep;
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::StreamExt;
 use thiserror::Error;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 pub use stream::RunStream;
 
-use crate::agent::{AgentError, AgentRegistry};
+use crate::agent::{AgentError, AgentRegistry, EventStream, RunContext};
 use crate::domain::{RequestId, RunInput, SessionId, TurnKey, UserId};
 use crate::store::{Claim, NewTurn, Session, Store, StoreError, TurnOutcome, TurnRecord};
 
@@ -54,6 +57,9 @@ pub struct TurnConfig {
     pub replica_id: String,
     /// How many earlier turns an agent gets as conversation memory.
     pub history_turns: usize,
+    /// Start no agent before its turn is claimed, even one that could start
+    /// beside the claim ([`crate::agent::Agent::starts_before_claim`]).
+    pub claim_first: bool,
     /// How often a follower re-reads a turn that no live pump here feeds.
     pub follow_poll: Duration,
     /// How long a claimed turn stays ours without renewal. The owner renews
@@ -76,6 +82,7 @@ impl Default for TurnConfig {
             max_concurrent_runs: 1024,
             replica_id: "local".into(),
             history_turns: 20,
+            claim_first: false,
             follow_poll: Duration::from_millis(50),
             lease: Duration::from_secs(10),
             retain_turns: None,
@@ -273,13 +280,57 @@ impl Turns {
             owner: self.cfg.replica_id.clone(),
             lease: self.cfg.lease,
         };
-        match self.store.claim_turn(&claim).await? {
+        let span = || {
+            crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id)
+        };
+        let cancel = CancellationToken::new();
+        let ctx = RunContext {
+            user_id: input.user_id.clone(),
+            session_id: key.session_id,
+            request_id: key.request_id.clone(),
+            cancel: cancel.clone(),
+            deadline: deadline.at,
+            history,
+        };
+        // An agent that only calls its model before its first event starts
+        // now, beside the claim (unless `claim_first`); any other starts
+        // once the turn is ours.
+        let (claimed, run) = if agent.starts_before_claim() && !self.cfg.claim_first {
+            let span = span();
+            let mut events = agent.run(ctx, input.text.as_str().to_owned()).peekable();
+            let claimed = {
+                let claimed = self.store.claim_turn(&claim);
+                tokio::pin!(claimed);
+                let first = Pin::new(&mut events).peek().instrument(span.clone());
+                tokio::select! {
+                    biased;
+                    c = &mut claimed => c,
+                    _ = first => claimed.await,
+                }
+            };
+            if matches!(claimed, Ok(Claim::Existing(_))) {
+                tracing::debug!(parent: &span, "the turn was claimed before; the run started beside the claim is dropped");
+            }
+            (claimed, Ok((Box::pin(events) as EventStream, span)))
+        } else {
+            (self.store.claim_turn(&claim).await, Err(ctx))
+        };
+        match claimed? {
+            // A run started early is dropped here, its model call with it.
             Claim::Existing(existing) => {
                 drop(permit);
                 self.join(existing, &input, deadline)
             }
             Claim::New => {
-                let stream = pump::spawn(self, agent, input, history, deadline, permit);
+                let (events, span) = run
+                    .unwrap_or_else(|ctx| (agent.run(ctx, input.text.as_str().to_owned()), span()));
+                let run = pump::AgentRun {
+                    agent: agent.name().to_owned(),
+                    events,
+                    cancel,
+                    span,
+                };
+                let stream = pump::spawn(self, run, &input, deadline, permit);
                 Ok(Started {
                     request_id: key.request_id,
                     mode: Mode::New,

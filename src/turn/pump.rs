@@ -11,7 +11,6 @@ use tracing::Instrument;
 
 use super::stream::End;
 use super::{Deadline, Failure, Progress, RunStream, SlowConsumer, Turns};
-use crate::agent::{Agent, PriorTurn, RunContext};
 use crate::domain::{OnDisconnect, RunInput, TurnKey};
 use crate::grpc::{convert, status};
 use crate::pb;
@@ -38,11 +37,22 @@ enum ToWriter {
     Finish(Box<(TurnOutcome, Option<String>)>),
 }
 
+/// An agent's run, made before the pump that drives it: `events` may have
+/// been polled already, up to its first event (held), while the turn was
+/// being claimed ([`crate::agent::Agent::starts_before_claim`]).
+pub(super) struct AgentRun {
+    pub agent: String,
+    pub events: crate::agent::EventStream,
+    /// The token the run's context holds.
+    pub cancel: CancellationToken,
+    /// The run's span; the pump and the writer run in it.
+    pub span: tracing::Span,
+}
+
 pub(super) fn spawn(
     turns: &Arc<Turns>,
-    agent: Arc<dyn Agent>,
-    input: RunInput,
-    history: Vec<PriorTurn>,
+    run: AgentRun,
+    input: &RunInput,
     deadline: Deadline,
     permit: OwnedSemaphorePermit,
 ) -> RunStream {
@@ -57,33 +67,22 @@ pub(super) fn spawn(
         .unwrap_or_else(|e| e.into_inner())
         .insert(key.clone(), progress_rx.clone());
 
-    let span =
-        crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id);
+    let span = run.span;
     let writer = Writer {
         turns: turns.clone(),
         key: key.clone(),
         rx: writer_rx,
         progress: progress_tx,
     };
-    let on_disconnect = input.on_disconnect;
     turns.tracker.spawn(writer.run().instrument(span.clone()));
 
-    let cancel = CancellationToken::new();
-    let ctx = RunContext {
-        user_id: input.user_id.clone(),
-        session_id: key.session_id,
-        request_id: key.request_id.clone(),
-        cancel: cancel.clone(),
-        deadline: deadline.at,
-        history,
-    };
     let pump = Pump {
-        agent_name: agent.name().to_owned(),
-        events: agent.run(ctx, input.text.into_string()),
-        cancel,
+        agent_name: run.agent,
+        events: run.events,
+        cancel: run.cancel,
         key,
         client: Some(tx),
-        on_disconnect,
+        on_disconnect: input.on_disconnect,
         stored: progress_rx,
         writer: writer_tx,
         encoded: bytes::BytesMut::new(),

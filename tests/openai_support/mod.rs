@@ -14,6 +14,7 @@ use agentd::agent::{Agent, AgentRegistry, demo};
 use agentd::client::AgentClient;
 use agentd::pb;
 use agentd::server::ServerOptions;
+use agentd::store::Store;
 use agentd::store::memory::MemoryStore;
 use agentd::turn::{TurnConfig, Turns};
 use tokio::sync::oneshot;
@@ -29,6 +30,16 @@ pub struct Agentd {
 impl Agentd {
     /// Serves order_helper plus the agents of `agents_toml`.
     pub async fn start(agents_toml: &str) -> Self {
+        Self::start_with(
+            agents_toml,
+            Arc::new(MemoryStore::new()),
+            TurnConfig::default(),
+        )
+        .await
+    }
+
+    /// [`Agentd::start`] on `store`, with `cfg`.
+    pub async fn start_with(agents_toml: &str, store: Arc<dyn Store>, cfg: TurnConfig) -> Self {
         let f = file::parse(
             agents_toml,
             Path::new("agents.toml"),
@@ -40,11 +51,7 @@ impl Agentd {
         agents.extend(f.agents);
         let default = f.default.unwrap_or_else(|| demo::NAME.to_owned());
         let registry = AgentRegistry::new(agents, &default).unwrap();
-        let turns = Turns::new(
-            Arc::new(MemoryStore::new()),
-            registry,
-            TurnConfig::default(),
-        );
+        let turns = Turns::new(store, registry, cfg);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stop_rx) = oneshot::channel::<()>();

@@ -85,6 +85,12 @@ impl Agent for ModelAgent {
         &self.cfg.description
     }
 
+    /// Before its first event a run only calls the model: tools run once
+    /// a model call has ended, after the events that announce them.
+    fn starts_before_claim(&self) -> bool {
+        true
+    }
+
     fn run(&self, ctx: RunContext, input: String) -> EventStream {
         let cfg = self.cfg.clone();
         let specs = self.specs.clone();
