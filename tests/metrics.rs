@@ -556,6 +556,83 @@ async fn a2a_requests_over_json_rpc_are_counted_by_method_and_outcome_and_a_stre
     server.stop().await;
 }
 
+/// JSON-RPC requests refused before they reach a method (a body that is not
+/// JSON, an unknown method, params that do not fit, an A2A version not
+/// served) count as method
+/// `unknown` with their error's reason; one that reaches its method counts
+/// under that method alone.
+#[tokio::test]
+async fn a2a_json_rpc_requests_refused_before_a_method_are_counted_by_their_error() {
+    let server = a2a_support::A2aServer::start(Duration::ZERO).await;
+    let url = format!("{}/", server.base_url());
+    agentd::auth::tls::install_crypto_provider();
+    let http = reqwest::Client::new();
+    let before = local_metrics();
+    let cases = [
+        ("{not json", "1.0", a2a::error_code::PARSE_ERROR),
+        (
+            r#"{"jsonrpc":"2.0","id":1,"method":"NoSuchMethod","params":{}}"#,
+            "1.0",
+            a2a::error_code::METHOD_NOT_FOUND,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":2,"method":"GetTask","params":"nonsense"}"#,
+            "1.0",
+            a2a::error_code::INVALID_PARAMS,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":3,"method":"GetTask","params":{"id":"no-such-task"}}"#,
+            "1.0",
+            a2a::error_code::TASK_NOT_FOUND,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":4,"method":"GetTask","params":{"id":"no-such-task"}}"#,
+            "0.3",
+            a2a::error_code::VERSION_NOT_SUPPORTED,
+        ),
+    ];
+    for (body, version, want) in cases {
+        let resp = http
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("a2a-version", version)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{body}");
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["code"], want, "{body}: {v}");
+    }
+    let card = http
+        .get(format!("{}/.well-known/agent-card.json", server.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(card.status(), 200);
+
+    let m =
+        local_metrics_until(|m| a2a_delta(m, &before, "GetTask", "TASK_NOT_FOUND") == 1.0).await;
+    for (outcome, n) in [
+        ("PARSE_ERROR", 1.0),
+        ("METHOD_NOT_FOUND", 1.0),
+        ("INVALID_PARAMS", 1.0),
+        ("VERSION_NOT_SUPPORTED", 1.0),
+        ("TASK_NOT_FOUND", 0.0),
+        ("INVALID_REQUEST", 0.0),
+    ] {
+        assert_eq!(
+            a2a_delta(&m, &before, "unknown", outcome),
+            n,
+            "{outcome}: {}",
+            m.0
+        );
+    }
+    assert_eq!(a2a_delta(&m, &before, "GetTask", "TASK_NOT_FOUND"), 1.0);
+    assert_eq!(a2a_delta(&m, &before, "GetTask", "INVALID_PARAMS"), 0.0);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a2a_requests_over_grpc_are_counted_by_the_same_metrics() {
     let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;

@@ -164,8 +164,59 @@ struct Observed {
     outcome: Option<&'static str>,
 }
 
+tokio::task_local! {
+    /// Set once a JSON-RPC request reaches a method of the handler (see
+    /// [`count_refusals`]).
+    static DISPATCHED: std::cell::Cell<bool>;
+}
+
+/// Counts the JSON-RPC requests refused before they reach a method, which
+/// [`Observed`] never sees: a body that is not JSON (`PARSE_ERROR`) or not a
+/// JSON-RPC request (`INVALID_REQUEST`), an unknown method
+/// (`METHOD_NOT_FOUND`), params that do not fit the method
+/// (`INVALID_PARAMS`), an unsupported `A2A-Version`
+/// (`VERSION_NOT_SUPPORTED`). They count as method `unknown` (a method name
+/// the caller made up is no label), with the reason of the JSON-RPC error
+/// answered; a refusal without one (a body over the size limit) as
+/// `INVALID_REQUEST`.
+pub async fn count_refusals(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if req.method() != axum::http::Method::POST || req.uri().path() != "/" {
+        return next.run(req).await;
+    }
+    let started = std::time::Instant::now();
+    let (resp, dispatched) = DISPATCHED
+        .scope(std::cell::Cell::new(false), async {
+            let resp = next.run(req).await;
+            (resp, DISPATCHED.with(|d| d.get()))
+        })
+        .await;
+    if dispatched {
+        return resp;
+    }
+    // A refusal is one small JSON object.
+    let (parts, body) = resp.into_parts();
+    let bytes = axum::body::to_bytes(body, 64 * 1024)
+        .await
+        .unwrap_or_default();
+    let code = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_i64())
+        .and_then(|c| i32::try_from(c).ok());
+    let outcome = code.map_or("INVALID_REQUEST", a2a::errors::error_reason);
+    tracing::debug!(
+        outcome,
+        "a2a: JSON-RPC request refused before reaching a method"
+    );
+    crate::telemetry::metrics::a2a_request("unknown", outcome, started.elapsed());
+    axum::response::Response::from_parts(parts, axum::body::Body::from(bytes))
+}
+
 impl Observed {
     fn start(method: &'static str) -> Self {
+        let _ = DISPATCHED.try_with(|d| d.set(true));
         Self {
             method,
             started: std::time::Instant::now(),

@@ -105,9 +105,11 @@ impl A2a {
     /// `/.well-known/agent-card.json`; with authentication on, everything
     /// but the card needs credentials (see [`auth`]).
     pub fn http_router(&self, card: AgentCard) -> axum::Router {
-        let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone()).merge(
-            a2a_server::agent_card::agent_card_router(Arc::new(StaticAgentCard::new(card))),
-        );
+        let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
+            .layer(axum::middleware::from_fn(follow::count_refusals))
+            .merge(a2a_server::agent_card::agent_card_router(Arc::new(
+                StaticAgentCard::new(card),
+            )));
         auth::guard(router, self.auth.clone())
     }
 

@@ -13,7 +13,7 @@
 //! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown` |
 //! | `agentd_slow_consumer_terminations_total` | | Runs ended with RESOURCE_EXHAUSTED because the client stopped reading |
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
-//! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials |
+//! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials; a JSON-RPC request refused before it reaches a method also counts as `unknown`, with its error's reason (`PARSE_ERROR`, `METHOD_NOT_FOUND`, …) |
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
 //! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_with_history`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
 //! | `agentd_store_errors_total` | `op`, `error` | store calls that failed: `unavailable` (the database could not be reached) or `unexpected` |
