@@ -1051,6 +1051,60 @@ async fn every_store_call_is_timed_and_a_failure_counted(db: TestDb) {
     }
 }
 
+/// A caller that goes away while its turn's claim is being written (here
+/// the claim waits on a lock another connection holds) leaves no turn
+/// running until its lease ends: the turn is recorded CANCELLED as soon as
+/// the claim is written, the agent never starts, and a retry replays that
+/// status. (The memory store claims without waiting.)
+async fn a_caller_gone_during_its_claim_leaves_its_turn_cancelled(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let held = db.hold_writes().await;
+    let mut client = s.client.clone();
+    let req = run_request(ALICE, &sid, "r1", ORDER_Q);
+    let call = tokio::spawn(async move {
+        client
+            .run(req, Duration::from_secs(30))
+            .await
+            .map(|c| c.mode)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!call.is_finished(), "the claim waits for the held lock");
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    // The reset reaches the server, which drops the call, claim and all.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release().await;
+
+    let turn = s.ended_turn(ALICE, &sid, "r1").await;
+    assert_eq!(
+        (turn.state(), turn.status_code),
+        (pb::TurnState::Cancelled, Some(Code::Cancelled as i32)),
+        "{turn:?}"
+    );
+    assert_eq!(s.stats.started(), 0, "the agent never started");
+    let (events, end) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
+    assert!(events.is_empty(), "{events:?}");
+    assert_eq!(code(&end), Code::Cancelled);
+    assert_eq!(s.stats.started(), 0);
+    s.stop().await;
+}
+
+mod claims_held {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_a_caller_gone_during_its_claim_leaves_its_turn_cancelled() {
+        let db = super::TestDb::fresh(super::Backend::Sqlite).await.unwrap();
+        super::a_caller_gone_during_its_claim_leaves_its_turn_cancelled(db).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_caller_gone_during_its_claim_leaves_its_turn_cancelled() {
+        if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
+            super::a_caller_gone_during_its_claim_leaves_its_turn_cancelled(db).await
+        }
+    }
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {

@@ -74,6 +74,16 @@ pub fn replica_stopped() -> TurnOutcome {
     }
 }
 
+/// The outcome of a turn whose caller went away while it was being claimed:
+/// the agent never started.
+pub fn claim_abandoned() -> TurnOutcome {
+    TurnOutcome {
+        state: TurnState::Cancelled,
+        code: Code::Cancelled as i32,
+        message: "the client cancelled the call before the run started".into(),
+    }
+}
+
 /// A `page_token` that this server did not hand out.
 pub fn bad_page_token() -> Status {
     Status::invalid_argument(

@@ -434,11 +434,45 @@ macro_rules! sql_store {
                                 .map_or(Ok(false), |(_, r)| r.clone().map(|_| false))
                         })
                         .collect();
+                    let mut abandoned = Vec::new();
                     for (c, r) in first.into_iter().zip(results) {
-                        let _ = c.done.send(r);
+                        let stored = matches!(r, Ok(true));
+                        let (sid, rid, owner) = (c.sid.clone(), c.rid.clone(), c.owner.clone());
+                        if c.done.send(r).is_err() && stored {
+                            abandoned.push((sid, rid, owner));
+                        }
                     }
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
+                    }
+                    Self::cancel_abandoned(&pool, &abandoned).await;
+                }
+            }
+
+            /// Turns whose claimant went away while their claim was being
+            /// written (the client cancelled or its deadline passed): no
+            /// one will run them, so they end now as cancelled, instead of
+            /// staying `running` until their lease runs out.
+            async fn cancel_abandoned(pool: &sqlx::Pool<$db>, abandoned: &[(String, String, String)]) {
+                let outcome = crate::grpc::status::claim_abandoned();
+                let now = to_micros(std::time::SystemTime::now());
+                for (sid, rid, owner) in abandoned {
+                    let done = sqlx::query(
+                        "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                         WHERE session_id = $5 AND request_id = $6 AND owner = $7 AND state = 'running'",
+                    )
+                    .bind(outcome.state.as_str())
+                    .bind(outcome.code as i64)
+                    .bind(&outcome.message)
+                    .bind(now)
+                    .bind(sid)
+                    .bind(rid)
+                    .bind(owner)
+                    .execute(pool)
+                    .await;
+                    match done {
+                        Ok(_) => tracing::info!(session = %sid, request_id = %rid, "the caller went away while its turn was claimed; the turn is recorded cancelled"),
+                        Err(e) => tracing::warn!(session = %sid, request_id = %rid, error = %e, "could not record a turn whose caller went away during its claim; its lease will end it"),
                     }
                 }
             }

@@ -35,6 +35,25 @@ pub enum Backend {
     Postgres,
 }
 
+/// See [`TestDb::hold_writes`].
+pub enum HeldWrites {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl HeldWrites {
+    pub async fn release(self) {
+        match self {
+            HeldWrites::Sqlite(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.unwrap();
+            }
+            HeldWrites::Postgres(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.unwrap();
+            }
+        }
+    }
+}
+
 /// A store for one test, with whatever must be cleaned up after it.
 pub struct TestDb {
     pub backend: Backend,
@@ -83,6 +102,34 @@ impl TestDb {
         agentd::store::open(&self.url)
             .await
             .expect("open the store")
+    }
+
+    /// Holds the store's writes to its turn table, as another connection's
+    /// open transaction does, until [`HeldWrites::release`]: claims wait
+    /// (reads do not). SQLite: `BEGIN IMMEDIATE`; PostgreSQL: an exclusive
+    /// lock on `turns`.
+    pub async fn hold_writes(&self) -> HeldWrites {
+        use sqlx::Connection;
+        match self.backend {
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&self.url).await.unwrap();
+                sqlx::query("BEGIN IMMEDIATE")
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                HeldWrites::Sqlite(c)
+            }
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&self.url).await.unwrap();
+                sqlx::query("BEGIN").execute(&mut c).await.unwrap();
+                sqlx::query("LOCK TABLE turns IN EXCLUSIVE MODE")
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                HeldWrites::Postgres(c)
+            }
+            Backend::Memory => panic!("the memory store has no writes to hold"),
+        }
     }
 
     /// The database's URL as seen through `port` on 127.0.0.1 (PostgreSQL).
