@@ -1051,6 +1051,114 @@ async fn every_store_call_is_timed_and_a_failure_counted(db: TestDb) {
     }
 }
 
+/// The session and history a Run reads (`session_with_history`; on SQLite
+/// from memory for the sessions created since start-up) follow every change
+/// to the session, as the database reads them (`get_session`, `history`):
+/// claims, turns ending out of order with and without an answer, a lease
+/// that ran out, pruning, deletion.
+async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::{EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let key = |id: SessionId, r: &str| TurnKey {
+        session_id: id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let same = |id: SessionId, want: &'static [&'static str]| {
+        let store = store.clone();
+        async move {
+            let (s, read) = store.session_with_history(id, 5).await.unwrap().unwrap();
+            assert_eq!(Some(s), store.get_session(id).await.unwrap());
+            assert_eq!(read, store.history(id, 5).await.unwrap());
+            let ids: Vec<&str> = read.iter().map(|t| t.request_id.as_str()).collect();
+            assert_eq!(ids, want);
+            read
+        }
+    };
+    let end = |k: TurnKey, answer: Option<&'static str>| {
+        let store = store.clone();
+        async move {
+            let last = SeqEvent {
+                seq: 0,
+                event: Event {
+                    kind: EventKind::FinalAnswer,
+                    author: "echo".into(),
+                    text: answer.unwrap_or_default().into(),
+                    tool_name: String::new(),
+                    tool_call_id: String::new(),
+                    payload_json: String::new(),
+                    created_unix_nanos: 1,
+                },
+            };
+            let outcome = TurnOutcome {
+                state: if answer.is_some() {
+                    TurnState::Completed
+                } else {
+                    TurnState::Failed
+                },
+                code: if answer.is_some() { 0 } else { 13 },
+                message: String::new(),
+            };
+            store
+                .append_and_finish(&k, vec![EncodedEvent::of(&last)], &outcome, answer)
+                .await
+                .unwrap();
+        }
+    };
+    let a = store.create_session(&alice).await.unwrap().id;
+    same(a, &[]).await;
+    for r in ["r1", "r2", "r3"] {
+        store.claim_turn(&new_turn(&key(a, r), "a")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    same(a, &[]).await;
+    end(key(a, "r2"), Some("answer 2")).await;
+    end(key(a, "r3"), None).await;
+    same(a, &["r2", "r3"]).await;
+    end(key(a, "r1"), Some("answer 1")).await;
+    let read = same(a, &["r1", "r2", "r3"]).await;
+    assert_eq!(
+        (read[0].answer.as_str(), read[2].answer.as_str()),
+        ("answer 1", "")
+    );
+    // A repeat claims nothing.
+    store
+        .claim_turn(&new_turn(&key(a, "r1"), "b"))
+        .await
+        .unwrap();
+    same(a, &["r1", "r2", "r3"]).await;
+    let later = SystemTime::now() + Duration::from_secs(1);
+    assert_eq!(store.prune(later).await.unwrap(), 3);
+    same(a, &[]).await;
+    store
+        .claim_turn(&new_turn(&key(a, "r4"), "a"))
+        .await
+        .unwrap();
+    end(key(a, "r4"), Some("answer 4")).await;
+    same(a, &["r4"]).await;
+
+    // A turn whose lease ran out ends failed.
+    let b = store.create_session(&alice).await.unwrap().id;
+    let lapsing = NewTurn {
+        lease: Duration::ZERO,
+        ..new_turn(&key(b, "r1"), "a")
+    };
+    store.claim_turn(&lapsing).await.unwrap();
+    same(b, &[]).await;
+    let failed = TurnOutcome {
+        state: TurnState::Failed,
+        code: 14,
+        message: "the serving replica stopped".into(),
+    };
+    assert_eq!(store.fail_expired(later, &failed).await.unwrap(), 1);
+    same(b, &["r1"]).await;
+
+    assert!(store.delete_session(a).await.unwrap());
+    assert!(store.session_with_history(a, 5).await.unwrap().is_none());
+    same(b, &["r1"]).await;
+}
+
 /// A caller that goes away while its turn's claim is being written (here
 /// the claim waits on a lock another connection holds) leaves no turn
 /// running until its lease ends: the turn is recorded CANCELLED as soon as
@@ -1131,6 +1239,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    the_history_a_run_reads_follows_every_change_to_its_session,
     every_store_call_is_timed_and_a_failure_counted,
     appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone,
     claims_made_together_each_win_once_and_a_bad_one_fails_alone,

@@ -9,6 +9,7 @@ mod codec;
 pub mod memory;
 mod metered;
 pub mod postgres;
+mod session_cache;
 mod sql;
 pub mod sqlite;
 

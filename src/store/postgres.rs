@@ -35,6 +35,9 @@ pub struct PostgresStore {
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
     /// The claimers' queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
+    /// Always `None`: any replica changes any session, so each Run reads
+    /// its session and history from the database.
+    sessions: Option<Arc<super::session_cache::SessionCache>>,
 }
 
 impl PostgresStore {
@@ -80,8 +83,9 @@ impl PostgresStore {
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let store = Self {
-            commits: Self::spawn_committer(pool.clone(), COMMITTERS),
-            claims: Self::spawn_claimer(pool.clone(), COMMITTERS),
+            commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
+            claims: Self::spawn_claimer(pool.clone(), COMMITTERS, None),
+            sessions: None,
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
                 pool.clone(),

@@ -380,8 +380,9 @@ macro_rules! sql_store {
             fn spawn_committer(
                 pool: sqlx::Pool<$db>,
                 committers: usize,
+                sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch> {
-                $crate::store::sql::spawn_queue(committers, |rx| Self::commit_groups(pool.clone(), rx))
+                $crate::store::sql::spawn_queue(committers, |rx| Self::commit_groups(pool.clone(), rx, sessions.clone()))
             }
 
             /// Starts the store's claimers: a claim waits for the one in
@@ -392,13 +393,15 @@ macro_rules! sql_store {
             fn spawn_claimer(
                 pool: sqlx::Pool<$db>,
                 claimers: usize,
+                sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim> {
-                $crate::store::sql::spawn_queue(claimers, |rx| Self::claim_groups(pool.clone(), rx))
+                $crate::store::sql::spawn_queue(claimers, |rx| Self::claim_groups(pool.clone(), rx, sessions.clone()))
             }
 
             async fn claim_groups(
                 pool: sqlx::Pool<$db>,
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingClaim>>>,
+                sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) {
                 use $crate::store::sql::Failed;
                 let mut group = Vec::with_capacity($crate::store::sql::CLAIMS_MAX);
@@ -437,6 +440,11 @@ macro_rules! sql_store {
                     let mut abandoned = Vec::new();
                     for (c, r) in first.into_iter().zip(results) {
                         let stored = matches!(r, Ok(true));
+                        // Known to the cache before the claimant can run
+                        // (and end) the turn.
+                        if let (true, Some(cache)) = (stored, &sessions) {
+                            cache.claimed(&c.sid, &c.rid, c.at, &c.user_text);
+                        }
                         let (sid, rid, owner) = (c.sid.clone(), c.rid.clone(), c.owner.clone());
                         if c.done.send(r).is_err() && stored {
                             abandoned.push((sid, rid, owner));
@@ -444,6 +452,11 @@ macro_rules! sql_store {
                     }
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
+                    }
+                    if let Some(cache) = &sessions {
+                        for (sid, _, _) in &abandoned {
+                            cache.forget(sid);
+                        }
                     }
                     Self::cancel_abandoned(&pool, &abandoned).await;
                 }
@@ -496,7 +509,15 @@ macro_rules! sql_store {
             async fn commit_groups(
                 pool: sqlx::Pool<$db>,
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
+                sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) {
+                    // A turn's end reaches the cache before its writer hears
+                    // the outcome is stored (and a follow-up Run can come).
+                    let ended = |p: &$crate::store::sql::PendingBatch| {
+                        if let (Some(cache), Some(o)) = (&sessions, &p.outcome) {
+                            cache.ended(&p.sid, &p.rid, o.answer.as_deref());
+                        }
+                    };
                     use $crate::store::sql::{GROUP_MAX, LINGER};
                     let mut group = Vec::with_capacity(GROUP_MAX);
                     let mut last = tokio::time::Instant::now();
@@ -522,6 +543,7 @@ macro_rules! sql_store {
                         match written {
                             Ok(()) => {
                                 for p in group.drain(..) {
+                                    ended(&p);
                                     let _ = p.done.send(Ok(()));
                                 }
                             }
@@ -533,6 +555,9 @@ macro_rules! sql_store {
                                         p.events.clear();
                                     }
                                     let r = Self::write_group(&pool, std::slice::from_ref(&p)).await;
+                                    if r.is_ok() {
+                                        ended(&p);
+                                    }
                                     let _ = p.done.send(r.map_err(|e| db_err(e.error).into()));
                                 }
                             }
@@ -561,7 +586,11 @@ macro_rules! sql_store {
                     .map_err(db_err)?;
                 // Reading back what was stored keeps the times at the
                 // store's precision (microseconds).
-                Ok(Session { created_at: from_micros(to_micros(now)), updated_at: from_micros(to_micros(now)), ..s })
+                let s = Session { created_at: from_micros(to_micros(now)), updated_at: from_micros(to_micros(now)), ..s };
+                if let Some(cache) = &self.sessions {
+                    cache.created(&s);
+                }
+                Ok(s)
             }
 
             async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
@@ -694,6 +723,9 @@ macro_rules! sql_store {
             }
 
             async fn session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+                if let Some(held) = self.sessions.as_ref().and_then(|c| c.get(id, limit)) {
+                    return Ok(Some(held));
+                }
                 // One row per history turn, each with the session's columns
                 // (one row of NULL turn columns when it has none); no row at
                 // all when there is no such session.
@@ -756,6 +788,10 @@ macro_rules! sql_store {
             }
 
             async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+                // Forgotten first: the cache never takes a session back.
+                if let Some(cache) = &self.sessions {
+                    cache.forget(&id.to_string());
+                }
                 let mut tx = self.write.begin().await.map_err(db_err)?;
                 if let Some(sql) = Self::SQL.delete_session_events {
                     sqlx::query(sql)
@@ -811,6 +847,11 @@ macro_rules! sql_store {
                 .execute(&self.write)
                 .await
                 .map_err(db_err)?;
+                if done.rows_affected() > 0 {
+                    if let Some(cache) = &self.sessions {
+                        cache.clear();
+                    }
+                }
                 Ok(done.rows_affected())
             }
 
@@ -829,6 +870,11 @@ macro_rules! sql_store {
                     .await
                     .map_err(db_err)?;
                 tx.commit().await.map_err(db_err)?;
+                if done.rows_affected() > 0 {
+                    if let Some(cache) = &self.sessions {
+                        cache.clear();
+                    }
+                }
                 Ok(done.rows_affected())
             }
 

@@ -72,6 +72,9 @@ pub struct SqliteStore {
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
     /// The claimer's queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
+    /// The sessions created since start-up, with their history: a Run
+    /// reads them without a database read ([`super::session_cache`]).
+    sessions: Option<Arc<super::session_cache::SessionCache>>,
     /// Held while the store lives; the checkpointer stops when it goes.
     _alive: Arc<()>,
 }
@@ -210,8 +213,9 @@ impl SqliteStore {
             read.clone(),
             write.clone(),
         ));
-        let commits = Self::spawn_committer(write.clone(), 1);
-        let claims = Self::spawn_claimer(write.clone(), 1);
+        let sessions = Arc::new(super::session_cache::SessionCache::default());
+        let commits = Self::spawn_committer(write.clone(), 1, Some(sessions.clone()));
+        let claims = Self::spawn_claimer(write.clone(), 1, Some(sessions.clone()));
         let alive = Arc::new(());
         spawn_checkpointer(checkpoints, Arc::downgrade(&alive));
         let store = Self {
@@ -220,6 +224,7 @@ impl SqliteStore {
             a2a,
             commits,
             claims,
+            sessions: Some(sessions),
             _alive: alive,
         };
         let moved = store.move_legacy_events().await?;
@@ -722,6 +727,51 @@ mod tests {
             .collect();
         store.append_events(&key, events).await.unwrap();
         key
+    }
+
+    /// A Run's read of a session this store created, and of its history,
+    /// comes from memory: a change made behind the store's back (by another
+    /// connection, which the store does not allow in use) does not show
+    /// there, while the database reads see it. A session the store did not
+    /// create is read from the database.
+    #[tokio::test]
+    async fn a_runs_read_of_a_session_created_here_is_served_from_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("a.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let key = claimed_turn(&store, "r1").await;
+        let done = crate::store::TurnOutcome {
+            state: crate::store::TurnState::Completed,
+            code: 0,
+            message: String::new(),
+        };
+        store.finish_turn(&key, &done, Some("cached")).await.unwrap();
+        let other = SqlitePool::connect(&url).await.unwrap();
+        sqlx::query("UPDATE turns SET answer = 'changed'")
+            .execute(&other)
+            .await
+            .unwrap();
+        let outside = SessionId::generate().to_string();
+        sqlx::query("INSERT INTO sessions VALUES ($1, 'bob', 1, 1)")
+            .bind(&outside)
+            .execute(&other)
+            .await
+            .unwrap();
+
+        let (_, held) = store
+            .session_with_history(key.session_id, 5)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(held[0].answer, "cached");
+        let read = store.history(key.session_id, 5).await.unwrap();
+        assert_eq!(read[0].answer, "changed");
+        let (s, _) = store
+            .session_with_history(SessionId::parse(&outside).unwrap(), 5)
+            .await
+            .unwrap()
+            .expect("read from the database");
+        assert_eq!(s.user_id.as_str(), "bob");
     }
 
     /// The event log is its own file beside the database, with 64 KiB

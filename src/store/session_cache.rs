@@ -1,0 +1,339 @@
+//! The sessions this process created, with their history, kept in memory
+//! so that a Run on SQLite reads its session and conversation history
+//! without a database read. SQLite's store is the only writer of its file,
+//! so every change to a session's history passes through it: the claimer
+//! tells the cache of each turn it stores, the committer of each outcome it
+//! records, and the rarer changes (a lease that ran out, pruning, a deleted
+//! session) drop what they touch. Whatever the cache does not know for
+//! sure it forgets; a session it does not hold is read from the database.
+//!
+//! Only sessions created since the process started are held (the cache
+//! knows them from their first moment), the oldest dropped first past
+//! [`SESSIONS_CAP`] sessions or [`BYTES_CAP`] bytes of text.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use super::{Session, from_micros};
+use crate::agent::PriorTurn;
+use crate::domain::SessionId;
+
+/// Sessions held at most.
+pub(super) const SESSIONS_CAP: usize = 100_000;
+/// Bytes of turn text (questions and answers) held at most.
+pub(super) const BYTES_CAP: usize = 64 << 20;
+/// Ended turns held per session: a Run asking for more history than this
+/// of a longer session reads it from the database.
+pub(super) const HISTORY_CAP: usize = 64;
+
+#[derive(Default)]
+pub(super) struct SessionCache {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<String, Entry>,
+    /// Session ids oldest first; an id whose entry is gone is skipped.
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+struct Entry {
+    session: Session,
+    /// Ended turns, in the database's history order: by claim time, then
+    /// request id.
+    history: VecDeque<Ended>,
+    /// Older ended turns were dropped past [`HISTORY_CAP`].
+    truncated: bool,
+    /// Turns claimed and not yet ended: request id → (claim time, text).
+    running: HashMap<String, (i64, String)>,
+    bytes: usize,
+}
+
+struct Ended {
+    at: i64,
+    turn: PriorTurn,
+}
+
+impl Ended {
+    fn bytes(&self) -> usize {
+        self.turn.request_id.len() + self.turn.user_text.len() + self.turn.answer.len()
+    }
+}
+
+impl SessionCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A session was just created: it has no turns.
+    pub fn created(&self, session: &Session) {
+        let mut inner = self.lock();
+        let id = session.id.to_string();
+        inner.order.push_back(id.clone());
+        inner.entries.insert(
+            id,
+            Entry {
+                session: session.clone(),
+                history: VecDeque::new(),
+                truncated: false,
+                running: HashMap::new(),
+                bytes: 0,
+            },
+        );
+        inner.evict();
+    }
+
+    /// A claim stored turn `rid` of session `sid` at `at` (microseconds);
+    /// the claim also marks the session updated then. Called in the order
+    /// the claims were written.
+    pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let Some(e) = inner.entries.get_mut(sid) else {
+            return;
+        };
+        e.session.updated_at = from_micros(at);
+        let added = rid.len() + user_text.len();
+        if e.running
+            .insert(rid.to_owned(), (at, user_text.to_owned()))
+            .is_some()
+        {
+            // A turn claimed twice cannot be: the cache is wrong somewhere.
+            inner.forget(sid);
+            return;
+        }
+        e.bytes += added;
+        inner.bytes += added;
+        inner.evict();
+    }
+
+    /// Turn `rid` of session `sid` ended (its outcome is stored), with its
+    /// final answer if it gave one.
+    pub fn ended(&self, sid: &str, rid: &str, answer: Option<&str>) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let Some(e) = inner.entries.get_mut(sid) else {
+            return;
+        };
+        let Some((at, user_text)) = e.running.remove(rid) else {
+            // Claimed before the cache knew the session, or ended before:
+            // what its history is now, the database knows.
+            inner.forget(sid);
+            return;
+        };
+        let ended = Ended {
+            at,
+            turn: PriorTurn {
+                request_id: rid.to_owned(),
+                user_text,
+                answer: answer.unwrap_or_default().to_owned(),
+            },
+        };
+        let mut delta = ended.bytes() as isize - (rid.len() + ended.turn.user_text.len()) as isize;
+        let key = (ended.at, ended.turn.request_id.as_str());
+        let pos = e
+            .history
+            .iter()
+            .rposition(|h| (h.at, h.turn.request_id.as_str()) <= key)
+            .map_or(0, |i| i + 1);
+        if pos == 0 && e.truncated && !e.history.is_empty() {
+            // Older than the oldest turn held: it belongs among the dropped.
+            delta -= ended.bytes() as isize;
+        } else {
+            e.history.insert(pos, ended);
+            while e.history.len() > HISTORY_CAP {
+                let dropped = e.history.pop_front().expect("over the cap");
+                delta -= dropped.bytes() as isize;
+                e.truncated = true;
+            }
+        }
+        e.bytes = e.bytes.saturating_add_signed(delta);
+        inner.bytes = inner.bytes.saturating_add_signed(delta);
+        inner.evict();
+    }
+
+    /// Drops what is held of session `sid`: it was deleted, or one of its
+    /// turns changed in a way the cache does not follow.
+    pub fn forget(&self, sid: &str) {
+        self.lock().forget(sid);
+    }
+
+    /// Drops everything (turns ended by lease expiry, or pruned).
+    pub fn clear(&self) {
+        let mut inner = self.lock();
+        inner.entries.clear();
+        inner.order.clear();
+        inner.bytes = 0;
+    }
+
+    /// Session `id` and its last `limit` ended turns, oldest first; `None`
+    /// when the cache cannot answer (the database must).
+    pub fn get(&self, id: SessionId, limit: usize) -> Option<(Session, Vec<PriorTurn>)> {
+        let inner = self.lock();
+        let e = inner.entries.get(&id.to_string())?;
+        if e.truncated && limit > e.history.len() {
+            return None;
+        }
+        let skip = e.history.len().saturating_sub(limit);
+        let history = e
+            .history
+            .iter()
+            .skip(skip)
+            .map(|h| h.turn.clone())
+            .collect();
+        Some((e.session.clone(), history))
+    }
+
+    #[cfg(test)]
+    fn held(&self) -> (usize, usize) {
+        let inner = self.lock();
+        (inner.entries.len(), inner.bytes)
+    }
+}
+
+impl Inner {
+    fn forget(&mut self, sid: &str) {
+        if let Some(e) = self.entries.remove(sid) {
+            self.bytes -= e.bytes;
+        }
+        // Ids of forgotten sessions wait in `order` until they come up;
+        // when they are most of it, it is rebuilt.
+        if self.order.len() > 2 * self.entries.len() + 1024 {
+            let entries = &self.entries;
+            self.order.retain(|id| entries.contains_key(id));
+        }
+    }
+
+    /// Drops the oldest sessions while over a cap.
+    fn evict(&mut self) {
+        while self.entries.len() > SESSIONS_CAP || self.bytes > BYTES_CAP {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(e) = self.entries.remove(&oldest) {
+                self.bytes -= e.bytes;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::domain::UserId;
+
+    fn session() -> Session {
+        let now = from_micros(super::super::to_micros(SystemTime::now()));
+        Session {
+            id: SessionId::generate(),
+            user_id: UserId::parse("alice").unwrap(),
+            created_at: now,
+            updated_at: now,
+        }
+    }
+
+    fn ids(h: &[PriorTurn]) -> Vec<&str> {
+        h.iter().map(|t| t.request_id.as_str()).collect()
+    }
+
+    #[test]
+    fn turns_ending_out_of_order_are_held_in_claim_order_with_their_answers() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        assert_eq!(c.get(s.id, 20).unwrap().1, vec![]);
+        c.claimed(&sid, "r1", 10, "q1");
+        c.claimed(&sid, "r2", 20, "q2");
+        c.claimed(&sid, "r3", 20, "q3");
+        assert!(
+            c.get(s.id, 20).unwrap().1.is_empty(),
+            "running turns are no history"
+        );
+        c.ended(&sid, "r3", Some("a3"));
+        c.ended(&sid, "r1", None);
+        c.ended(&sid, "r2", Some("a2"));
+        let (got, history) = c.get(s.id, 20).unwrap();
+        assert_eq!(ids(&history), ["r1", "r2", "r3"]);
+        assert_eq!(history[0].answer, "", "a turn without an answer");
+        assert_eq!(
+            (history[2].user_text.as_str(), history[2].answer.as_str()),
+            ("q3", "a3")
+        );
+        assert_eq!(
+            got.updated_at,
+            from_micros(20),
+            "the last claim marks the session"
+        );
+        assert_eq!(ids(&c.get(s.id, 2).unwrap().1), ["r2", "r3"]);
+        assert!(c.get(s.id, 0).unwrap().1.is_empty());
+    }
+
+    #[test]
+    fn what_the_cache_cannot_follow_it_forgets() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        c.ended(&sid, "unknown", Some("a"));
+        assert!(c.get(s.id, 5).is_none(), "a turn it never saw claimed");
+        // Not held again once forgotten, not even by a claim.
+        c.claimed(&sid, "r1", 1, "q");
+        assert!(c.get(s.id, 5).is_none());
+        let other = session();
+        assert!(
+            c.get(other.id, 5).is_none(),
+            "a session it never saw created"
+        );
+        c.created(&other);
+        c.claimed(&other.id.to_string(), "r1", 1, "q");
+        c.clear();
+        assert!(c.get(other.id, 5).is_none());
+        assert_eq!(c.held(), (0, 0));
+    }
+
+    #[test]
+    fn a_long_session_keeps_its_last_turns_and_sends_longer_asks_to_the_database() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        let n = HISTORY_CAP + 6;
+        for i in 0..n {
+            let rid = format!("r{i:03}");
+            c.claimed(&sid, &rid, i as i64, "q");
+            c.ended(&sid, &rid, Some("a"));
+        }
+        let (_, last) = c.get(s.id, 3).unwrap();
+        assert_eq!(ids(&last), ["r067", "r068", "r069"]);
+        assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1.len(), HISTORY_CAP);
+        assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
+        // A turn claimed before the oldest held, ending now, is among the
+        // dropped ones.
+        c.claimed(&sid, "r000x", 0, "q");
+        c.ended(&sid, "r000x", Some("a"));
+        assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r006");
+        let per_turn = "r000".len() + 2;
+        assert_eq!(c.held(), (1, HISTORY_CAP * per_turn));
+    }
+
+    #[test]
+    fn the_oldest_sessions_go_first_past_the_byte_cap() {
+        let c = SessionCache::default();
+        let old = session();
+        let new = session();
+        c.created(&old);
+        c.created(&new);
+        let big = "x".repeat(BYTES_CAP / 2 + 1);
+        c.claimed(&old.id.to_string(), "r1", 1, &big);
+        assert!(c.get(old.id, 1).is_some());
+        c.claimed(&new.id.to_string(), "r1", 2, &big);
+        assert!(c.get(old.id, 1).is_none(), "the older session is dropped");
+        assert!(c.get(new.id, 1).is_some());
+        assert_eq!(c.held(), (1, big.len() + 2));
+    }
+}
