@@ -1116,6 +1116,9 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
     end(key(a, "r2"), Some("answer 2")).await;
     end(key(a, "r3"), None).await;
     same(a, &["r2", "r3"]).await;
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let mid = SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(2)).await;
     end(key(a, "r1"), Some("answer 1")).await;
     let read = same(a, &["r1", "r2", "r3"]).await;
     assert_eq!(
@@ -1128,8 +1131,11 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
         .await
         .unwrap();
     same(a, &["r1", "r2", "r3"]).await;
+    // Pruning goes by when turns ended: r1 ended last.
+    assert_eq!(store.prune(mid).await.unwrap(), 2);
+    same(a, &["r1"]).await;
     let later = SystemTime::now() + Duration::from_secs(1);
-    assert_eq!(store.prune(later).await.unwrap(), 3);
+    assert_eq!(store.prune(later).await.unwrap(), 1);
     same(a, &[]).await;
     store
         .claim_turn(&new_turn(&key(a, "r4"), "a"))

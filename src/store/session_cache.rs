@@ -3,8 +3,8 @@
 //! without a database read. SQLite's store is the only writer of its file,
 //! so every change to a session's history passes through it: the claimer
 //! tells the cache of each turn it stores, the committer of each outcome it
-//! records, and the rarer changes (a lease that ran out, pruning, a deleted
-//! session) drop what they touch. Whatever the cache does not know for
+//! records, pruning removes the turns it deletes, and the rarer changes (a
+//! lease that ran out, a deleted session) drop what they touch. Whatever the cache does not know for
 //! sure it forgets; a session it does not hold is read from the database.
 //!
 //! Only sessions created since the process started are held (the cache
@@ -52,7 +52,10 @@ struct Entry {
 }
 
 struct Ended {
+    /// When it was claimed (the history's order) and when it ended
+    /// (`updated_at`, what pruning goes by), in microseconds.
     at: i64,
+    ended_at: i64,
     turn: PriorTurn,
 }
 
@@ -109,9 +112,9 @@ impl SessionCache {
         inner.evict();
     }
 
-    /// Turn `rid` of session `sid` ended (its outcome is stored), with its
-    /// final answer if it gave one.
-    pub fn ended(&self, sid: &str, rid: &str, answer: Option<&str>) {
+    /// Turn `rid` of session `sid` ended at `ended_at` (microseconds; its
+    /// outcome is stored), with its final answer if it gave one.
+    pub fn ended(&self, sid: &str, rid: &str, answer: Option<&str>, ended_at: i64) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let Some(e) = inner.entries.get_mut(sid) else {
@@ -125,6 +128,7 @@ impl SessionCache {
         };
         let ended = Ended {
             at,
+            ended_at,
             turn: PriorTurn {
                 request_id: rid.to_owned(),
                 user_text,
@@ -160,7 +164,40 @@ impl SessionCache {
         self.lock().forget(sid);
     }
 
-    /// Drops everything (turns ended by lease expiry, or pruned).
+    /// Pruning deleted the ended turns last updated before `before`
+    /// (microseconds). A session that had dropped older turns past
+    /// [`HISTORY_CAP`] is forgotten if any of its held ones went: one of
+    /// the dropped, ended later, may now be among its last.
+    pub fn pruned(&self, before: i64) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let mut lost = Vec::new();
+        let mut freed = 0;
+        for (sid, e) in inner.entries.iter_mut() {
+            if !e.history.iter().any(|h| h.ended_at < before) {
+                continue;
+            }
+            if e.truncated {
+                lost.push(sid.clone());
+                continue;
+            }
+            let was = e.bytes;
+            e.history.retain(|h| {
+                let keep = h.ended_at >= before;
+                if !keep {
+                    e.bytes -= h.bytes();
+                }
+                keep
+            });
+            freed += was - e.bytes;
+        }
+        inner.bytes -= freed;
+        for sid in lost {
+            inner.forget(&sid);
+        }
+    }
+
+    /// Drops everything (turns ended by lease expiry).
     pub fn clear(&self) {
         let mut inner = self.lock();
         inner.entries.clear();
@@ -254,9 +291,9 @@ mod tests {
             c.get(s.id, 20).unwrap().1.is_empty(),
             "running turns are no history"
         );
-        c.ended(&sid, "r3", Some("a3"));
-        c.ended(&sid, "r1", None);
-        c.ended(&sid, "r2", Some("a2"));
+        c.ended(&sid, "r3", Some("a3"), 100);
+        c.ended(&sid, "r1", None, 100);
+        c.ended(&sid, "r2", Some("a2"), 100);
         let (got, history) = c.get(s.id, 20).unwrap();
         assert_eq!(ids(&history), ["r1", "r2", "r3"]);
         assert_eq!(history[0].answer, "", "a turn without an answer");
@@ -279,7 +316,7 @@ mod tests {
         let s = session();
         let sid = s.id.to_string();
         c.created(&s);
-        c.ended(&sid, "unknown", Some("a"));
+        c.ended(&sid, "unknown", Some("a"), 100);
         assert!(c.get(s.id, 5).is_none(), "a turn it never saw claimed");
         // Not held again once forgotten, not even by a claim.
         c.claimed(&sid, "r1", 1, "q");
@@ -306,7 +343,7 @@ mod tests {
         for i in 0..n {
             let rid = format!("r{i:03}");
             c.claimed(&sid, &rid, i as i64, "q");
-            c.ended(&sid, &rid, Some("a"));
+            c.ended(&sid, &rid, Some("a"), 100);
         }
         let (_, last) = c.get(s.id, 3).unwrap();
         assert_eq!(ids(&last), ["r067", "r068", "r069"]);
@@ -315,10 +352,45 @@ mod tests {
         // A turn claimed before the oldest held, ending now, is among the
         // dropped ones.
         c.claimed(&sid, "r000x", 0, "q");
-        c.ended(&sid, "r000x", Some("a"));
+        c.ended(&sid, "r000x", Some("a"), 100);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r006");
         let per_turn = "r000".len() + 2;
         assert_eq!(c.held(), (1, HISTORY_CAP * per_turn));
+    }
+
+    #[test]
+    fn pruning_removes_the_turns_that_ended_before_its_bound() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        // Claimed in order; r1 ends last.
+        for (rid, at) in [("r1", 1), ("r2", 2), ("r3", 3)] {
+            c.claimed(&sid, rid, at, "q");
+        }
+        c.ended(&sid, "r2", Some("a"), 20);
+        c.ended(&sid, "r3", Some("a"), 30);
+        c.ended(&sid, "r1", Some("a"), 40);
+        c.pruned(30);
+        assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r3"]);
+        assert_eq!(c.held(), (1, 2 * ("r1".len() + 2)));
+        c.pruned(41);
+        assert!(c.get(s.id, 5).unwrap().1.is_empty());
+        assert_eq!(c.held(), (1, 0));
+
+        // A session past the cap loses a held turn: it is forgotten.
+        let long = session();
+        let lid = long.id.to_string();
+        c.created(&long);
+        for i in 0..HISTORY_CAP + 1 {
+            let rid = format!("r{i:03}");
+            c.claimed(&lid, &rid, i as i64, "q");
+            c.ended(&lid, &rid, Some("a"), 100 + i as i64);
+        }
+        c.pruned(101);
+        assert!(c.get(long.id, 5).is_some(), "nothing held was pruned");
+        c.pruned(102);
+        assert!(c.get(long.id, 5).is_none());
     }
 
     #[test]

@@ -515,7 +515,7 @@ macro_rules! sql_store {
                     // the outcome is stored (and a follow-up Run can come).
                     let ended = |p: &$crate::store::sql::PendingBatch| {
                         if let (Some(cache), Some(o)) = (&sessions, &p.outcome) {
-                            cache.ended(&p.sid, &p.rid, o.answer.as_deref());
+                            cache.ended(&p.sid, &p.rid, o.answer.as_deref(), o.at);
                         }
                     };
                     use $crate::store::sql::{GROUP_MAX, LINGER};
@@ -872,7 +872,7 @@ macro_rules! sql_store {
                 tx.commit().await.map_err(db_err)?;
                 if done.rows_affected() > 0 {
                     if let Some(cache) = &self.sessions {
-                        cache.clear();
+                        cache.pruned(to_micros(before));
                     }
                 }
                 Ok(done.rows_affected())

@@ -745,7 +745,10 @@ mod tests {
             code: 0,
             message: String::new(),
         };
-        store.finish_turn(&key, &done, Some("cached")).await.unwrap();
+        store
+            .finish_turn(&key, &done, Some("cached"))
+            .await
+            .unwrap();
         let other = SqlitePool::connect(&url).await.unwrap();
         sqlx::query("UPDATE turns SET answer = 'changed'")
             .execute(&other)
