@@ -7,6 +7,9 @@
 //!                                      │       └─▶ writer (group commit) ─▶ store
 //!                                      └▶ Existing: spawn follower (store + live progress)
 //! ```
+//!
+//! A model-backed agent's run starts beside the claim, up to its first
+//! event, and goes to the pump if the claim is won; it is dropped if not.
 
 mod follow;
 mod pump;
