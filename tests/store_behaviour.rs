@@ -1159,10 +1159,34 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
     };
     assert_eq!(store.fail_expired(later, &failed).await.unwrap(), 1);
     same(b, &["r1"]).await;
+    // Read again from the database (on SQLite, and held again from that
+    // read), with a turn that was running at the read ending after it.
+    store
+        .claim_turn(&new_turn(&key(b, "r2"), "a"))
+        .await
+        .unwrap();
+    let c = store.create_session(&alice).await.unwrap().id;
+    let lapsing = NewTurn {
+        lease: Duration::ZERO,
+        ..new_turn(&key(c, "r1"), "a")
+    };
+    store.claim_turn(&lapsing).await.unwrap();
+    let later = SystemTime::now() + Duration::from_secs(1);
+    assert_eq!(store.fail_expired(later, &failed).await.unwrap(), 1);
+    same(b, &["r1"]).await;
+    end(key(b, "r2"), Some("answer 2")).await;
+    same(b, &["r1", "r2"]).await;
+    store
+        .claim_turn(&new_turn(&key(b, "r3"), "a"))
+        .await
+        .unwrap();
+    end(key(b, "r3"), None).await;
+    same(b, &["r1", "r2", "r3"]).await;
+    same(c, &["r1"]).await;
 
     assert!(store.delete_session(a).await.unwrap());
     assert!(store.session_with_history(a, 5).await.unwrap().is_none());
-    same(b, &["r1"]).await;
+    same(b, &["r1", "r2", "r3"]).await;
 }
 
 /// A caller that goes away while its turn's claim is being written (here

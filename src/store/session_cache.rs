@@ -7,9 +7,12 @@
 //! lease that ran out, a deleted session) drop what they touch. Whatever the cache does not know for
 //! sure it forgets; a session it does not hold is read from the database.
 //!
-//! Only sessions created since the process started are held (the cache
-//! knows them from their first moment), the oldest dropped first past
-//! [`SESSIONS_CAP`] sessions or [`BYTES_CAP`] bytes of text.
+//! A session is held from its creation here, or from a Run's read of it
+//! in the database ([`SessionCache::mark`], then [`SessionCache::offer`]),
+//! which is taken only if nothing changed the session's stripe of change
+//! counters between the two: every change to a session's turns passes its
+//! counter after the database has it. The oldest sessions are dropped
+//! first past [`SESSIONS_CAP`] sessions or [`BYTES_CAP`] bytes of text.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -25,18 +28,47 @@ pub(super) const BYTES_CAP: usize = 64 << 20;
 /// Ended turns held per session: a Run asking for more history than this
 /// of a longer session reads it from the database.
 pub(super) const HISTORY_CAP: usize = 64;
+/// Change counters, each shared by the sessions whose ids hash to it.
+const STRIPES: usize = 256;
 
 #[derive(Default)]
 pub(super) struct SessionCache {
     inner: Mutex<Inner>,
 }
 
-#[derive(Default)]
 struct Inner {
     entries: HashMap<String, Entry>,
+    /// Bumped by every change to a session of the stripe, held or not;
+    /// `generation` by every change to all of them.
+    changes: Vec<u64>,
+    generation: u64,
     /// Session ids oldest first; an id whose entry is gone is skipped.
     order: VecDeque<String>,
     bytes: usize,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Self {
+            entries: HashMap::new(),
+            changes: vec![0; STRIPES],
+            generation: 0,
+            order: VecDeque::new(),
+            bytes: 0,
+        }
+    }
+}
+
+/// Where a session's changes stood before a database read of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Mark {
+    generation: u64,
+    changes: u64,
+}
+
+fn stripe(sid: &str) -> usize {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(sid) as usize % STRIPES
 }
 
 struct Entry {
@@ -48,6 +80,9 @@ struct Entry {
     truncated: bool,
     /// Turns claimed and not yet ended: request id → (claim time, text).
     running: HashMap<String, (i64, String)>,
+    /// Taken from a database read: when its turns ended is not known, so
+    /// any prune forgets it.
+    from_read: bool,
     bytes: usize,
 }
 
@@ -82,6 +117,7 @@ impl SessionCache {
                 history: VecDeque::new(),
                 truncated: false,
                 running: HashMap::new(),
+                from_read: false,
                 bytes: 0,
             },
         );
@@ -94,6 +130,7 @@ impl SessionCache {
     pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str) {
         let mut guard = self.lock();
         let inner = &mut *guard;
+        inner.changed(sid);
         let Some(e) = inner.entries.get_mut(sid) else {
             return;
         };
@@ -117,6 +154,7 @@ impl SessionCache {
     pub fn ended(&self, sid: &str, rid: &str, answer: Option<&str>, ended_at: i64) {
         let mut guard = self.lock();
         let inner = &mut *guard;
+        inner.changed(sid);
         let Some(e) = inner.entries.get_mut(sid) else {
             return;
         };
@@ -171,13 +209,14 @@ impl SessionCache {
     pub fn pruned(&self, before: i64) {
         let mut guard = self.lock();
         let inner = &mut *guard;
+        inner.generation += 1;
         let mut lost = Vec::new();
         let mut freed = 0;
         for (sid, e) in inner.entries.iter_mut() {
-            if !e.history.iter().any(|h| h.ended_at < before) {
+            if !e.from_read && !e.history.iter().any(|h| h.ended_at < before) {
                 continue;
             }
-            if e.truncated {
+            if e.truncated || e.from_read {
                 lost.push(sid.clone());
                 continue;
             }
@@ -200,6 +239,7 @@ impl SessionCache {
     /// Drops everything (turns ended by lease expiry).
     pub fn clear(&self) {
         let mut inner = self.lock();
+        inner.generation += 1;
         inner.entries.clear();
         inner.order.clear();
         inner.bytes = 0;
@@ -223,6 +263,57 @@ impl SessionCache {
         Some((e.session.clone(), history))
     }
 
+    /// Where session `sid`'s changes stand, taken before reading it from
+    /// the database for [`SessionCache::offer`].
+    pub fn mark(&self, sid: &str) -> Mark {
+        let inner = self.lock();
+        Mark {
+            generation: inner.generation,
+            changes: inner.changes[stripe(sid)],
+        }
+    }
+
+    /// A session as the database read it after `mark`, with its last
+    /// ended turns (at most `HISTORY_CAP + 1`, oldest first: one more than
+    /// is held says older ones exist). Held unless something changed the
+    /// session's stripe since `mark`, or it is held already. Its running
+    /// turns are unknown: when one ends, the session is forgotten.
+    pub fn offer(&self, mark: Mark, session: &Session, history: &[PriorTurn]) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let sid = session.id.to_string();
+        if inner.mark_of(&sid) != mark || inner.entries.contains_key(&sid) {
+            return;
+        }
+        let truncated = history.len() > HISTORY_CAP;
+        let held: VecDeque<Ended> = history[history.len().saturating_sub(HISTORY_CAP)..]
+            .iter()
+            .map(|t| Ended {
+                // Their order is the database's, and every turn claimed
+                // from now on comes after them. When they ended the read
+                // did not bring: the next prune forgets the session.
+                at: i64::MIN,
+                ended_at: i64::MIN,
+                turn: t.clone(),
+            })
+            .collect();
+        let bytes = held.iter().map(Ended::bytes).sum();
+        inner.order.push_back(sid.clone());
+        inner.entries.insert(
+            sid,
+            Entry {
+                session: session.clone(),
+                history: held,
+                truncated,
+                running: HashMap::new(),
+                from_read: true,
+                bytes,
+            },
+        );
+        inner.bytes += bytes;
+        inner.evict();
+    }
+
     #[cfg(test)]
     fn held(&self) -> (usize, usize) {
         let inner = self.lock();
@@ -231,7 +322,19 @@ impl SessionCache {
 }
 
 impl Inner {
+    fn changed(&mut self, sid: &str) {
+        self.changes[stripe(sid)] += 1;
+    }
+
+    fn mark_of(&self, sid: &str) -> Mark {
+        Mark {
+            generation: self.generation,
+            changes: self.changes[stripe(sid)],
+        }
+    }
+
     fn forget(&mut self, sid: &str) {
+        self.changed(sid);
         if let Some(e) = self.entries.remove(sid) {
             self.bytes -= e.bytes;
         }
@@ -391,6 +494,60 @@ mod tests {
         assert!(c.get(long.id, 5).is_some(), "nothing held was pruned");
         c.pruned(102);
         assert!(c.get(long.id, 5).is_none());
+    }
+
+    fn prior(rid: &str) -> PriorTurn {
+        PriorTurn {
+            request_id: rid.into(),
+            user_text: "q".into(),
+            answer: "a".into(),
+        }
+    }
+
+    #[test]
+    fn a_session_read_from_the_database_is_held_unless_it_changed_meanwhile() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        let read = [prior("r1"), prior("r2")];
+
+        let mark = c.mark(&sid);
+        c.offer(mark, &s, &read);
+        assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2"]);
+        // A turn claimed from now on comes after them.
+        c.claimed(&sid, "r3", 5, "q");
+        c.ended(&sid, "r3", Some("a"), 6);
+        assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2", "r3"]);
+        // A turn that was running at the read ends: unknown, forgotten.
+        c.ended(&sid, "r0", Some("a"), 7);
+        assert!(c.get(s.id, 5).is_none());
+
+        // Any change to the session between the mark and the offer, or to
+        // all of them, and the read is not taken.
+        for change in 0..4 {
+            let mark = c.mark(&sid);
+            match change {
+                0 => c.claimed(&sid, "r9", 9, "q"),
+                1 => c.ended(&sid, "r9", None, 9),
+                2 => c.pruned(9),
+                _ => c.forget(&sid),
+            }
+            c.offer(mark, &s, &read);
+            assert!(c.get(s.id, 5).is_none(), "change {change}");
+        }
+        c.offer(c.mark(&sid), &s, &read);
+        assert!(c.get(s.id, 5).is_some());
+        // Any prune forgets it: when its turns ended is not known.
+        c.pruned(i64::MIN + 1);
+        assert!(c.get(s.id, 5).is_none());
+
+        // More turns than held: the longest asks go to the database.
+        let long: Vec<PriorTurn> = (0..=HISTORY_CAP)
+            .map(|i| prior(&format!("r{i:03}")))
+            .collect();
+        c.offer(c.mark(&sid), &s, &long);
+        assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r001");
+        assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
     }
 
     #[test]

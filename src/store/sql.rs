@@ -453,12 +453,18 @@ macro_rules! sql_store {
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
                     }
+                    // Forgotten before and after: see `delete_session`.
                     if let Some(cache) = &sessions {
                         for (sid, _, _) in &abandoned {
                             cache.forget(sid);
                         }
                     }
                     Self::cancel_abandoned(&pool, &abandoned).await;
+                    if let Some(cache) = &sessions {
+                        for (sid, _, _) in &abandoned {
+                            cache.forget(sid);
+                        }
+                    }
                 }
             }
 
@@ -723,43 +729,21 @@ macro_rules! sql_store {
             }
 
             async fn session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
-                if let Some(held) = self.sessions.as_ref().and_then(|c| c.get(id, limit)) {
+                let Some(cache) = &self.sessions else {
+                    return self.read_session_with_history(id, limit).await;
+                };
+                if let Some(held) = cache.get(id, limit) {
                     return Ok(Some(held));
                 }
-                // One row per history turn, each with the session's columns
-                // (one row of NULL turn columns when it has none); no row at
-                // all when there is no such session.
-                let rows = sqlx::query(
-                    "SELECT s.id, s.user_id, s.created_at, s.updated_at, \
-                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
-                     FROM sessions s LEFT JOIN ( \
-                       SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
-                       WHERE session_id = $1 AND state <> 'running' \
-                       ORDER BY created_at DESC, request_id DESC LIMIT $2 \
-                     ) h ON true \
-                     WHERE s.id = $1 \
-                     ORDER BY h.created_at, h.request_id",
-                )
-                .bind(id.to_string())
-                .bind(limit as i64)
-                .fetch_all(&self.read)
-                .await
-                .map_err(db_err)?;
-                let Some(first) = rows.first() else {
+                // Read with enough history to hold, and offered to the cache.
+                let sid = id.to_string();
+                let mark = cache.mark(&sid);
+                let cap = $crate::store::session_cache::HISTORY_CAP + 1;
+                let Some((session, mut history)) = self.read_session_with_history(id, limit.max(cap)).await? else {
                     return Ok(None);
                 };
-                let session = session_from_row(first)?;
-                let mut history = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    let Some(request_id) = r.try_get::<Option<String>, _>("h_request_id").map_err(db_err)? else {
-                        continue;
-                    };
-                    history.push(PriorTurn {
-                        request_id,
-                        user_text: r.try_get("h_user_text").map_err(db_err)?,
-                        answer: r.try_get("h_answer").map_err(db_err)?,
-                    });
-                }
+                cache.offer(mark, &session, &history[history.len().saturating_sub(cap)..]);
+                history.drain(..history.len().saturating_sub(limit));
                 Ok(Some((session, history)))
             }
 
@@ -788,7 +772,8 @@ macro_rules! sql_store {
             }
 
             async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
-                // Forgotten first: the cache never takes a session back.
+                // Forgotten before (no Run finds it held meanwhile) and
+                // after (a read that saw it before the delete is not taken).
                 if let Some(cache) = &self.sessions {
                     cache.forget(&id.to_string());
                 }
@@ -805,7 +790,11 @@ macro_rules! sql_store {
                     .execute(&mut *tx)
                     .await
                     .map_err(db_err)?;
-                tx.commit().await.map_err(db_err)?;
+                let committed = tx.commit().await.map_err(db_err);
+                if let Some(cache) = &self.sessions {
+                    cache.forget(&id.to_string());
+                }
+                committed?;
                 Ok(done.rows_affected() > 0)
             }
 
@@ -885,6 +874,47 @@ macro_rules! sql_store {
         }
 
         impl $store {
+            /// The session and its last `limit` ended turns, from the
+            /// database, in one statement.
+            async fn read_session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+                // One row per history turn, each with the session's columns
+                // (one row of NULL turn columns when it has none); no row at
+                // all when there is no such session.
+                let rows = sqlx::query(
+                    "SELECT s.id, s.user_id, s.created_at, s.updated_at, \
+                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+                     FROM sessions s LEFT JOIN ( \
+                       SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
+                       WHERE session_id = $1 AND state <> 'running' \
+                       ORDER BY created_at DESC, request_id DESC LIMIT $2 \
+                     ) h ON true \
+                     WHERE s.id = $1 \
+                     ORDER BY h.created_at, h.request_id",
+                )
+                .bind(id.to_string())
+                .bind(limit as i64)
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
+                let Some(first) = rows.first() else {
+                    return Ok(None);
+                };
+                let session = session_from_row(first)?;
+                let mut history = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let Some(request_id) = r.try_get::<Option<String>, _>("h_request_id").map_err(db_err)? else {
+                        continue;
+                    };
+                    history.push(PriorTurn {
+                        request_id,
+                        user_text: r.try_get("h_user_text").map_err(db_err)?,
+                        answer: r.try_get("h_answer").map_err(db_err)?,
+                    });
+                }
+                Ok(Some((session, history)))
+            }
+
+
             /// Moves rows of the per-event table (schema 0001) into batches,
             /// one turn per transaction; returns how many events moved.
             /// Replicas starting together do not collide: a turn's rows are

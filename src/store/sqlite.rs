@@ -733,7 +733,7 @@ mod tests {
     /// comes from memory: a change made behind the store's back (by another
     /// connection, which the store does not allow in use) does not show
     /// there, while the database reads see it. A session the store did not
-    /// create is read from the database.
+    /// create is read from the database once, then held too.
     #[tokio::test]
     async fn a_runs_read_of_a_session_created_here_is_served_from_memory() {
         let dir = tempfile::tempdir().unwrap();
@@ -769,12 +769,23 @@ mod tests {
         assert_eq!(held[0].answer, "cached");
         let read = store.history(key.session_id, 5).await.unwrap();
         assert_eq!(read[0].answer, "changed");
+        let outside = SessionId::parse(&outside).unwrap();
         let (s, _) = store
-            .session_with_history(SessionId::parse(&outside).unwrap(), 5)
+            .session_with_history(outside, 5)
             .await
             .unwrap()
             .expect("read from the database");
         assert_eq!(s.user_id.as_str(), "bob");
+        sqlx::query("UPDATE sessions SET user_id = 'carol'")
+            .execute(&other)
+            .await
+            .unwrap();
+        let (s, _) = store
+            .session_with_history(outside, 5)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.user_id.as_str(), "bob", "held since the first read");
     }
 
     /// The event log is its own file beside the database, with 64 KiB
