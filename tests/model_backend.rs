@@ -673,6 +673,48 @@ async fn a_model_call_started_beside_a_lost_claim_is_dropped_and_the_turn_replay
     d.stop().await;
 }
 
+/// A repeat of a turn that runs in this process attaches to it, and its
+/// claim (which finds the turn) is not raced by a model call of its own.
+#[tokio::test]
+async fn a_repeat_of_a_turn_running_here_attaches_without_calling_the_model() {
+    let OnSqlite {
+        _dir,
+        mut f,
+        d,
+        session: s,
+        ..
+    } = on_sqlite(vec![Reply::Endless], Default::default()).await;
+    let mut first = d
+        .client
+        .clone()
+        .run(run_r1(&s, "hi"), Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(first.mode, "new");
+    first.events.message().await.unwrap().expect("a first tick");
+    let mut again = d
+        .client
+        .clone()
+        .run(run_r1(&s, "hi"), Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(again.mode, "attach");
+    again
+        .events
+        .message()
+        .await
+        .unwrap()
+        .expect("the first tick again");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(f.seen.lock().unwrap().len(), 1, "one model call");
+    drop((first, again));
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("the run was cancelled")
+        .unwrap();
+    d.stop().await;
+}
+
 /// With `--claim-first` the model is called only once the turn is claimed.
 #[tokio::test]
 async fn with_claim_first_the_model_is_called_only_once_the_turn_is_claimed() {

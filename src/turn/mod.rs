@@ -296,9 +296,13 @@ impl Turns {
             history,
         };
         // An agent that only calls its model before its first event starts
-        // now, beside the claim (unless `claim_first`); any other starts
-        // once the turn is ours.
-        let (claimed, run) = if agent.starts_before_claim() && !self.cfg.claim_first {
+        // now, beside the claim (unless `claim_first`, or the turn is
+        // running here already: a repeat that will attach); any other
+        // starts once the turn is ours.
+        let early = agent.starts_before_claim()
+            && !self.cfg.claim_first
+            && self.live_progress(&key).is_none();
+        let (claimed, run) = if early {
             let span = span();
             let mut events = agent.run(ctx, input.text.as_str().to_owned()).peekable();
             let claimed = {
