@@ -19,70 +19,45 @@ use crate::agent::PriorTurn;
 use crate::domain::{SessionId, TurnKey, UserId};
 use crate::telemetry::metrics;
 
-/// The `op` label: one value per [`Store`] method.
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    CreateSession,
-    GetSession,
-    ClaimTurn,
-    GetTurn,
-    Append,
-    FinishTurn,
-    AppendAndFinish,
-    EventsAfter,
-    History,
-    SessionWithHistory,
-    ListSessions,
-    DeleteSession,
-    ListTurns,
-    RenewLease,
-    FailExpired,
-    Prune,
-    Ping,
+/// Declares [`Op`], the `op` label (one value per [`Store`] method), with
+/// every value in `Op::ALL` and each one's label, from one list.
+macro_rules! ops {
+    ($($op:ident => $label:literal),* $(,)?) => {
+        #[derive(Debug, Clone, Copy)]
+        enum Op {
+            $($op),*
+        }
+
+        impl Op {
+            const ALL: &[Op] = &[$(Op::$op),*];
+
+            fn name(self) -> &'static str {
+                match self {
+                    $(Op::$op => $label),*
+                }
+            }
+        }
+    };
 }
 
-impl Op {
-    const ALL: [Op; 17] = [
-        Op::CreateSession,
-        Op::GetSession,
-        Op::ClaimTurn,
-        Op::GetTurn,
-        Op::Append,
-        Op::FinishTurn,
-        Op::AppendAndFinish,
-        Op::EventsAfter,
-        Op::History,
-        Op::SessionWithHistory,
-        Op::ListSessions,
-        Op::DeleteSession,
-        Op::ListTurns,
-        Op::RenewLease,
-        Op::FailExpired,
-        Op::Prune,
-        Op::Ping,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Op::CreateSession => "create_session",
-            Op::GetSession => "get_session",
-            Op::ClaimTurn => "claim_turn",
-            Op::GetTurn => "get_turn",
-            Op::Append => "append",
-            Op::FinishTurn => "finish_turn",
-            Op::AppendAndFinish => "append_and_finish",
-            Op::EventsAfter => "events_after",
-            Op::History => "history",
-            Op::SessionWithHistory => "session_with_history",
-            Op::ListSessions => "list_sessions",
-            Op::DeleteSession => "delete_session",
-            Op::ListTurns => "list_turns",
-            Op::RenewLease => "renew_lease",
-            Op::FailExpired => "fail_expired",
-            Op::Prune => "prune",
-            Op::Ping => "ping",
-        }
-    }
+ops! {
+    CreateSession => "create_session",
+    GetSession => "get_session",
+    ClaimTurn => "claim_turn",
+    GetTurn => "get_turn",
+    Append => "append",
+    FinishTurn => "finish_turn",
+    AppendAndFinish => "append_and_finish",
+    EventsAfter => "events_after",
+    History => "history",
+    SessionWithHistory => "session_with_history",
+    ListSessions => "list_sessions",
+    DeleteSession => "delete_session",
+    ListTurns => "list_turns",
+    RenewLease => "renew_lease",
+    FailExpired => "fail_expired",
+    Prune => "prune",
+    Ping => "ping",
 }
 
 /// Wraps a store; see the module docs.

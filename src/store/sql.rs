@@ -445,26 +445,15 @@ macro_rules! sql_store {
                         if let (true, Some(cache)) = (stored, &sessions) {
                             cache.claimed(&c.sid, &c.rid, c.at, &c.user_text);
                         }
-                        let (sid, rid, owner) = (c.sid.clone(), c.rid.clone(), c.owner.clone());
-                        if c.done.send(r).is_err() && stored {
+                        let $crate::store::sql::PendingClaim { sid, rid, owner, done, .. } = c;
+                        if done.send(r).is_err() && stored {
                             abandoned.push((sid, rid, owner));
                         }
                     }
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
                     }
-                    // Forgotten before and after: see `delete_session`.
-                    if let Some(cache) = &sessions {
-                        for (sid, _, _) in &abandoned {
-                            cache.forget(sid);
-                        }
-                    }
-                    Self::cancel_abandoned(&pool, &abandoned).await;
-                    if let Some(cache) = &sessions {
-                        for (sid, _, _) in &abandoned {
-                            cache.forget(sid);
-                        }
-                    }
+                    Self::cancel_abandoned(&pool, &abandoned, sessions.as_deref()).await;
                 }
             }
 
@@ -472,10 +461,21 @@ macro_rules! sql_store {
             /// written (the client cancelled or its deadline passed): no
             /// one will run them, so they end now as cancelled, instead of
             /// staying `running` until their lease runs out.
-            async fn cancel_abandoned(pool: &sqlx::Pool<$db>, abandoned: &[(String, String, String)]) {
+            async fn cancel_abandoned(
+                pool: &sqlx::Pool<$db>,
+                abandoned: &[(String, String, String)],
+                sessions: Option<&$crate::store::session_cache::SessionCache>,
+            ) {
                 let outcome = crate::grpc::status::claim_abandoned();
                 let now = to_micros(std::time::SystemTime::now());
                 for (sid, rid, owner) in abandoned {
+                    // Forgotten before and after: see `delete_session`.
+                    let forget = || {
+                        if let Some(cache) = sessions {
+                            cache.forget(sid);
+                        }
+                    };
+                    forget();
                     let done = sqlx::query(
                         "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
                          WHERE session_id = $5 AND request_id = $6 AND owner = $7 AND state = 'running'",
@@ -489,6 +489,7 @@ macro_rules! sql_store {
                     .bind(owner)
                     .execute(pool)
                     .await;
+                    forget();
                     match done {
                         Ok(_) => tracing::info!(session = %sid, request_id = %rid, "the caller went away while its turn was claimed; the turn is recorded cancelled"),
                         Err(e) => tracing::warn!(session = %sid, request_id = %rid, error = %e, "could not record a turn whose caller went away during its claim; its lease will end it"),
