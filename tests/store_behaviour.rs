@@ -1057,8 +1057,7 @@ async fn every_store_call_is_timed_and_a_failure_counted(db: TestDb) {
 /// claims, turns ending out of order with and without an answer, a lease
 /// that ran out, pruning, deletion.
 async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb) {
-    use agentd::agent::{Event, EventKind};
-    use agentd::store::{EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    use agentd::store::{TurnOutcome, TurnState};
     let store = db.open().await;
     let alice = UserId::parse(ALICE).unwrap();
     let key = |id: SessionId, r: &str| TurnKey {
@@ -1078,33 +1077,7 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
     };
     let end = |k: TurnKey, answer: Option<&'static str>| {
         let store = store.clone();
-        async move {
-            let last = SeqEvent {
-                seq: 0,
-                event: Event {
-                    kind: EventKind::FinalAnswer,
-                    author: "echo".into(),
-                    text: answer.unwrap_or_default().into(),
-                    tool_name: String::new(),
-                    tool_call_id: String::new(),
-                    payload_json: String::new(),
-                    created_unix_nanos: 1,
-                },
-            };
-            let outcome = TurnOutcome {
-                state: if answer.is_some() {
-                    TurnState::Completed
-                } else {
-                    TurnState::Failed
-                },
-                code: if answer.is_some() { 0 } else { 13 },
-                message: String::new(),
-            };
-            store
-                .append_and_finish(&k, vec![EncodedEvent::of(&last)], &outcome, answer)
-                .await
-                .unwrap();
-        }
+        async move { end_turn(store.as_ref(), &k, answer).await }
     };
     let a = store.create_session(&alice).await.unwrap().id;
     same(a, &[]).await;
@@ -1189,6 +1162,113 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
     same(b, &["r1", "r2", "r3"]).await;
 }
 
+/// Ends a claimed turn with a final answer event: completed with `answer`,
+/// or failed (INTERNAL, no answer) when there is none.
+async fn end_turn(store: &dyn agentd::store::Store, key: &TurnKey, answer: Option<&str>) {
+    use agentd::agent::{Event, EventKind};
+    use agentd::store::{EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    let last = SeqEvent {
+        seq: 0,
+        event: Event {
+            kind: EventKind::FinalAnswer,
+            author: "echo".into(),
+            text: answer.unwrap_or_default().into(),
+            tool_name: String::new(),
+            tool_call_id: String::new(),
+            payload_json: String::new(),
+            created_unix_nanos: 1,
+        },
+    };
+    let outcome = TurnOutcome {
+        state: if answer.is_some() {
+            TurnState::Completed
+        } else {
+            TurnState::Failed
+        },
+        code: if answer.is_some() { 0 } else { 13 },
+        message: String::new(),
+    };
+    store
+        .append_and_finish(key, vec![EncodedEvent::of(&last)], &outcome, answer)
+        .await
+        .unwrap();
+}
+
+/// Many Runs reading their sessions at once (PostgreSQL reads them in one
+/// statement) each get their own session and its last turns, as a read of
+/// that session alone gives them, whatever their history limit; a session
+/// that does not exist is `None` among sessions that do.
+async fn reads_made_together_each_get_their_own_session_and_history(db: TestDb) {
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let bob = UserId::parse("bob").unwrap();
+    let mut sessions = Vec::new();
+    for i in 0..12usize {
+        let user = if i % 2 == 0 { &alice } else { &bob };
+        let id = store.create_session(user).await.unwrap().id;
+        // Session i: i % 6 ended turns, every third one failed (no
+        // answer), and one still running when i is odd.
+        for t in 0..i % 6 + i % 2 {
+            let key = TurnKey {
+                session_id: id,
+                request_id: RequestId::parse(format!("s{i}-t{t}")).unwrap(),
+            };
+            store.claim_turn(&new_turn(&key, "a")).await.unwrap();
+            if t == i % 6 {
+                continue;
+            }
+            let answer = (t % 3 != 2).then(|| format!("answer {i}.{t}"));
+            end_turn(store.as_ref(), &key, answer.as_deref()).await;
+        }
+        sessions.push(id);
+    }
+    sessions.extend((0..3).map(|_| SessionId::generate()));
+    let reads: Vec<(SessionId, usize)> = (0..64)
+        .map(|j| (sessions[j % sessions.len()], 1 + j % 5))
+        .collect();
+    let together = futures::future::join_all(
+        reads
+            .iter()
+            .map(|&(id, limit)| store.session_with_history(id, limit)),
+    )
+    .await;
+    let mut turns_read = 0;
+    for (&(id, limit), got) in reads.iter().zip(together) {
+        let got = got.unwrap();
+        let Some(session) = store.get_session(id).await.unwrap() else {
+            assert_eq!(got, None, "session {id} does not exist");
+            continue;
+        };
+        let (read, history) = got.unwrap_or_else(|| panic!("session {id} was not found"));
+        assert_eq!(read, session);
+        assert_eq!(
+            history,
+            store.history(id, limit).await.unwrap(),
+            "session {id}, limit {limit}"
+        );
+        assert!(history.len() <= limit);
+        turns_read += history.len();
+    }
+    assert!(
+        turns_read > 64,
+        "the sessions hold history ({turns_read} turns read)"
+    );
+    if db.backend == Backend::Postgres {
+        // The reads went in groups: fewer statements than reads.
+        let m = prom::Metrics(agentd::telemetry::metrics::render());
+        let labels = [("queue", "read")];
+        let (groups, grouped) = (
+            m.count("agentd_store_group_size_count", &labels),
+            m.count("agentd_store_group_size_sum", &labels),
+        );
+        assert_eq!(grouped, 64.0, "every read went through the readers");
+        assert!(
+            groups < 32.0,
+            "64 reads made together took {groups} statements"
+        );
+    }
+}
+
 /// A caller that goes away while its turn's claim is being written (here
 /// the claim waits on a lock another connection holds) leaves no turn
 /// running until its lease ends: the turn is recorded CANCELLED as soon as
@@ -1269,6 +1349,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    reads_made_together_each_get_their_own_session_and_history,
     the_history_a_run_reads_follows_every_change_to_its_session,
     every_store_call_is_timed_and_a_failure_counted,
     appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone,

@@ -38,7 +38,26 @@ pub struct PostgresStore {
     /// Always `None`: any replica changes any session, so each Run reads
     /// its session and history from the database.
     sessions: Option<Arc<super::session_cache::SessionCache>>,
+    /// The readers' queue: a Run's read of its session goes through it.
+    reads: tokio::sync::mpsc::Sender<PendingRead>,
 }
+
+/// A Run's read of its session and its last `limit` ended turns, queued for
+/// the store's readers.
+struct PendingRead {
+    id: String,
+    limit: i64,
+    done: tokio::sync::oneshot::Sender<Result<Found, super::sql::Failed>>,
+}
+
+/// A session and its history, if there is such a session.
+type Found = Option<(super::Session, Vec<crate::agent::PriorTurn>)>;
+
+/// Readers of sessions: each reads the sessions queued while it read the
+/// previous ones in one statement.
+const READERS: usize = 4;
+/// Sessions a reader reads in one statement at most.
+const READS_MAX: usize = 128;
 
 impl PostgresStore {
     /// The event log is keyed by (session_id, request_id, first_seq), and
@@ -86,6 +105,7 @@ impl PostgresStore {
             commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
             claims: Self::spawn_claimer(pool.clone(), COMMITTERS, None),
             sessions: None,
+            reads: super::sql::spawn_queue(READERS, |rx| Self::read_groups(pool.clone(), rx)),
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
                 pool.clone(),
@@ -191,6 +211,119 @@ impl PostgresStore {
         .execute(pool)
         .await?;
         Ok(())
+    }
+}
+
+impl PostgresStore {
+    /// A session and its history, read with the other Runs' reads queued
+    /// at the same moment: every Run starting reads its session, and one
+    /// statement for all of them is one round trip and one plan, where a
+    /// statement each put 64 of them on the server and on this process's
+    /// core when 64 Runs started together. A lone read waits for nothing.
+    async fn read_session(
+        &self,
+        id: crate::domain::SessionId,
+        limit: usize,
+    ) -> super::StoreResult<Found> {
+        let gone = || super::StoreError::Unavailable(anyhow::anyhow!("the store is shutting down"));
+        let (done, answer) = tokio::sync::oneshot::channel();
+        let read = PendingRead {
+            id: id.to_string(),
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            done,
+        };
+        self.reads.send(read).await.map_err(|_| gone())?;
+        Ok(answer.await.map_err(|_| gone())??)
+    }
+
+    /// A reader: takes every read queued while it read the previous group,
+    /// and reads them in one statement; if that fails, one at a time, so
+    /// that only a bad one fails. Reads whose caller has gone are dropped
+    /// unread. Ends when the store is dropped.
+    async fn read_groups(
+        pool: PgPool,
+        rx: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<PendingRead>>>,
+    ) {
+        let mut group = Vec::with_capacity(READS_MAX);
+        while rx.lock().await.recv_many(&mut group, READS_MAX).await > 0 {
+            group.retain(|r| !r.done.is_closed());
+            if group.is_empty() {
+                continue;
+            }
+            let started = std::time::Instant::now();
+            let read = Self::read_sessions(&pool, &group).await;
+            crate::telemetry::metrics::store_group("read", group.len(), started.elapsed());
+            match read {
+                Ok(found) => {
+                    for (r, f) in group.drain(..).zip(found) {
+                        let _ = r.done.send(Ok(f));
+                    }
+                }
+                Err(_) if group.len() > 1 => {
+                    for r in group.drain(..) {
+                        let one = Self::read_sessions(&pool, std::slice::from_ref(&r))
+                            .await
+                            .map(|mut found| found.pop().flatten())
+                            .map_err(super::sql::Failed::from);
+                        let _ = r.done.send(one);
+                    }
+                }
+                Err(e) => {
+                    let failed = super::sql::Failed::from(e);
+                    for r in group.drain(..) {
+                        let _ = r.done.send(Err(failed.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads `reads` in one statement: for each, in order, its session and
+    /// its last `limit` ended turns, oldest first, or `None` where there is
+    /// no such session. The statement is the single read's
+    /// (`read_session_with_history`) with the sessions as an array.
+    async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
+        let rows = sqlx::query(
+            "SELECT q.ord, s.id, s.user_id, s.created_at, s.updated_at, \
+             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+             FROM UNNEST($1::text[], $2::int8[]) WITH ORDINALITY AS q(id, lim, ord) \
+             JOIN sessions s ON s.id = q.id \
+             LEFT JOIN LATERAL ( \
+               SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
+               WHERE session_id = q.id AND state <> 'running' \
+               ORDER BY created_at DESC, request_id DESC LIMIT q.lim \
+             ) h ON true \
+             ORDER BY q.ord, h.created_at, h.request_id",
+        )
+        .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
+        .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
+        .fetch_all(pool)
+        .await
+        .map_err(super::sql::db_err)?;
+        let mut found: Vec<Found> = reads.iter().map(|_| None).collect();
+        for r in &rows {
+            let ord: i64 = r.try_get("ord").map_err(super::sql::db_err)?;
+            let slot = usize::try_from(ord - 1)
+                .ok()
+                .and_then(|i| found.get_mut(i))
+                .ok_or_else(|| super::sql::bad_row("read order"))?;
+            let (_, history) = match slot {
+                Some(held) => held,
+                None => slot.insert((session_from_row(r)?, Vec::new())),
+            };
+            let Some(request_id) = r
+                .try_get::<Option<String>, _>("h_request_id")
+                .map_err(super::sql::db_err)?
+            else {
+                continue;
+            };
+            history.push(crate::agent::PriorTurn {
+                request_id,
+                user_text: r.try_get("h_user_text").map_err(super::sql::db_err)?,
+                answer: r.try_get("h_answer").map_err(super::sql::db_err)?,
+            });
+        }
+        Ok(found)
     }
 }
 

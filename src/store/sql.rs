@@ -731,7 +731,7 @@ macro_rules! sql_store {
 
             async fn session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
                 let Some(cache) = &self.sessions else {
-                    return self.read_session_with_history(id, limit).await;
+                    return self.read_session(id, limit).await;
                 };
                 if let Some(held) = cache.get(id, limit) {
                     return Ok(Some(held));

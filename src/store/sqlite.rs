@@ -354,6 +354,18 @@ fn update_outcomes<'q>(
 }
 
 impl SqliteStore {
+    /// A session and its history from the database, when the session cache
+    /// does not serve it: local readers, one statement each.
+    async fn read_session(
+        &self,
+        id: crate::domain::SessionId,
+        limit: usize,
+    ) -> super::StoreResult<Option<(super::Session, Vec<crate::agent::PriorTurn>)>> {
+        self.read_session_with_history(id, limit).await
+    }
+}
+
+impl SqliteStore {
     /// Writes a committer's group: its events, then its outcomes. Each is
     /// one statement, and one commit, for the whole group (see
     /// [`write_events`](Self::write_events)).

@@ -17,8 +17,8 @@
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
 //! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_with_history`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
 //! | `agentd_store_errors_total` | `op`, `error` | store calls that failed: `unavailable` (the database could not be reached) or `unexpected` |
-//! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together) |
-//! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches or claims per group written |
+//! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together); PostgreSQL also `read` (the sessions of Runs starting together) |
+//! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches, claims or session reads per group |
 
 use std::sync::OnceLock;
 
@@ -195,7 +195,7 @@ pub fn store_error(op: &'static str, error: &crate::store::StoreError) {
 }
 
 /// A SQL store wrote one group of `size` batches (`queue` `commit`) or
-/// claims (`claim`).
+/// claims (`claim`), or read `size` sessions (`read`, PostgreSQL).
 pub fn store_group(queue: &'static str, size: usize, elapsed: std::time::Duration) {
     handle();
     metrics::histogram!(STORE_GROUP_SECONDS, "queue" => queue).record(elapsed);
