@@ -117,11 +117,12 @@ pub struct ServeArgs {
 
     /// Start every agent only once its turn is claimed. Without this flag a
     /// model-backed agent calls its model while its turn is being claimed,
-    /// so the first token waits for the slower of the two, not both; a
-    /// repeated request id (of a turn not running in this process) then
-    /// starts a model call that is dropped as soon as the claim finds the
-    /// turn (a hosted model may still bill its prompt). With it, no model call is made for a repeat, and a server
-    /// short of CPU spends it on claims before streams.
+    /// so the first token waits for the slower of the two, not both. A
+    /// repeated request id whose turn is stored makes no model call either
+    /// way; one sent while its first is still being claimed starts a model
+    /// call that is dropped as soon as its claim finds the turn (a hosted
+    /// model may still bill its prompt). With this flag no repeat calls the
+    /// model, and a server short of CPU spends it on claims before streams.
     #[arg(long, env = "AGENTD_CLAIM_FIRST")]
     pub claim_first: bool,
 

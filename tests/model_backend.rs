@@ -614,17 +614,17 @@ async fn a_model_backed_run_calls_its_model_while_its_turn_is_being_claimed() {
     d.stop().await;
 }
 
-/// A repeated request id whose model call started beside its claim loses
-/// the claim: that model call is dropped (the model server sees the
-/// connection close), and the caller gets the stored turn replayed, never
-/// a second run.
+/// A repeated request id of a turn that ended does not call the model:
+/// the Run's read before its claim tells that the turn is stored, so it
+/// claims first (here the claim waits on a write lock, and the model is
+/// still not called), finds the turn and replays it event for event.
 #[tokio::test]
-async fn a_model_call_started_beside_a_lost_claim_is_dropped_and_the_turn_replayed() {
+async fn a_repeat_of_an_ended_turn_replays_without_calling_the_model() {
     let OnSqlite {
         _dir,
         db,
-        mut f,
-        mut d,
+        f,
+        d,
         session: s,
         ..
     } = on_sqlite(
@@ -637,6 +637,7 @@ async fn a_model_call_started_beside_a_lost_claim_is_dropped_and_the_turn_replay
     .await;
     let (first, status) = d
         .client
+        .clone()
         .run_to_end(run_r1(&s, "hi"), Duration::from_secs(20))
         .await
         .unwrap();
@@ -656,20 +657,73 @@ async fn a_model_call_started_beside_a_lost_claim_is_dropped_and_the_turn_replay
         }
         Ok::<_, tonic::Status>((mode, got))
     });
-    assert!(
-        requests_seen(&f, 2).await,
-        "the repeat's model call started beside its claim"
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        f.seen.lock().unwrap().len(),
+        1,
+        "no model call while the repeat's claim waits"
     );
     held_writes_end(lock).await;
 
     let (mode, replayed) = again.await.unwrap().unwrap();
     assert_eq!(mode, "replay");
     assert_eq!(replayed, first, "the stored turn, event for event");
+    assert_eq!(f.seen.lock().unwrap().len(), 1, "one model call in all");
+    d.stop().await;
+}
+
+/// Two Runs of one new turn sent together both start a model call beside
+/// their claims (neither turn is stored when they read); the claim decides:
+/// one runs the turn, the other's model call is dropped (the model server
+/// sees its connection close) and it attaches to the running turn.
+#[tokio::test]
+async fn of_two_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_its_model_call() {
+    let OnSqlite {
+        _dir,
+        db,
+        mut f,
+        d,
+        session: s,
+        ..
+    } = on_sqlite(vec![Reply::Endless, Reply::Endless], Default::default()).await;
+    let lock = hold_writes(&db).await;
+    let calls: Vec<_> = (0..2)
+        .map(|_| {
+            let mut client = d.client.clone();
+            let req = run_r1(&s, "hi");
+            tokio::spawn(async move { client.run(req, Duration::from_secs(20)).await })
+        })
+        .collect();
+    assert!(
+        requests_seen(&f, 2).await,
+        "both called the model beside their claims"
+    );
+    held_writes_end(lock).await;
+    let mut modes = Vec::new();
+    let mut runs = Vec::new();
+    for call in calls {
+        let mut run = call.await.unwrap().unwrap();
+        run.events.message().await.unwrap().expect("a first tick");
+        modes.push(run.mode.clone());
+        runs.push(run);
+    }
+    modes.sort();
+    assert_eq!(modes, ["attach", "new"]);
     tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
         .await
-        .expect("the dropped model call's connection closed")
+        .expect("the losing model call's connection closed")
         .unwrap();
+    // The winner's model call goes on: both callers still get its ticks.
+    for run in &mut runs {
+        run.events.message().await.unwrap().expect("another tick");
+    }
+    assert!(f.closed.try_recv().is_err(), "only the loser's call closed");
     assert_eq!(f.seen.lock().unwrap().len(), 2);
+    drop(runs);
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("the run was cancelled with its callers")
+        .unwrap();
     d.stop().await;
 }
 

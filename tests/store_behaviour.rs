@@ -1194,6 +1194,87 @@ async fn end_turn(store: &dyn agentd::store::Store, key: &TurnKey, answer: Optio
         .unwrap();
 }
 
+/// A Run's read before its claim tells whether its turn is stored (a
+/// repeated request id) at every step of the turn's life, and not for a
+/// turn of another session; on the SQL stores also for a session another
+/// process created (SQLite reads it, then holds it without knowing its
+/// every turn) and for a session longer than SQLite holds in memory.
+async fn a_runs_read_tells_whether_its_turn_is_stored(db: TestDb) {
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let key = |id: SessionId, r: &str| TurnKey {
+        session_id: id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let stored = |k: TurnKey| {
+        let store = store.clone();
+        async move {
+            let read = store.session_for_run(&k, 5).await.unwrap().unwrap();
+            let (session, history) = store
+                .session_with_history(k.session_id, 5)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((&read.session, &read.history), (&session, &history));
+            read.turn_stored
+        }
+    };
+    let a = store.create_session(&alice).await.unwrap().id;
+    let b = store.create_session(&alice).await.unwrap().id;
+    assert!(!stored(key(a, "r1")).await);
+    store
+        .claim_turn(&new_turn(&key(a, "r1"), "a"))
+        .await
+        .unwrap();
+    assert!(stored(key(a, "r1")).await, "running");
+    assert!(!stored(key(b, "r1")).await, "another session's turn");
+    end_turn(store.as_ref(), &key(a, "r1"), Some("one")).await;
+    assert!(stored(key(a, "r1")).await, "ended");
+    assert!(!stored(key(a, "r2")).await);
+    assert!(
+        store
+            .session_for_run(&key(SessionId::generate(), "r1"), 5)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let later = SystemTime::now() + Duration::from_secs(1);
+    assert_eq!(store.prune(later).await.unwrap(), 1);
+    assert!(!stored(key(a, "r1")).await, "pruned");
+
+    if db.backend == Backend::Memory {
+        return;
+    }
+    // Made by another process on the same database: this one reads it
+    // (and SQLite then holds it), then asks again.
+    let other = db.open().await;
+    let c = other.create_session(&alice).await.unwrap().id;
+    other
+        .claim_turn(&new_turn(&key(c, "r1"), "b"))
+        .await
+        .unwrap();
+    end_turn(other.as_ref(), &key(c, "r1"), Some("one")).await;
+    other
+        .claim_turn(&new_turn(&key(c, "r2"), "b"))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        assert!(stored(key(c, "r1")).await);
+        assert!(stored(key(c, "r2")).await, "running elsewhere");
+        assert!(!stored(key(c, "r3")).await);
+    }
+    // More ended turns than SQLite holds of a session (64).
+    let d = store.create_session(&alice).await.unwrap().id;
+    for i in 0..66 {
+        let k = key(d, &format!("r{i}"));
+        store.claim_turn(&new_turn(&k, "a")).await.unwrap();
+        end_turn(store.as_ref(), &k, Some("answer")).await;
+    }
+    assert!(stored(key(d, "r0")).await, "among the oldest");
+    assert!(stored(key(d, "r65")).await);
+    assert!(!stored(key(d, "r66")).await);
+}
+
 /// Many Runs reading their sessions at once (PostgreSQL reads them in one
 /// statement) each get their own session and its last turns, as a read of
 /// that session alone gives them, whatever their history limit; a session
@@ -1349,6 +1430,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,
     the_history_a_run_reads_follows_every_change_to_its_session,
     every_store_call_is_timed_and_a_failure_counted,

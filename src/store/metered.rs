@@ -12,8 +12,8 @@ use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
 use super::{
-    Claim, EncodedEvent, NewTurn, PageCursor, SeqEvent, Session, SessionPage, Store, StoreResult,
-    TurnOutcome, TurnRecord,
+    Claim, EncodedEvent, NewTurn, PageCursor, RunRead, SeqEvent, Session, SessionPage, Store,
+    StoreResult, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{SessionId, TurnKey, UserId};
@@ -51,6 +51,7 @@ ops! {
     EventsAfter => "events_after",
     History => "history",
     SessionWithHistory => "session_with_history",
+    SessionForRun => "session_for_run",
     ListSessions => "list_sessions",
     DeleteSession => "delete_session",
     ListTurns => "list_turns",
@@ -171,6 +172,11 @@ impl Store for Metered {
             self.inner.session_with_history(id, limit),
         )
         .await
+    }
+
+    async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
+        self.timed(Op::SessionForRun, self.inner.session_for_run(key, limit))
+            .await
     }
 
     async fn list_sessions(

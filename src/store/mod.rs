@@ -190,6 +190,16 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// What a new Run reads before its claim ([`Store::session_for_run`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunRead {
+    pub session: Session,
+    /// The session's last ended turns, oldest first: the agent's history.
+    pub history: Vec<PriorTurn>,
+    /// The Run's turn is stored already: its request id is a repeat.
+    pub turn_stored: bool,
+}
+
 /// Where the next page of [`Store::list_sessions`] starts: sessions are
 /// listed oldest first, ordered by (created_at, id).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -345,6 +355,24 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
             Some(s) => Ok(Some((s, history?))),
             None => Ok(None),
         }
+    }
+    /// A new Run's one read before its claim: [`Store::session_with_history`]
+    /// and whether turn `key` is stored already (a repeated request id,
+    /// which the claim will find: a model-backed Run then does not call its
+    /// model beside the claim). `None` if there is no such session.
+    async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
+        let (read, turn) = tokio::join!(
+            self.session_with_history(key.session_id, limit),
+            self.get_turn(key)
+        );
+        let Some((session, history)) = read? else {
+            return Ok(None);
+        };
+        Ok(Some(RunRead {
+            session,
+            history,
+            turn_stored: turn?.is_some(),
+        }))
     }
 
     /// A user's sessions, oldest first, at most `limit`, after `after`.

@@ -47,11 +47,13 @@ pub struct PostgresStore {
 struct PendingRead {
     id: String,
     limit: i64,
+    /// The turn whose being stored the read tells.
+    turn: Option<String>,
     done: tokio::sync::oneshot::Sender<Result<Found, super::sql::Failed>>,
 }
 
 /// A session and its history, if there is such a session.
-type Found = Option<(super::Session, Vec<crate::agent::PriorTurn>)>;
+type Found = Option<super::RunRead>;
 
 /// Readers of sessions: each reads the sessions queued while it read the
 /// previous ones in one statement.
@@ -224,12 +226,14 @@ impl PostgresStore {
         &self,
         id: crate::domain::SessionId,
         limit: usize,
+        turn: Option<&str>,
     ) -> super::StoreResult<Found> {
         let gone = || super::StoreError::Unavailable(anyhow::anyhow!("the store is shutting down"));
         let (done, answer) = tokio::sync::oneshot::channel();
         let read = PendingRead {
             id: id.to_string(),
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            turn: turn.map(str::to_owned),
             done,
         };
         self.reads.send(read).await.map_err(|_| gone())?;
@@ -278,15 +282,16 @@ impl PostgresStore {
         }
     }
 
-    /// Reads `reads` in one statement: for each, in order, its session and
-    /// its last `limit` ended turns, oldest first, or `None` where there is
-    /// no such session. The statement is the single read's
+    /// Reads `reads` in one statement: for each, in order, its session,
+    /// its last `limit` ended turns, oldest first, and whether its turn is
+    /// stored, or `None` where there is no such session. The statement is the single read's
     /// (`read_session_with_history`) with the sessions as an array.
     async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
         let rows = sqlx::query(
             "SELECT q.ord, s.id, s.user_id, s.created_at, s.updated_at, \
-             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
-             FROM UNNEST($1::text[], $2::int8[]) WITH ORDINALITY AS q(id, lim, ord) \
+             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer, \
+             EXISTS (SELECT 1 FROM turns t WHERE t.session_id = q.id AND t.request_id = q.turn) AS turn_stored \
+             FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
              JOIN sessions s ON s.id = q.id \
              LEFT JOIN LATERAL ( \
                SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
@@ -297,6 +302,7 @@ impl PostgresStore {
         )
         .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
         .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
+        .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
         .fetch_all(pool)
         .await
         .map_err(super::sql::db_err)?;
@@ -307,9 +313,13 @@ impl PostgresStore {
                 .ok()
                 .and_then(|i| found.get_mut(i))
                 .ok_or_else(|| super::sql::bad_row("read order"))?;
-            let (_, history) = match slot {
+            let read = match slot {
                 Some(held) => held,
-                None => slot.insert((session_from_row(r)?, Vec::new())),
+                None => slot.insert(super::RunRead {
+                    session: session_from_row(r)?,
+                    history: Vec::new(),
+                    turn_stored: r.try_get("turn_stored").map_err(super::sql::db_err)?,
+                }),
             };
             let Some(request_id) = r
                 .try_get::<Option<String>, _>("h_request_id")
@@ -317,7 +327,7 @@ impl PostgresStore {
             else {
                 continue;
             };
-            history.push(crate::agent::PriorTurn {
+            read.history.push(crate::agent::PriorTurn {
                 request_id,
                 user_text: r.try_get("h_user_text").map_err(super::sql::db_err)?,
                 answer: r.try_get("h_answer").map_err(super::sql::db_err)?,

@@ -263,6 +263,19 @@ impl SessionCache {
         Some((e.session.clone(), history))
     }
 
+    /// Whether turn `rid` of session `id` is stored: `None` when the cache
+    /// cannot tell. It knows every turn of a session it holds from its
+    /// creation here and has dropped none of past [`HISTORY_CAP`]; of one
+    /// taken from a read, or that has dropped some, only those it holds.
+    pub fn stored(&self, id: SessionId, rid: &str) -> Option<bool> {
+        let inner = self.lock();
+        let e = inner.entries.get(&id.to_string())?;
+        if e.running.contains_key(rid) || e.history.iter().any(|h| h.turn.request_id == rid) {
+            return Some(true);
+        }
+        (!e.from_read && !e.truncated).then_some(false)
+    }
+
     /// Where session `sid`'s changes stand, taken before reading it from
     /// the database for [`SessionCache::offer`].
     pub fn mark(&self, sid: &str) -> Mark {

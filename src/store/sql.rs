@@ -730,22 +730,11 @@ macro_rules! sql_store {
             }
 
             async fn session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
-                let Some(cache) = &self.sessions else {
-                    return self.read_session(id, limit).await;
-                };
-                if let Some(held) = cache.get(id, limit) {
-                    return Ok(Some(held));
-                }
-                // Read with enough history to hold, and offered to the cache.
-                let sid = id.to_string();
-                let mark = cache.mark(&sid);
-                let cap = $crate::store::session_cache::HISTORY_CAP + 1;
-                let Some((session, mut history)) = self.read_session_with_history(id, limit.max(cap)).await? else {
-                    return Ok(None);
-                };
-                cache.offer(mark, &session, &history[history.len().saturating_sub(cap)..]);
-                history.drain(..history.len().saturating_sub(limit));
-                Ok(Some((session, history)))
+                Ok(self.read_for_run(id, limit, None).await?.map(|r| (r.session, r.history)))
+            }
+
+            async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
+                self.read_for_run(key.session_id, limit, Some(key.request_id.as_str())).await
             }
 
             async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {
@@ -875,15 +864,58 @@ macro_rules! sql_store {
         }
 
         impl $store {
-            /// The session and its last `limit` ended turns, from the
-            /// database, in one statement.
-            async fn read_session_with_history(&self, id: SessionId, limit: usize) -> StoreResult<Option<(Session, Vec<PriorTurn>)>> {
+            /// The session, its last `limit` ended turns and whether turn
+            /// `turn` (if given) is stored: from the session cache where it
+            /// holds the session (asking the database whether the turn is
+            /// stored only where the cache cannot tell), else from the
+            /// database in one statement, offered to the cache.
+            async fn read_for_run(&self, id: SessionId, limit: usize, turn: Option<&str>) -> StoreResult<Option<RunRead>> {
+                let Some(cache) = &self.sessions else {
+                    return self.read_session(id, limit, turn).await;
+                };
+                if let Some((session, history)) = cache.get(id, limit) {
+                    let turn_stored = match turn {
+                        None => false,
+                        Some(rid) => match cache.stored(id, rid) {
+                            Some(known) => known,
+                            None => self.turn_stored(id, rid).await?,
+                        },
+                    };
+                    return Ok(Some(RunRead { session, history, turn_stored }));
+                }
+                // Read with enough history to hold, and offered to the cache.
+                let sid = id.to_string();
+                let mark = cache.mark(&sid);
+                let cap = $crate::store::session_cache::HISTORY_CAP + 1;
+                let Some(mut read) = self.read_session_with_history(id, limit.max(cap), turn).await? else {
+                    return Ok(None);
+                };
+                cache.offer(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..]);
+                read.history.drain(..read.history.len().saturating_sub(limit));
+                Ok(Some(read))
+            }
+
+            /// Whether turn `rid` of session `id` is stored.
+            async fn turn_stored(&self, id: SessionId, rid: &str) -> StoreResult<bool> {
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM turns WHERE session_id = $1 AND request_id = $2)")
+                    .bind(id.to_string())
+                    .bind(rid)
+                    .fetch_one(&self.read)
+                    .await
+                    .map_err(db_err)
+            }
+
+            /// The session, its last `limit` ended turns and whether turn
+            /// `turn` is stored (false if `None`), from the database, in one
+            /// statement.
+            async fn read_session_with_history(&self, id: SessionId, limit: usize, turn: Option<&str>) -> StoreResult<Option<RunRead>> {
                 // One row per history turn, each with the session's columns
                 // (one row of NULL turn columns when it has none); no row at
                 // all when there is no such session.
                 let rows = sqlx::query(
                     "SELECT s.id, s.user_id, s.created_at, s.updated_at, \
-                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer, \
+                     EXISTS (SELECT 1 FROM turns t WHERE t.session_id = $1 AND t.request_id = $3) AS turn_stored \
                      FROM sessions s LEFT JOIN ( \
                        SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
                        WHERE session_id = $1 AND state <> 'running' \
@@ -894,6 +926,7 @@ macro_rules! sql_store {
                 )
                 .bind(id.to_string())
                 .bind(limit as i64)
+                .bind(turn)
                 .fetch_all(&self.read)
                 .await
                 .map_err(db_err)?;
@@ -901,6 +934,7 @@ macro_rules! sql_store {
                     return Ok(None);
                 };
                 let session = session_from_row(first)?;
+                let turn_stored = first.try_get("turn_stored").map_err(db_err)?;
                 let mut history = Vec::with_capacity(rows.len());
                 for r in &rows {
                     let Some(request_id) = r.try_get::<Option<String>, _>("h_request_id").map_err(db_err)? else {
@@ -912,7 +946,7 @@ macro_rules! sql_store {
                         answer: r.try_get("h_answer").map_err(db_err)?,
                     });
                 }
-                Ok(Some((session, history)))
+                Ok(Some(RunRead { session, history, turn_stored }))
             }
 
 

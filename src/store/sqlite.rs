@@ -360,8 +360,9 @@ impl SqliteStore {
         &self,
         id: crate::domain::SessionId,
         limit: usize,
-    ) -> super::StoreResult<Option<(super::Session, Vec<crate::agent::PriorTurn>)>> {
-        self.read_session_with_history(id, limit).await
+        turn: Option<&str>,
+    ) -> super::StoreResult<Option<super::RunRead>> {
+        self.read_session_with_history(id, limit, turn).await
     }
 }
 

@@ -15,7 +15,7 @@
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
 //! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials; a JSON-RPC request refused before it reaches a method also counts as `unknown`, with its error's reason (`PARSE_ERROR`, `METHOD_NOT_FOUND`, …) |
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
-//! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_with_history`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
+//! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_for_run`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
 //! | `agentd_store_errors_total` | `op`, `error` | store calls that failed: `unavailable` (the database could not be reached) or `unexpected` |
 //! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together); PostgreSQL also `read` (the sessions of Runs starting together) |
 //! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches, claims or session reads per group |

@@ -255,15 +255,16 @@ impl Turns {
         self.check_store()?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
-        // One read before the claim: the session and its history together.
-        // Nothing read is used unless the session is the caller's. A turn
-        // already there (a repeated request id) is found by the claim.
-        let history = match self
+        // One read before the claim: the session, its history, and whether
+        // the turn is stored already (a repeated request id, which the claim
+        // will find). Nothing read is used unless the session is the
+        // caller's.
+        let read = match self
             .store
-            .session_with_history(key.session_id, self.cfg.history_turns)
+            .session_for_run(&key, self.cfg.history_turns)
             .await?
         {
-            Some((session, history)) if session.user_id == input.user_id => history,
+            Some(read) if read.session.user_id == input.user_id => read,
             _ => return Err(RunError::SessionNotFound),
         };
         let Ok(permit) = self.permits.clone().try_acquire_owned() else {
@@ -293,15 +294,15 @@ impl Turns {
             request_id: key.request_id.clone(),
             cancel: cancel.clone(),
             deadline: deadline.at,
-            history,
+            history: read.history,
         };
         // An agent that only calls its model before its first event starts
-        // now, beside the claim (unless `claim_first`, or the turn is
-        // running here already: a repeat that will attach); any other
-        // starts once the turn is ours.
-        let early = agent.starts_before_claim()
-            && !self.cfg.claim_first
-            && self.live_progress(&key).is_none();
+        // now, beside the claim (unless `claim_first`, or the turn is stored
+        // already: a repeat, which will replay, attach or follow, and whose
+        // model call would only be dropped); any other starts once the turn
+        // is ours. A repeat that comes while its first is still being
+        // claimed starts too, and is dropped when its claim finds the turn.
+        let early = agent.starts_before_claim() && !self.cfg.claim_first && !read.turn_stored;
         let (claimed, run) = if early {
             let span = span();
             let mut events = agent.run(ctx, input.text.as_str().to_owned()).peekable();
