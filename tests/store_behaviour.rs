@@ -1209,7 +1209,11 @@ async fn a_runs_read_tells_whether_its_turn_is_stored(db: TestDb) {
     let stored = |k: TurnKey| {
         let store = store.clone();
         async move {
-            let read = store.session_for_run(&k, 5).await.unwrap().unwrap();
+            let read = store
+                .session_for_run(k.session_id, Some(&k.request_id), 5)
+                .await
+                .unwrap()
+                .unwrap();
             let (session, history) = store
                 .session_with_history(k.session_id, 5)
                 .await
@@ -1231,9 +1235,12 @@ async fn a_runs_read_tells_whether_its_turn_is_stored(db: TestDb) {
     end_turn(store.as_ref(), &key(a, "r1"), Some("one")).await;
     assert!(stored(key(a, "r1")).await, "ended");
     assert!(!stored(key(a, "r2")).await);
+    let unasked = store.session_for_run(a, None, 5).await.unwrap().unwrap();
+    assert!(!unasked.turn_stored, "no turn asked about");
+    let r1 = RequestId::parse("r1").unwrap();
     assert!(
         store
-            .session_for_run(&key(SessionId::generate(), "r1"), 5)
+            .session_for_run(SessionId::generate(), Some(&r1), 5)
             .await
             .unwrap()
             .is_none()

@@ -16,7 +16,7 @@ use super::{
     StoreResult, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
-use crate::domain::{SessionId, TurnKey, UserId};
+use crate::domain::{RequestId, SessionId, TurnKey, UserId};
 use crate::telemetry::metrics;
 
 /// Declares [`Op`], the `op` label (one value per [`Store`] method), with
@@ -174,9 +174,17 @@ impl Store for Metered {
         .await
     }
 
-    async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
-        self.timed(Op::SessionForRun, self.inner.session_for_run(key, limit))
-            .await
+    async fn session_for_run(
+        &self,
+        session: SessionId,
+        turn: Option<&RequestId>,
+        limit: usize,
+    ) -> StoreResult<Option<RunRead>> {
+        self.timed(
+            Op::SessionForRun,
+            self.inner.session_for_run(session, turn, limit),
+        )
+        .await
     }
 
     async fn list_sessions(

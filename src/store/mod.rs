@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use thiserror::Error;
 
 use crate::agent::{Event, PriorTurn};
-use crate::domain::{SessionId, TurnKey, UserId};
+use crate::domain::{RequestId, SessionId, TurnKey, UserId};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
@@ -357,21 +357,34 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         }
     }
     /// A new Run's one read before its claim: [`Store::session_with_history`]
-    /// and whether turn `key` is stored already (a repeated request id,
-    /// which the claim will find: a model-backed Run then does not call its
-    /// model beside the claim). `None` if there is no such session.
-    async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
-        let (read, turn) = tokio::join!(
-            self.session_with_history(key.session_id, limit),
-            self.get_turn(key)
-        );
+    /// and whether the Run's turn (`turn`, its request id, when the client
+    /// gave one) is stored already: a repeated request id, which the claim
+    /// will find, so a model-backed Run does not call its model beside the
+    /// claim. `None` if there is no such session.
+    async fn session_for_run(
+        &self,
+        session: SessionId,
+        turn: Option<&RequestId>,
+        limit: usize,
+    ) -> StoreResult<Option<RunRead>> {
+        let key = turn.map(|rid| TurnKey {
+            session_id: session,
+            request_id: rid.clone(),
+        });
+        let stored = async {
+            match &key {
+                Some(key) => self.get_turn(key).await.map(|t| t.is_some()),
+                None => StoreResult::Ok(false),
+            }
+        };
+        let (read, stored) = tokio::join!(self.session_with_history(session, limit), stored);
         let Some((session, history)) = read? else {
             return Ok(None);
         };
         Ok(Some(RunRead {
             session,
             history,
-            turn_stored: turn?.is_some(),
+            turn_stored: stored?,
         }))
     }
 

@@ -285,27 +285,40 @@ impl PostgresStore {
     /// Reads `reads` in one statement: for each, in order, its session,
     /// its last `limit` ended turns, oldest first, and whether its turn is
     /// stored, or `None` where there is no such session. The statement is the single read's
-    /// (`read_session_with_history`) with the sessions as an array.
+    /// (`read_session_with_history`) with the sessions as an array. Each
+    /// read's turn is looked up once, in the materialised `q`, not for
+    /// every history row joined to it.
     async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
-        let rows = sqlx::query(
-            "SELECT q.ord, s.id, s.user_id, s.created_at, s.updated_at, \
-             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer, \
-             EXISTS (SELECT 1 FROM turns t WHERE t.session_id = q.id AND t.request_id = q.turn) AS turn_stored \
-             FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
-             JOIN sessions s ON s.id = q.id \
+        // Where no read asks about its turn, `q` is inlined: the plan of a
+        // statement without the lookup.
+        const ASKED: &str = "WITH q AS MATERIALIZED ( \
+               SELECT r.id, r.lim, r.ord, \
+               EXISTS (SELECT 1 FROM turns t WHERE t.session_id = r.id AND t.request_id = r.turn) AS turn_stored \
+               FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS r(id, lim, turn, ord) \
+             ) ";
+        const UNASKED: &str = "WITH q AS ( \
+               SELECT r.id, r.lim, r.ord, false AS turn_stored \
+               FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS r(id, lim, turn, ord) \
+             ) ";
+        const READ: &str = "SELECT q.ord, q.turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
+             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+             FROM q JOIN sessions s ON s.id = q.id \
              LEFT JOIN LATERAL ( \
                SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
                WHERE session_id = q.id AND state <> 'running' \
                ORDER BY created_at DESC, request_id DESC LIMIT q.lim \
              ) h ON true \
-             ORDER BY q.ord, h.created_at, h.request_id",
-        )
-        .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
-        .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
-        .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
-        .fetch_all(pool)
-        .await
-        .map_err(super::sql::db_err)?;
+             ORDER BY q.ord, h.created_at, h.request_id";
+        static STATEMENTS: std::sync::LazyLock<[String; 2]> =
+            std::sync::LazyLock::new(|| [format!("{ASKED}{READ}"), format!("{UNASKED}{READ}")]);
+        let asked = reads.iter().any(|r| r.turn.is_some());
+        let rows = sqlx::query(&STATEMENTS[usize::from(!asked)])
+            .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
+            .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
+            .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
+            .fetch_all(pool)
+            .await
+            .map_err(super::sql::db_err)?;
         let mut found: Vec<Found> = reads.iter().map(|_| None).collect();
         for r in &rows {
             let ord: i64 = r.try_get("ord").map_err(super::sql::db_err)?;

@@ -14,7 +14,7 @@
 //! counter after the database has it. The oldest sessions are dropped
 //! first past [`SESSIONS_CAP`] sessions or [`BYTES_CAP`] bytes of text.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 
 use super::{Session, from_micros};
@@ -66,6 +66,14 @@ pub(super) struct Mark {
     changes: u64,
 }
 
+/// Memory a dropped turn's hashed request id is counted as.
+const DROPPED_BYTES: usize = 16;
+
+fn rid_hash(rid: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(rid)
+}
+
 fn stripe(sid: &str) -> usize {
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
     BuildHasherDefault::<DefaultHasher>::default().hash_one(sid) as usize % STRIPES
@@ -78,6 +86,9 @@ struct Entry {
     history: VecDeque<Ended>,
     /// Older ended turns were dropped past [`HISTORY_CAP`].
     truncated: bool,
+    /// The request ids of those dropped turns, hashed ([`rid_hash`]): the
+    /// cache still knows which turns are stored.
+    dropped: HashSet<u64>,
     /// Turns claimed and not yet ended: request id → (claim time, text).
     running: HashMap<String, (i64, String)>,
     /// Taken from a database read: when its turns ended is not known, so
@@ -116,6 +127,7 @@ impl SessionCache {
                 session: session.clone(),
                 history: VecDeque::new(),
                 truncated: false,
+                dropped: HashSet::new(),
                 running: HashMap::new(),
                 from_read: false,
                 bytes: 0,
@@ -183,11 +195,13 @@ impl SessionCache {
         if pos == 0 && e.truncated && !e.history.is_empty() {
             // Older than the oldest turn held: it belongs among the dropped.
             delta -= ended.bytes() as isize;
+            e.drop_turn(rid, &mut delta);
         } else {
             e.history.insert(pos, ended);
             while e.history.len() > HISTORY_CAP {
                 let dropped = e.history.pop_front().expect("over the cap");
                 delta -= dropped.bytes() as isize;
+                e.drop_turn(&dropped.turn.request_id, &mut delta);
                 e.truncated = true;
             }
         }
@@ -265,15 +279,19 @@ impl SessionCache {
 
     /// Whether turn `rid` of session `id` is stored: `None` when the cache
     /// cannot tell. It knows every turn of a session it holds from its
-    /// creation here and has dropped none of past [`HISTORY_CAP`]; of one
-    /// taken from a read, or that has dropped some, only those it holds.
+    /// creation here (those dropped past [`HISTORY_CAP`] by their hashed
+    /// request ids; a pruned one may still count as stored); of one taken
+    /// from a read, only those it holds.
     pub fn stored(&self, id: SessionId, rid: &str) -> Option<bool> {
         let inner = self.lock();
         let e = inner.entries.get(&id.to_string())?;
-        if e.running.contains_key(rid) || e.history.iter().any(|h| h.turn.request_id == rid) {
+        if e.running.contains_key(rid)
+            || e.history.iter().any(|h| h.turn.request_id == rid)
+            || e.dropped.contains(&rid_hash(rid))
+        {
             return Some(true);
         }
-        (!e.from_read && !e.truncated).then_some(false)
+        (!e.from_read).then_some(false)
     }
 
     /// Where session `sid`'s changes stand, taken before reading it from
@@ -318,6 +336,7 @@ impl SessionCache {
                 session: session.clone(),
                 history: held,
                 truncated,
+                dropped: HashSet::new(),
                 running: HashMap::new(),
                 from_read: true,
                 bytes,
@@ -331,6 +350,15 @@ impl SessionCache {
     fn held(&self) -> (usize, usize) {
         let inner = self.lock();
         (inner.entries.len(), inner.bytes)
+    }
+}
+
+impl Entry {
+    /// Counts ended turn `rid`, no longer held, among the dropped.
+    fn drop_turn(&mut self, rid: &str, delta: &mut isize) {
+        if self.dropped.insert(rid_hash(rid)) {
+            *delta += DROPPED_BYTES as isize;
+        }
     }
 }
 
@@ -471,7 +499,8 @@ mod tests {
         c.ended(&sid, "r000x", Some("a"), 100);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r006");
         let per_turn = "r000".len() + 2;
-        assert_eq!(c.held(), (1, HISTORY_CAP * per_turn));
+        // The 7 dropped are counted by their hashed ids.
+        assert_eq!(c.held(), (1, HISTORY_CAP * per_turn + 7 * DROPPED_BYTES));
     }
 
     #[test]
@@ -561,6 +590,48 @@ mod tests {
         c.offer(c.mark(&sid), &s, &long);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r001");
         assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
+    }
+
+    #[test]
+    fn it_knows_every_turn_of_a_session_created_here_and_only_the_held_of_one_read() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        assert_eq!(c.stored(s.id, "r000"), Some(false));
+        // Past the cap, in order and out of it: the dropped are still known.
+        for i in 0..HISTORY_CAP + 3 {
+            c.claimed(&sid, &format!("r{i:03}"), i as i64, "q");
+        }
+        for i in (1..HISTORY_CAP + 3).chain([0]) {
+            assert_eq!(
+                c.stored(s.id, &format!("r{i:03}")),
+                Some(true),
+                "r{i:03} running"
+            );
+            c.ended(&sid, &format!("r{i:03}"), Some("a"), 100);
+        }
+        assert!(
+            c.get(s.id, HISTORY_CAP + 1).is_none(),
+            "dropped past the cap"
+        );
+        for i in 0..HISTORY_CAP + 3 {
+            assert_eq!(c.stored(s.id, &format!("r{i:03}")), Some(true), "r{i:03}");
+        }
+        assert_eq!(c.stored(s.id, "r999"), Some(false));
+        let (_, bytes) = c.held();
+        assert_eq!(
+            bytes,
+            HISTORY_CAP * 6 + 3 * DROPPED_BYTES,
+            "held turns and dropped ids"
+        );
+
+        // Read from the database: only what it holds.
+        let other = session();
+        c.offer(c.mark(&other.id.to_string()), &other, &[prior("r1")]);
+        assert_eq!(c.stored(other.id, "r1"), Some(true));
+        assert_eq!(c.stored(other.id, "r2"), None);
+        assert_eq!(c.stored(session().id, "r1"), None, "not held");
     }
 
     #[test]

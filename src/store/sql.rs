@@ -733,8 +733,8 @@ macro_rules! sql_store {
                 Ok(self.read_for_run(id, limit, None).await?.map(|r| (r.session, r.history)))
             }
 
-            async fn session_for_run(&self, key: &TurnKey, limit: usize) -> StoreResult<Option<RunRead>> {
-                self.read_for_run(key.session_id, limit, Some(key.request_id.as_str())).await
+            async fn session_for_run(&self, session: SessionId, turn: Option<&RequestId>, limit: usize) -> StoreResult<Option<RunRead>> {
+                self.read_for_run(session, limit, turn.map(RequestId::as_str)).await
             }
 
             async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {

@@ -257,11 +257,12 @@ impl Turns {
         let key = input.key.clone();
         // One read before the claim: the session, its history, and whether
         // the turn is stored already (a repeated request id, which the claim
-        // will find). Nothing read is used unless the session is the
-        // caller's.
+        // will find; a request id made here cannot be). Nothing read is used
+        // unless the session is the caller's.
+        let turn = (!input.generated_request_id).then_some(&key.request_id);
         let read = match self
             .store
-            .session_for_run(&key, self.cfg.history_turns)
+            .session_for_run(key.session_id, turn, self.cfg.history_turns)
             .await?
         {
             Some(read) if read.session.user_id == input.user_id => read,
