@@ -195,15 +195,25 @@ struct Target {
     session: String,
     agent: String,
     text: String,
+    /// Calls sent with a request id of their own (`--request-ids`); `None`
+    /// leaves the request id to the server.
+    request_ids: Option<u64>,
 }
 
 impl Target {
-    fn request(&self, timeout: Duration) -> Request<pb::RunRequest> {
+    fn request(&mut self, timeout: Duration) -> Request<pb::RunRequest> {
+        let request_id = match &mut self.request_ids {
+            Some(n) => {
+                *n += 1;
+                format!("bench-{n}")
+            }
+            None => String::new(),
+        };
         let mut req = Request::new(pb::RunRequest {
             user_id: self.user.clone(),
             session_id: self.session.clone(),
             text: self.text.clone(),
-            request_id: String::new(),
+            request_id,
             agent: self.agent.clone(),
             ..Default::default()
         });
@@ -254,6 +264,7 @@ async fn targets(
             session,
             agent: args.agent.clone(),
             text: text.clone(),
+            request_ids: args.request_ids.then_some(0),
         });
     }
     Ok(out)
@@ -430,7 +441,8 @@ async fn idle(
     for mut t in targets {
         let (opened, failed, mut release) = (opened.clone(), failed.clone(), release_rx.clone());
         tasks.push(tokio::spawn(async move {
-            match t.client.run(t.request(hold)).await {
+            let req = t.request(hold);
+            match t.client.run(req).await {
                 Ok(stream) => {
                     opened.fetch_add(1, Ordering::SeqCst);
                     let _ = release.wait_for(|r| *r).await;
@@ -496,4 +508,35 @@ async fn idle(
         }),
         load_average: String::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(request_ids: Option<u64>) -> Target {
+        let channel = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        Target {
+            client: AgentServiceClient::new(channel),
+            user: "bench".into(),
+            session: "s".into(),
+            agent: "stream".into(),
+            text: "hi".into(),
+            request_ids,
+        }
+    }
+
+    #[tokio::test]
+    async fn with_request_ids_every_call_has_its_own_and_without_the_server_makes_them() {
+        let mut t = target(Some(0));
+        let ids: Vec<String> = (0..3)
+            .map(|_| t.request(Duration::from_secs(1)).into_inner().request_id)
+            .collect();
+        assert_eq!(ids, ["bench-1", "bench-2", "bench-3"]);
+        let mut t = target(None);
+        assert_eq!(
+            t.request(Duration::from_secs(1)).into_inner().request_id,
+            ""
+        );
+    }
 }

@@ -120,6 +120,11 @@ pub struct BenchArgs {
     #[arg(long, default_value = "stream")]
     pub agent: String,
 
+    /// Send a request id with every Run (a new one per call), as clients
+    /// that retry do; by default the server makes one up.
+    #[arg(long)]
+    pub request_ids: bool,
+
     /// Label of the server in the report (e.g. agentd, tonic, grpc.aio).
     #[arg(long, default_value = "server")]
     pub server_name: String,

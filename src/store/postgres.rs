@@ -286,34 +286,23 @@ impl PostgresStore {
     /// its last `limit` ended turns, oldest first, and whether its turn is
     /// stored, or `None` where there is no such session. The statement is the single read's
     /// (`read_session_with_history`) with the sessions as an array. Each
-    /// read's turn is looked up once, in the materialised `q`, not for
-    /// every history row joined to it.
+    /// read's turn is looked up once, by its primary key (a join, where an
+    /// `EXISTS` in the select list ran once per history row).
     async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
-        // Where no read asks about its turn, `q` is inlined: the plan of a
-        // statement without the lookup.
-        const ASKED: &str = "WITH q AS MATERIALIZED ( \
-               SELECT r.id, r.lim, r.ord, \
-               EXISTS (SELECT 1 FROM turns t WHERE t.session_id = r.id AND t.request_id = r.turn) AS turn_stored \
-               FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS r(id, lim, turn, ord) \
-             ) ";
-        const UNASKED: &str = "WITH q AS ( \
-               SELECT r.id, r.lim, r.ord, false AS turn_stored \
-               FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS r(id, lim, turn, ord) \
-             ) ";
-        const READ: &str = "SELECT q.ord, q.turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
+        let rows = sqlx::query(
+            "SELECT q.ord, t.request_id IS NOT NULL AS turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
              h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
-             FROM q JOIN sessions s ON s.id = q.id \
+             FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
+             JOIN sessions s ON s.id = q.id \
+             LEFT JOIN turns t ON t.session_id = q.id AND t.request_id = q.turn \
              LEFT JOIN LATERAL ( \
                SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
                WHERE session_id = q.id AND state <> 'running' \
                ORDER BY created_at DESC, request_id DESC LIMIT q.lim \
              ) h ON true \
-             ORDER BY q.ord, h.created_at, h.request_id";
-        static STATEMENTS: std::sync::LazyLock<[String; 2]> =
-            std::sync::LazyLock::new(|| [format!("{ASKED}{READ}"), format!("{UNASKED}{READ}")]);
-        let asked = reads.iter().any(|r| r.turn.is_some());
-        let rows = sqlx::query(&STATEMENTS[usize::from(!asked)])
-            .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
+             ORDER BY q.ord, h.created_at, h.request_id",
+        )
+        .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
             .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
             .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
             .fetch_all(pool)
