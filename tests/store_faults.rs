@@ -108,6 +108,102 @@ async fn postgres_connections_the_server_dropped_while_idle_are_replaced_without
         .expect("a write after the server dropped the pool's connections");
 }
 
+/// With the database no longer answering, the claims, session reads and
+/// commits queued together fail together as UNAVAILABLE, each group once:
+/// not written again one at a time, each waiting out another connection
+/// attempt (the pool's 3 s), which made the last of 24 claims wait a
+/// minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable() {
+    use agentd::domain::{RequestId, TurnKey, UserId};
+    use agentd::store::{EncodedEvent, NewTurn, StoreError, TurnOutcome, TurnState};
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let alice = UserId::parse(ALICE).unwrap();
+    let key = |session_id, r: &str| TurnKey {
+        session_id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let claim = |k: TurnKey| NewTurn {
+        key: k,
+        user_text: ORDER_Q.into(),
+        agent: "order_helper".into(),
+        owner: "a".into(),
+        lease: Duration::from_secs(60),
+    };
+    let sessions = futures::future::try_join_all((0..24).map(|_| store.create_session(&alice)))
+        .await
+        .unwrap();
+    for s in &sessions {
+        store.claim_turn(&claim(key(s.id, "r1"))).await.unwrap();
+    }
+
+    proxy.hang();
+    // Idle past the pool's ping: every call needs a new connection.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let started = std::time::Instant::now();
+    let outcome = TurnOutcome {
+        state: TurnState::Completed,
+        code: 0,
+        message: String::new(),
+    };
+    let new_turns: Vec<NewTurn> = sessions.iter().map(|s| claim(key(s.id, "r2"))).collect();
+    let claims = futures::future::join_all(new_turns.iter().map(|t| store.claim_turn(t)));
+    let r2 = RequestId::parse("r2").unwrap();
+    let reads = futures::future::join_all(
+        sessions
+            .iter()
+            .map(|s| store.session_for_run(s.id, Some(&r2), 5)),
+    );
+    let commits = futures::future::join_all(sessions.iter().map(|s| {
+        let event = agentd::store::SeqEvent {
+            seq: 0,
+            event: agentd::agent::Event::partial("order_helper", "x".into()),
+        };
+        let k = key(s.id, "r1");
+        let outcome = outcome.clone();
+        let store = store.clone();
+        async move {
+            store
+                .append_and_finish(&k, vec![EncodedEvent::of(&event)], &outcome, Some("x"))
+                .await
+        }
+    }));
+    let (claims, reads, commits) = tokio::join!(claims, reads, commits);
+    let took = started.elapsed();
+    let unavailable = |r: &Result<(), &StoreError>| matches!(r, Err(StoreError::Unavailable(_)));
+    for (what, results) in [
+        (
+            "claim",
+            claims
+                .iter()
+                .map(|r| r.as_ref().map(|_| ()))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "read",
+            reads.iter().map(|r| r.as_ref().map(|_| ())).collect(),
+        ),
+        (
+            "commit",
+            commits.iter().map(|r| r.as_ref().map(|_| ())).collect(),
+        ),
+    ] {
+        assert_eq!(results.len(), 24);
+        assert!(
+            results.iter().all(unavailable),
+            "every {what} fails as unavailable: {:?}",
+            results.iter().find(|r| !unavailable(r))
+        );
+    }
+    // A few connection attempts of 3 s each, not one per call.
+    assert!(took < Duration::from_secs(20), "the calls took {took:?}");
+    proxy.up();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

@@ -241,8 +241,9 @@ impl PostgresStore {
     }
 
     /// A reader: takes every read queued while it read the previous group,
-    /// and reads them in one statement; if that fails, one at a time, so
-    /// that only a bad one fails. Reads whose caller has gone are dropped
+    /// and reads them in one statement; if that fails for what it read, one
+    /// at a time, so that only a bad one fails (the database away fails them
+    /// all at once). Reads whose caller has gone are dropped
     /// unread. Ends when the store is dropped.
     async fn read_groups(
         pool: PgPool,
@@ -263,7 +264,9 @@ impl PostgresStore {
                         let _ = r.done.send(Ok(f));
                     }
                 }
-                Err(_) if group.len() > 1 => {
+                // A read fails alone only for what it read (a bad row); the
+                // database away fails every read of the group at once.
+                Err(super::StoreError::Unexpected(_)) if group.len() > 1 => {
                     for r in group.drain(..) {
                         let one = Self::read_sessions(&pool, std::slice::from_ref(&r))
                             .await

@@ -10,7 +10,20 @@ use super::StoreError;
 
 /// Sorts a driver error into "retry later" and "a bug or bad data".
 pub(super) fn db_err(e: sqlx::Error) -> StoreError {
-    let unavailable = match &e {
+    if unavailable(&e) {
+        StoreError::Unavailable(e.into())
+    } else {
+        StoreError::Unexpected(e.into())
+    }
+}
+
+/// Whether a driver error says the database cannot be reached or cannot
+/// take the statement now (retry later), not that the statement is bad.
+/// A group that fails so fails whole: written again one item at a time,
+/// each would wait as long again (a connection attempt, up to the pool's
+/// acquire timeout) for the same answer.
+pub(super) fn unavailable(e: &sqlx::Error) -> bool {
+    match e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
@@ -28,11 +41,6 @@ pub(super) fn db_err(e: sqlx::Error) -> StoreError {
                 || c == "6"
         }),
         _ => false,
-    };
-    if unavailable {
-        StoreError::Unavailable(e.into())
-    } else {
-        StoreError::Unexpected(e.into())
     }
 }
 
@@ -414,8 +422,9 @@ macro_rules! sql_store {
                     $crate::telemetry::metrics::store_group("claim", first.len(), started.elapsed());
                     let results: Vec<Result<bool, Failed>> = match written {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
-                        // One claim at a time, so that only a bad one fails.
-                        Err(_) if first.len() > 1 => {
+                        // One claim at a time, so that only a bad one fails
+                        // (the database away fails them all at once).
+                        Err(e) if first.len() > 1 && !$crate::store::sql::unavailable(&e) => {
                             let mut results = Vec::with_capacity(first.len());
                             for c in &first {
                                 let r = Self::insert_claims(&pool, std::slice::from_ref(c)).await;
@@ -423,7 +432,10 @@ macro_rules! sql_store {
                             }
                             results
                         }
-                        Err(e) => vec![Err(Failed::from(db_err(e)))],
+                        Err(e) => {
+                            let failed = Failed::from(db_err(e));
+                            first.iter().map(|_| Err(failed.clone())).collect()
+                        }
                     };
                     // A repeated key fails with its first claim, or finds
                     // the turn that claim stored (or found).
@@ -555,8 +567,9 @@ macro_rules! sql_store {
                                 }
                             }
                             // One batch at a time, so that only a bad one fails
+                            // (the database away fails them all at once)
                             // (without its events again if the group's are stored).
-                            Err(e) if group.len() > 1 => {
+                            Err(e) if group.len() > 1 && !$crate::store::sql::unavailable(&e.error) => {
                                 for mut p in group.drain(..) {
                                     if e.events_stored {
                                         p.events.clear();

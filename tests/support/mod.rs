@@ -481,10 +481,13 @@ where
 }
 
 /// A TCP proxy in front of a database that the test can cut off and
-/// restore: down, it closes every proxied connection and refuses new ones.
+/// restore: down, it closes every proxied connection and refuses new ones;
+/// hung, it closes them and takes new ones that never get an answer (a
+/// database or network that stopped answering).
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
+    hung: Arc<AtomicBool>,
     conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -494,10 +497,19 @@ impl Proxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
+        let hung = Arc::new(AtomicBool::new(false));
         let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
-        let (up2, conns2) = (up.clone(), conns.clone());
+        let (up2, hung2, conns2) = (up.clone(), hung.clone(), conns.clone());
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
+                if hung2.load(Ordering::SeqCst) {
+                    let task = tokio::spawn(async move {
+                        let _held = inbound;
+                        std::future::pending::<()>().await
+                    });
+                    conns2.lock().unwrap().push(task.abort_handle());
+                    continue;
+                }
                 if !up2.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
@@ -513,6 +525,7 @@ impl Proxy {
         Proxy {
             port,
             up,
+            hung,
             conns,
             accept,
         }
@@ -520,13 +533,23 @@ impl Proxy {
 
     pub fn down(&self) {
         self.up.store(false, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
-        }
+        self.cut();
+    }
+
+    pub fn hang(&self) {
+        self.hung.store(true, Ordering::SeqCst);
+        self.cut();
     }
 
     pub fn up(&self) {
+        self.hung.store(false, Ordering::SeqCst);
         self.up.store(true, Ordering::SeqCst);
+    }
+
+    fn cut(&self) {
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
     }
 }
 
