@@ -287,10 +287,10 @@ impl PostgresStore {
 
     /// Reads `reads` in one statement: for each, in order, its session,
     /// its last `limit` ended turns, oldest first, and whether its turn is
-    /// stored, or `None` where there is no such session. The statement is the single read's
-    /// (`read_session_with_history`) with the sessions as an array. Each
-    /// read's turn is looked up once, by its primary key (a join, where an
-    /// `EXISTS` in the select list ran once per history row).
+    /// stored, or `None` where there is no such session. The statement is
+    /// the single read's (`read_session_with_history`) with the sessions as
+    /// an array. Each read's turn is looked up once, by its primary key (a
+    /// join, where an `EXISTS` in the select list ran once per history row).
     async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
         let rows = sqlx::query(
             "SELECT q.ord, t.request_id IS NOT NULL AS turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
@@ -306,11 +306,11 @@ impl PostgresStore {
              ORDER BY q.ord, h.created_at, h.request_id",
         )
         .bind(reads.iter().map(|r| r.id.as_str()).collect::<Vec<_>>())
-            .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
-            .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
-            .fetch_all(pool)
-            .await
-            .map_err(super::sql::db_err)?;
+        .bind(reads.iter().map(|r| r.limit).collect::<Vec<_>>())
+        .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
+        .fetch_all(pool)
+        .await
+        .map_err(super::sql::db_err)?;
         let mut found: Vec<Found> = reads.iter().map(|_| None).collect();
         for r in &rows {
             let ord: i64 = r.try_get("ord").map_err(super::sql::db_err)?;

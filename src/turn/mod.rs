@@ -270,8 +270,13 @@ impl Turns {
         };
         let Ok(permit) = self.permits.clone().try_acquire_owned() else {
             // At the cap, a repeated request id is still answered from the
-            // turn it names; only a new turn is refused.
-            return match self.store.get_turn(&key).await? {
+            // turn it names; only a new turn is refused (without another
+            // store call when the read found no such turn).
+            let existing = match read.turn_stored {
+                true => self.store.get_turn(&key).await?,
+                false => None,
+            };
+            return match existing {
                 Some(existing) => self.join(existing, &input, deadline),
                 None => Err(RunError::Busy {
                     limit: self.cfg.max_concurrent_runs,
