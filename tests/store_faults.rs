@@ -204,6 +204,66 @@ async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable()
     proxy.up();
 }
 
+/// A database that stops answering on connections already open (a
+/// network cut without a reset): a claim, a session read and a commit
+/// waiting on it fail as UNAVAILABLE after the store's bound on a group's
+/// statement (15 s) instead of waiting until TCP gives up, minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_a_database_that_stopped_answering_fail_as_unavailable() {
+    use agentd::domain::{RequestId, TurnKey, UserId};
+    use agentd::store::{EncodedEvent, NewTurn, StoreError, TurnOutcome, TurnState};
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let key = |r: &str| TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let claim = |r: &str| NewTurn {
+        key: key(r),
+        user_text: ORDER_Q.into(),
+        agent: "order_helper".into(),
+        owner: "a".into(),
+        lease: Duration::from_secs(60),
+    };
+    store.claim_turn(&claim("r1")).await.unwrap();
+
+    proxy.freeze();
+    let event = agentd::store::SeqEvent {
+        seq: 0,
+        event: agentd::agent::Event::partial("order_helper", "x".into()),
+    };
+    let outcome = TurnOutcome {
+        state: TurnState::Completed,
+        code: 0,
+        message: String::new(),
+    };
+    let r2 = RequestId::parse("r2").unwrap();
+    let (c2, k1) = (claim("r2"), key("r1"));
+    let (claimed, read, committed) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(
+            store.claim_turn(&c2),
+            store.session_for_run(session.id, Some(&r2), 5),
+            store.append_and_finish(&k1, vec![EncodedEvent::of(&event)], &outcome, Some("x")),
+        )
+    })
+    .await
+    .expect("the calls ended");
+    assert!(
+        matches!(claimed, Err(StoreError::Unavailable(_))),
+        "{claimed:?}"
+    );
+    assert!(matches!(read, Err(StoreError::Unavailable(_))), "{read:?}");
+    assert!(
+        matches!(committed, Err(StoreError::Unavailable(_))),
+        "{committed:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

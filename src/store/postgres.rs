@@ -256,7 +256,10 @@ impl PostgresStore {
                 continue;
             }
             let started = std::time::Instant::now();
-            let read = Self::read_sessions(&pool, &group).await;
+            let read = super::sql::bounded(Self::read_sessions(&pool, &group))
+                .await
+                .map_err(super::sql::db_err)
+                .and_then(|rows| Self::found(&group, &rows));
             crate::telemetry::metrics::store_group("read", group.len(), started.elapsed());
             match read {
                 Ok(found) => {
@@ -268,10 +271,15 @@ impl PostgresStore {
                 // database away fails every read of the group at once.
                 Err(super::StoreError::Unexpected(_)) if group.len() > 1 => {
                     for r in group.drain(..) {
-                        let one = Self::read_sessions(&pool, std::slice::from_ref(&r))
-                            .await
-                            .map(|mut found| found.pop().flatten())
-                            .map_err(super::sql::Failed::from);
+                        let one = super::sql::bounded(Self::read_sessions(
+                            &pool,
+                            std::slice::from_ref(&r),
+                        ))
+                        .await
+                        .map_err(super::sql::db_err)
+                        .and_then(|rows| Self::found(std::slice::from_ref(&r), &rows))
+                        .map(|mut found| found.pop().flatten())
+                        .map_err(super::sql::Failed::from);
                         let _ = r.done.send(one);
                     }
                 }
@@ -285,14 +293,16 @@ impl PostgresStore {
         }
     }
 
-    /// Reads `reads` in one statement: for each, in order, its session,
-    /// its last `limit` ended turns, oldest first, and whether its turn is
-    /// stored, or `None` where there is no such session. The statement is
-    /// the single read's (`read_session_with_history`) with the sessions as
-    /// an array. Each read's turn is looked up once, by its primary key (a
-    /// join, where an `EXISTS` in the select list ran once per history row).
-    async fn read_sessions(pool: &PgPool, reads: &[PendingRead]) -> super::StoreResult<Vec<Found>> {
-        let rows = sqlx::query(
+    /// Reads `reads` in one statement, whose rows [`found`](Self::found)
+    /// sorts out. The statement is the single read's
+    /// (`read_session_with_history`) with the sessions as an array. Each
+    /// read's turn is looked up once, by its primary key (a join, where an
+    /// `EXISTS` in the select list ran once per history row).
+    async fn read_sessions(
+        pool: &PgPool,
+        reads: &[PendingRead],
+    ) -> Result<Vec<sqlx::postgres::PgRow>, sqlx::Error> {
+        sqlx::query(
             "SELECT q.ord, t.request_id IS NOT NULL AS turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
              h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
              FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
@@ -310,9 +320,18 @@ impl PostgresStore {
         .bind(reads.iter().map(|r| r.turn.as_deref()).collect::<Vec<_>>())
         .fetch_all(pool)
         .await
-        .map_err(super::sql::db_err)?;
+    }
+
+    /// For each of `reads`, in order, from the rows of
+    /// [`read_sessions`](Self::read_sessions): its session, its last
+    /// `limit` ended turns, oldest first, and whether its turn is stored,
+    /// or `None` where there is no such session.
+    fn found(
+        reads: &[PendingRead],
+        rows: &[sqlx::postgres::PgRow],
+    ) -> super::StoreResult<Vec<Found>> {
         let mut found: Vec<Found> = reads.iter().map(|_| None).collect();
-        for r in &rows {
+        for r in rows {
             let ord: i64 = r.try_get("ord").map_err(super::sql::db_err)?;
             let slot = usize::try_from(ord - 1)
                 .ok()

@@ -44,6 +44,29 @@ pub(super) fn unavailable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// How long a group's statement (a claim, commit or read group) may take
+/// before its callers are told the store is unavailable: longer than
+/// SQLite's busy timeout and PostgreSQL's connection wait, so only a
+/// database that stopped answering meets it (a network cut without a
+/// reset leaves an open connection waiting for minutes). A statement cut
+/// off may still have been carried out: a claim so written is ended by its
+/// lease, a commit is what a retry replays.
+pub(super) const GROUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// `statement`, failed as the database not answering after [`GROUP_TIMEOUT`].
+pub(super) async fn bounded<T, E: From<sqlx::Error>>(
+    statement: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    match tokio::time::timeout(GROUP_TIMEOUT, statement).await {
+        Ok(r) => r,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the database did not answer within {GROUP_TIMEOUT:?}"),
+        ))
+        .into()),
+    }
+}
+
 pub(super) fn bad_row(what: &str) -> StoreError {
     StoreError::Unexpected(anyhow::anyhow!("the store holds a malformed {what}"))
 }
@@ -418,7 +441,7 @@ macro_rules! sql_store {
                     let (first, repeats): (Vec<_>, Vec<_>) =
                         group.drain(..).partition(|c| seen.insert((c.sid.clone(), c.rid.clone())));
                     let started = std::time::Instant::now();
-                    let written = Self::insert_claims(&pool, &first).await;
+                    let written = $crate::store::sql::bounded(Self::insert_claims(&pool, &first)).await;
                     $crate::telemetry::metrics::store_group("claim", first.len(), started.elapsed());
                     let results: Vec<Result<bool, Failed>> = match written {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
@@ -427,7 +450,7 @@ macro_rules! sql_store {
                         Err(e) if first.len() > 1 && !$crate::store::sql::unavailable(&e) => {
                             let mut results = Vec::with_capacity(first.len());
                             for c in &first {
-                                let r = Self::insert_claims(&pool, std::slice::from_ref(c)).await;
+                                let r = $crate::store::sql::bounded(Self::insert_claims(&pool, std::slice::from_ref(c))).await;
                                 results.push(r.map(|s| s[0]).map_err(|e| db_err(e).into()));
                             }
                             results
@@ -557,7 +580,7 @@ macro_rules! sql_store {
                         }
                         drop(queue);
                         last = tokio::time::Instant::now();
-                        let written = Self::write_group(&pool, &group).await;
+                        let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
                         $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
                         match written {
                             Ok(()) => {
@@ -574,7 +597,7 @@ macro_rules! sql_store {
                                     if e.events_stored {
                                         p.events.clear();
                                     }
-                                    let r = Self::write_group(&pool, std::slice::from_ref(&p)).await;
+                                    let r = $crate::store::sql::bounded(Self::write_group(&pool, std::slice::from_ref(&p))).await;
                                     if r.is_ok() {
                                         ended(&p);
                                     }

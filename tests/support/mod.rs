@@ -483,11 +483,14 @@ where
 /// A TCP proxy in front of a database that the test can cut off and
 /// restore: down, it closes every proxied connection and refuses new ones;
 /// hung, it closes them and takes new ones that never get an answer (a
-/// database or network that stopped answering).
+/// database or network that stopped answering); frozen, it is hung and
+/// the open connections stay open but nothing more passes either way (a
+/// network cut without a reset).
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
     hung: Arc<AtomicBool>,
+    frozen: tokio::sync::watch::Sender<bool>,
     conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -498,6 +501,7 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
         let hung = Arc::new(AtomicBool::new(false));
+        let (frozen, frozen_rx) = tokio::sync::watch::channel(false);
         let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let (up2, hung2, conns2) = (up.clone(), hung.clone(), conns.clone());
         let accept = tokio::spawn(async move {
@@ -514,9 +518,16 @@ impl Proxy {
                     drop(inbound);
                     continue;
                 }
+                let mut freeze = frozen_rx.clone();
                 let task = tokio::spawn(async move {
                     if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = async { freeze.wait_for(|f| *f).await.map(|_| ()) } => {
+                                // Both ends held open, nothing passed.
+                                std::future::pending::<()>().await;
+                            }
+                        }
                     }
                 });
                 conns2.lock().unwrap().push(task.abort_handle());
@@ -526,6 +537,7 @@ impl Proxy {
             port,
             up,
             hung,
+            frozen,
             conns,
             accept,
         }
@@ -539,6 +551,11 @@ impl Proxy {
     pub fn hang(&self) {
         self.hung.store(true, Ordering::SeqCst);
         self.cut();
+    }
+
+    pub fn freeze(&self) {
+        self.hung.store(true, Ordering::SeqCst);
+        self.frozen.send_replace(true);
     }
 
     pub fn up(&self) {
