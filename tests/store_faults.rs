@@ -108,6 +108,49 @@ async fn postgres_connections_the_server_dropped_while_idle_are_replaced_without
         .expect("a write after the server dropped the pool's connections");
 }
 
+/// A fresh PostgreSQL store reached through a [`Proxy`] the test can cut
+/// off (the proxy must live as long as the store).
+async fn store_behind_proxy() -> Option<(TestDb, Proxy, std::sync::Arc<dyn agentd::store::Store>)> {
+    let db = TestDb::fresh(Backend::Postgres).await?;
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    Some((db, proxy, store))
+}
+
+/// Turn `r` of session `session_id`, claimed for ORDER_Q by replica `a`.
+fn new_turn(session_id: agentd::domain::SessionId, r: &str) -> agentd::store::NewTurn {
+    agentd::store::NewTurn {
+        key: agentd::domain::TurnKey {
+            session_id,
+            request_id: agentd::domain::RequestId::parse(r).unwrap(),
+        },
+        user_text: ORDER_Q.into(),
+        agent: "order_helper".into(),
+        owner: "a".into(),
+        lease: Duration::from_secs(60),
+    }
+}
+
+/// Ends turn `key` completed, with one event.
+async fn finish(
+    store: &dyn agentd::store::Store,
+    key: &agentd::domain::TurnKey,
+) -> agentd::store::StoreResult<()> {
+    use agentd::store::{EncodedEvent, SeqEvent, TurnOutcome, TurnState};
+    let event = SeqEvent {
+        seq: 0,
+        event: agentd::agent::Event::partial("order_helper", "x".into()),
+    };
+    let outcome = TurnOutcome {
+        state: TurnState::Completed,
+        code: 0,
+        message: String::new(),
+    };
+    store
+        .append_and_finish(key, vec![EncodedEvent::of(&event)], &outcome, Some("x"))
+        .await
+}
+
 /// With the database no longer answering, the claims, session reads and
 /// commits queued together fail together as UNAVAILABLE, each group once:
 /// not written again one at a time, each waiting out another connection
@@ -115,42 +158,24 @@ async fn postgres_connections_the_server_dropped_while_idle_are_replaced_without
 /// minute.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable() {
-    use agentd::domain::{RequestId, TurnKey, UserId};
-    use agentd::store::{EncodedEvent, NewTurn, StoreError, TurnOutcome, TurnState};
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+    use agentd::domain::{RequestId, UserId};
+    use agentd::store::{NewTurn, StoreError};
+    let Some((_db, proxy, store)) = store_behind_proxy().await else {
         return;
     };
-    let proxy = Proxy::start(db.pg_addr()).await;
-    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
     let alice = UserId::parse(ALICE).unwrap();
-    let key = |session_id, r: &str| TurnKey {
-        session_id,
-        request_id: RequestId::parse(r).unwrap(),
-    };
-    let claim = |k: TurnKey| NewTurn {
-        key: k,
-        user_text: ORDER_Q.into(),
-        agent: "order_helper".into(),
-        owner: "a".into(),
-        lease: Duration::from_secs(60),
-    };
     let sessions = futures::future::try_join_all((0..24).map(|_| store.create_session(&alice)))
         .await
         .unwrap();
     for s in &sessions {
-        store.claim_turn(&claim(key(s.id, "r1"))).await.unwrap();
+        store.claim_turn(&new_turn(s.id, "r1")).await.unwrap();
     }
 
     proxy.hang();
     // Idle past the pool's ping: every call needs a new connection.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let started = std::time::Instant::now();
-    let outcome = TurnOutcome {
-        state: TurnState::Completed,
-        code: 0,
-        message: String::new(),
-    };
-    let new_turns: Vec<NewTurn> = sessions.iter().map(|s| claim(key(s.id, "r2"))).collect();
+    let new_turns: Vec<NewTurn> = sessions.iter().map(|s| new_turn(s.id, "r2")).collect();
     let claims = futures::future::join_all(new_turns.iter().map(|t| store.claim_turn(t)));
     let r2 = RequestId::parse("r2").unwrap();
     let reads = futures::future::join_all(
@@ -158,20 +183,8 @@ async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable()
             .iter()
             .map(|s| store.session_for_run(s.id, Some(&r2), 5)),
     );
-    let commits = futures::future::join_all(sessions.iter().map(|s| {
-        let event = agentd::store::SeqEvent {
-            seq: 0,
-            event: agentd::agent::Event::partial("order_helper", "x".into()),
-        };
-        let k = key(s.id, "r1");
-        let outcome = outcome.clone();
-        let store = store.clone();
-        async move {
-            store
-                .append_and_finish(&k, vec![EncodedEvent::of(&event)], &outcome, Some("x"))
-                .await
-        }
-    }));
+    let ended: Vec<NewTurn> = sessions.iter().map(|s| new_turn(s.id, "r1")).collect();
+    let commits = futures::future::join_all(ended.iter().map(|t| finish(store.as_ref(), &t.key)));
     let (claims, reads, commits) = tokio::join!(claims, reads, commits);
     let took = started.elapsed();
     let unavailable = |r: &Result<(), &StoreError>| matches!(r, Err(StoreError::Unavailable(_)));
@@ -210,45 +223,24 @@ async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable()
 /// statement (15 s) instead of waiting until TCP gives up, minutes later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_on_a_database_that_stopped_answering_fail_as_unavailable() {
-    use agentd::domain::{RequestId, TurnKey, UserId};
-    use agentd::store::{EncodedEvent, NewTurn, StoreError, TurnOutcome, TurnState};
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+    use agentd::domain::{RequestId, UserId};
+    use agentd::store::StoreError;
+    let Some((_db, proxy, store)) = store_behind_proxy().await else {
         return;
     };
-    let proxy = Proxy::start(db.pg_addr()).await;
-    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
     let alice = UserId::parse(ALICE).unwrap();
     let session = store.create_session(&alice).await.unwrap();
-    let key = |r: &str| TurnKey {
-        session_id: session.id,
-        request_id: RequestId::parse(r).unwrap(),
-    };
-    let claim = |r: &str| NewTurn {
-        key: key(r),
-        user_text: ORDER_Q.into(),
-        agent: "order_helper".into(),
-        owner: "a".into(),
-        lease: Duration::from_secs(60),
-    };
-    store.claim_turn(&claim("r1")).await.unwrap();
+    let r1 = new_turn(session.id, "r1");
+    store.claim_turn(&r1).await.unwrap();
 
     proxy.freeze();
-    let event = agentd::store::SeqEvent {
-        seq: 0,
-        event: agentd::agent::Event::partial("order_helper", "x".into()),
-    };
-    let outcome = TurnOutcome {
-        state: TurnState::Completed,
-        code: 0,
-        message: String::new(),
-    };
     let r2 = RequestId::parse("r2").unwrap();
-    let (c2, k1) = (claim("r2"), key("r1"));
+    let c2 = new_turn(session.id, "r2");
     let (claimed, read, committed) = tokio::time::timeout(Duration::from_secs(60), async {
         tokio::join!(
             store.claim_turn(&c2),
             store.session_for_run(session.id, Some(&r2), 5),
-            store.append_and_finish(&k1, vec![EncodedEvent::of(&event)], &outcome, Some("x")),
+            finish(store.as_ref(), &r1.key),
         )
     })
     .await
