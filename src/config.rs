@@ -118,11 +118,12 @@ pub struct ServeArgs {
     /// Start every agent only once its turn is claimed. Without this flag a
     /// model-backed agent calls its model while its turn is being claimed,
     /// so the first token waits for the slower of the two, not both. A
-    /// repeated request id whose turn is stored makes no model call either
-    /// way; one sent while its first is still being claimed starts a model
-    /// call that is dropped as soon as its claim finds the turn (a hosted
-    /// model may still bill its prompt). With this flag no repeat calls the
-    /// model, and a server short of CPU spends it on claims before streams.
+    /// repeated request id whose turn is stored or being claimed on this
+    /// replica makes no model call either way; one sent to another replica
+    /// while its first is still being claimed starts a model call that is
+    /// dropped as soon as its claim finds the turn (a hosted model may still
+    /// bill its prompt). With this flag no repeat calls the model, and a
+    /// server short of CPU spends it on claims before streams.
     #[arg(long, env = "AGENTD_CLAIM_FIRST")]
     pub claim_first: bool,
 
@@ -160,6 +161,13 @@ pub struct ServeArgs {
     /// restart). Migrations run at start-up.
     #[arg(long, env = "AGENTD_STORE", default_value = "sqlite://agentd.db")]
     pub store: String,
+
+    /// The longest any store call may wait, queueing included; past it the
+    /// call fails and the caller gets UNAVAILABLE. Bounds the wait on a
+    /// database that stops answering without closing its connections (a
+    /// network cut), which TCP would hold for minutes (0s: no bound).
+    #[arg(long, env = "AGENTD_STORE_TIMEOUT", value_parser = duration, default_value = "30s")]
+    pub store_timeout: Duration,
 
     /// How long finished turns (and their event logs) are kept before a
     /// background task prunes them (0s keeps them forever).

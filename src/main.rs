@@ -131,7 +131,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .or(default)
         .unwrap_or_else(|| demo::NAME.to_owned());
     let registry = AgentRegistry::new(agents, &default)?;
-    let store = agentd::store::open(&args.store).await?;
+    let store = agentd::store::open_bounded(
+        &args.store,
+        (!args.store_timeout.is_zero()).then_some(args.store_timeout),
+    )
+    .await?;
     let turns = Turns::new(store, registry, args.turn_config());
     let mut opts = args.server_options();
     opts.security = args.security()?;

@@ -672,33 +672,25 @@ async fn a_repeat_of_an_ended_turn_replays_without_calling_the_model() {
     d.stop().await;
 }
 
-/// Two Runs of one new turn sent together both start a model call beside
-/// their claims (neither turn is stored when they read); the claim decides:
-/// one runs the turn, the other's model call is dropped (the model server
-/// sees its connection close) and it attaches to the running turn.
-#[tokio::test]
-async fn of_two_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_its_model_call() {
-    let OnSqlite {
-        _dir,
-        db,
-        mut f,
-        d,
-        session: s,
-        ..
-    } = on_sqlite(vec![Reply::Endless, Reply::Endless], Default::default()).await;
-    let lock = hold_writes(&db).await;
-    let calls: Vec<_> = (0..2)
-        .map(|_| {
+/// u1's Run `r1` ("hi") sent to each of `to` at once.
+fn send_r1<const N: usize>(
+    session: &str,
+    to: [&Agentd; N],
+) -> Vec<tokio::task::JoinHandle<Result<agentd::client::RunCall, tonic::Status>>> {
+    to.into_iter()
+        .map(|d| {
             let mut client = d.client.clone();
-            let req = run_r1(&s, "hi");
+            let req = run_r1(session, "hi");
             tokio::spawn(async move { client.run(req, Duration::from_secs(20)).await })
         })
-        .collect();
-    assert!(
-        requests_seen(&f, 2).await,
-        "both called the model beside their claims"
-    );
-    held_writes_end(lock).await;
+        .collect()
+}
+
+/// Runs of one turn sent together, each read to its first tick: one ran
+/// the turn ("new"), the other attached to it.
+async fn one_new_one_attached(
+    calls: Vec<tokio::task::JoinHandle<Result<agentd::client::RunCall, tonic::Status>>>,
+) -> Vec<agentd::client::RunCall> {
     let mut modes = Vec::new();
     let mut runs = Vec::new();
     for call in calls {
@@ -709,6 +701,73 @@ async fn of_two_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_its_mode
     }
     modes.sort();
     assert_eq!(modes, ["attach", "new"]);
+    runs
+}
+
+/// Two Runs of one new turn sent together to one server make one model
+/// call: the first calls its model beside its claim, the second sees the
+/// turn being claimed here and waits for its own claim, which finds the
+/// turn; it then attaches to it.
+#[tokio::test]
+async fn two_runs_of_one_new_turn_sent_together_to_one_server_make_one_model_call() {
+    let OnSqlite {
+        _dir,
+        db,
+        mut f,
+        d,
+        session: s,
+        ..
+    } = on_sqlite(vec![Reply::Endless, Reply::Endless], Default::default()).await;
+    let lock = hold_writes(&db).await;
+    let calls = send_r1(&s, [&d, &d]);
+    assert!(requests_seen(&f, 1).await, "the first called the model");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        f.seen.lock().unwrap().len(),
+        1,
+        "the second waits for its claim without a model call"
+    );
+    held_writes_end(lock).await;
+    let mut runs = one_new_one_attached(calls).await;
+    for run in &mut runs {
+        run.events.message().await.unwrap().expect("another tick");
+    }
+    assert_eq!(f.seen.lock().unwrap().len(), 1, "one model call in all");
+    assert!(f.closed.try_recv().is_err(), "the model call goes on");
+    drop(runs);
+    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
+        .await
+        .expect("the run was cancelled with its callers")
+        .unwrap();
+    d.stop().await;
+}
+
+/// Two Runs of one new turn sent together to two servers on one database
+/// both start a model call beside their claims (neither turn is stored
+/// when they read, and neither server knows of the other's claim); the
+/// claim decides: one runs the turn, the other's model call is dropped
+/// (the model server sees its connection close) and it attaches to the
+/// running turn through the store.
+#[tokio::test]
+async fn of_two_servers_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_its_model_call() {
+    let OnSqlite {
+        _dir,
+        db,
+        mut f,
+        d,
+        session: s,
+        ..
+    } = on_sqlite(vec![Reply::Endless, Reply::Endless], Default::default()).await;
+    let other_store = agentd::store::open(&db).await.unwrap();
+    let d2 = Agentd::start_with(&agents_file(&f.url, ""), other_store, Default::default()).await;
+    let lock = hold_writes(&db).await;
+    let calls = send_r1(&s, [&d, &d2]);
+    assert!(
+        requests_seen(&f, 2).await,
+        "both called the model beside their claims"
+    );
+    held_writes_end(lock).await;
+    let mut runs = one_new_one_attached(calls).await;
     tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
         .await
         .expect("the losing model call's connection closed")
@@ -724,6 +783,7 @@ async fn of_two_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_its_mode
         .await
         .expect("the run was cancelled with its callers")
         .unwrap();
+    d2.stop().await;
     d.stop().await;
 }
 

@@ -1105,10 +1105,10 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
         .unwrap();
     same(a, &["r1", "r2", "r3"]).await;
     // Pruning goes by when turns ended: r1 ended last.
-    assert_eq!(store.prune(mid).await.unwrap(), 2);
+    assert_eq!(store.prune(mid, usize::MAX).await.unwrap(), 2);
     same(a, &["r1"]).await;
     let later = SystemTime::now() + Duration::from_secs(1);
-    assert_eq!(store.prune(later).await.unwrap(), 1);
+    assert_eq!(store.prune(later, usize::MAX).await.unwrap(), 1);
     same(a, &[]).await;
     store
         .claim_turn(&new_turn(&key(a, "r4"), "a"))
@@ -1194,6 +1194,110 @@ async fn end_turn(store: &dyn agentd::store::Store, key: &TurnKey, answer: Optio
         .unwrap();
 }
 
+/// Pruning deletes at most its limit of the ended turns per call, those
+/// that ended first first, each with its event log; running turns and
+/// turns that ended since stay, their events with them.
+async fn pruning_deletes_a_bounded_batch_of_the_oldest_ended_turns_with_their_events(db: TestDb) {
+    use agentd::store::{EncodedEvent, SeqEvent};
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let s = store.create_session(&alice).await.unwrap().id;
+    let key = |r: &str| TurnKey {
+        session_id: s,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    for r in ["r0", "r1", "r2", "r3", "r4", "run", "new"] {
+        store.claim_turn(&new_turn(&key(r), "a")).await.unwrap();
+    }
+    // Ended in another order than claimed, 2 ms apart; "new" after the
+    // prune's bound.
+    for r in ["r3", "r1", "r4", "r0", "r2"] {
+        end_turn(store.as_ref(), &key(r), Some(r)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let bound = SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    end_turn(store.as_ref(), &key("new"), Some("new")).await;
+    let event = SeqEvent {
+        seq: 0,
+        event: agentd::agent::Event::partial("echo", "running".into()),
+    };
+    store
+        .append_encoded(&key("run"), vec![EncodedEvent::of(&event)])
+        .await
+        .unwrap();
+    // Rows of the event log, where the test can count them.
+    let rows = |want: i64| {
+        let db = &db;
+        async move {
+            if let Some(n) = event_log_rows(db).await {
+                assert_eq!(n, want, "event log rows");
+            }
+        }
+    };
+
+    let left = || async {
+        let mut ids: Vec<String> = store
+            .list_turns(s)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.key.request_id.as_str().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    let logged = |r: &'static str| {
+        let store = store.clone();
+        async move {
+            !store
+                .events_after(&key(r), None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        }
+    };
+    rows(7).await;
+    assert_eq!(store.prune(bound, 2).await.unwrap(), 2);
+    assert_eq!(left().await, ["new", "r0", "r2", "r4", "run"]);
+    rows(5).await;
+    for r in ["r0", "r2", "r4", "run", "new"] {
+        assert!(logged(r).await, "{r} keeps its events");
+    }
+    assert_eq!(store.prune(bound, 2).await.unwrap(), 2);
+    assert_eq!(left().await, ["new", "r2", "run"]);
+    assert_eq!(store.prune(bound, 2).await.unwrap(), 1);
+    assert_eq!(store.prune(bound, 2).await.unwrap(), 0);
+    assert_eq!(left().await, ["new", "run"]);
+    rows(2).await;
+    assert!(logged("run").await && logged("new").await);
+}
+
+/// Rows of the event log a SQL store's database holds (batches of events):
+/// `None` for the memory store.
+async fn event_log_rows(db: &TestDb) -> Option<i64> {
+    use sqlx::Connection as _;
+    let count = match db.backend {
+        Backend::Memory => return None,
+        Backend::Sqlite => {
+            // The event log is a file of its own beside the database.
+            let mut c = sqlx::SqliteConnection::connect(&format!("{}-events", db.url))
+                .await
+                .unwrap();
+            sqlx::query_scalar("SELECT count(*) FROM event_log")
+                .fetch_one(&mut c)
+                .await
+        }
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            sqlx::query_scalar("SELECT count(*) FROM event_batches")
+                .fetch_one(&mut c)
+                .await
+        }
+    };
+    Some(count.unwrap())
+}
+
 /// A Run's read before its claim tells whether its turn is stored (a
 /// repeated request id) at every step of the turn's life, and not for a
 /// turn of another session; on the SQL stores also for a session another
@@ -1246,7 +1350,7 @@ async fn a_runs_read_tells_whether_its_turn_is_stored(db: TestDb) {
             .is_none()
     );
     let later = SystemTime::now() + Duration::from_secs(1);
-    assert_eq!(store.prune(later).await.unwrap(), 1);
+    assert_eq!(store.prune(later, usize::MAX).await.unwrap(), 1);
     assert!(!stored(key(a, "r1")).await, "pruned");
 
     if db.backend == Backend::Memory {
@@ -1437,6 +1541,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    pruning_deletes_a_bounded_batch_of_the_oldest_ended_turns_with_their_events,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,
     the_history_a_run_reads_follows_every_change_to_its_session,

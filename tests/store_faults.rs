@@ -256,6 +256,83 @@ async fn calls_on_a_database_that_stopped_answering_fail_as_unavailable() {
     );
 }
 
+/// Every store call waiting on a database that stopped answering fails as
+/// UNAVAILABLE once the store's call bound (`--store-timeout`) is past, the
+/// calls outside the claim, commit and read groups included: listings,
+/// replays, lease renewals, upkeep's sweeps. Without the bound each waits
+/// until TCP gives up; upkeep, stuck in one, would stop its health checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_call_on_a_database_that_stopped_answering_fails_within_the_store_timeout() {
+    use agentd::domain::UserId;
+    use agentd::store::{StoreError, StoreResult, TurnOutcome, TurnState};
+    use std::time::SystemTime;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let bound = Duration::from_secs(2);
+    let store = agentd::store::open_bounded(&db.url_via(proxy.port), Some(bound))
+        .await
+        .unwrap();
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let turn = new_turn(session.id, "r1");
+    store.claim_turn(&turn).await.unwrap();
+
+    proxy.freeze();
+    let failed = TurnOutcome {
+        state: TurnState::Failed,
+        code: 14,
+        message: "x".into(),
+    };
+    let now = SystemTime::now();
+    let unavailable = |what: &str, r: StoreResult<()>| {
+        assert!(
+            matches!(r, Err(StoreError::Unavailable(_))),
+            "{what}: {r:?}"
+        );
+    };
+    let started = std::time::Instant::now();
+    let k = &turn.key;
+    let s = session.id;
+    let results = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(
+            async { store.create_session(&alice).await.map(drop) },
+            async { store.get_session(s).await.map(drop) },
+            async { store.get_turn(k).await.map(drop) },
+            async { store.events_after(k, None, 10).await.map(drop) },
+            async { store.history(s, 5).await.map(drop) },
+            async { store.list_sessions(&alice, 10, None).await.map(drop) },
+            async { store.list_turns(s).await.map(drop) },
+            async { store.renew_lease(k, "a", now).await.map(drop) },
+            async { store.fail_expired(now, &failed).await.map(drop) },
+            async { store.prune(now, 10).await.map(drop) },
+            async { store.delete_session(s).await.map(drop) },
+        )
+    })
+    .await
+    .expect("every call ended");
+    let took = started.elapsed();
+    let (a, b, c, d, e, f, g, h, i, j, l) = results;
+    for (what, r) in [
+        ("create_session", a),
+        ("get_session", b),
+        ("get_turn", c),
+        ("events_after", d),
+        ("history", e),
+        ("list_sessions", f),
+        ("list_turns", g),
+        ("renew_lease", h),
+        ("fail_expired", i),
+        ("prune", j),
+        ("delete_session", l),
+    ] {
+        unavailable(what, r);
+    }
+    assert!(took >= bound, "failed at the bound, not before: {took:?}");
+    assert!(took < bound * 4, "the calls took {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_runs_and_reports_not_serving_until_it_is_back() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

@@ -309,19 +309,26 @@ impl Store for MemoryStore {
         Ok(n)
     }
 
-    async fn prune(&self, before: SystemTime) -> StoreResult<u64> {
+    async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         let mut inner = self.lock();
-        let n = inner.turns.len();
-        inner.turns.retain(|_, t| {
-            t.record
-                .as_ref()
-                .is_none_or(|r| !r.state.is_terminal() || r.updated_at >= before)
-        });
-        let pruned = n - inner.turns.len();
-        if pruned > 0 {
+        let mut old: Vec<(SystemTime, TurnKey)> = inner
+            .turns
+            .iter()
+            .filter_map(|(key, t)| {
+                let r = t.record.as_ref()?;
+                (r.state.is_terminal() && r.updated_at < before)
+                    .then(|| (r.updated_at, key.clone()))
+            })
+            .collect();
+        old.sort_by_key(|(at, _)| *at);
+        old.truncate(limit);
+        for (_, key) in &old {
+            inner.turns.remove(key);
+        }
+        if !old.is_empty() {
             inner.reindex();
         }
-        Ok(pruned as u64)
+        Ok(old.len() as u64)
     }
 
     async fn ping(&self) -> StoreResult<()> {

@@ -4,16 +4,21 @@
 //! A call's time is what its caller waited, queueing included: a claim's
 //! wait for the claimer, a batch's wait for the committer's next group. The
 //! groups themselves are measured where they are written ([`super::sql`]).
+//!
+//! Every call is bounded too (`--store-timeout`): past the bound its
+//! caller gets UNAVAILABLE, whatever the database is doing. (The groups'
+//! statements have a shorter bound of their own, so a hung statement does
+//! not hold the queue behind it.)
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
 use super::{
     Claim, EncodedEvent, NewTurn, PageCursor, RunRead, SeqEvent, Session, SessionPage, Store,
-    StoreResult, TurnOutcome, TurnRecord,
+    StoreError, StoreResult, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -66,20 +71,37 @@ pub struct Metered {
     inner: Arc<dyn Store>,
     /// One histogram per [`Op`], registered once.
     seconds: Vec<::metrics::Histogram>,
+    /// The longest any call may wait before it fails as unavailable.
+    bound: Option<Duration>,
 }
 
 impl Metered {
-    pub fn new(inner: Arc<dyn Store>) -> Self {
+    /// `bound`: the longest a call may wait, queueing included, before it
+    /// fails as [`StoreError::Unavailable`] (a database that stopped
+    /// answering on a connection already open would otherwise hold it until
+    /// TCP gives up, minutes later); `None`, no bound.
+    pub fn new(inner: Arc<dyn Store>, bound: Option<Duration>) -> Self {
         let seconds = Op::ALL
             .iter()
             .map(|op| metrics::store_call_histogram(op.name()))
             .collect();
-        Self { inner, seconds }
+        Self {
+            inner,
+            seconds,
+            bound,
+        }
     }
 
     async fn timed<T>(&self, op: Op, call: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
         let start = Instant::now();
-        let result = call.await;
+        let result = match self.bound {
+            None => call.await,
+            Some(bound) => tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(anyhow::anyhow!(
+                    "the store did not answer within {bound:?}"
+                )))
+            }),
+        };
         self.seconds[op as usize].record(start.elapsed());
         if let Err(e) = &result {
             metrics::store_error(op.name(), e);
@@ -225,8 +247,8 @@ impl Store for Metered {
             .await
     }
 
-    async fn prune(&self, before: SystemTime) -> StoreResult<u64> {
-        self.timed(Op::Prune, self.inner.prune(before)).await
+    async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        self.timed(Op::Prune, self.inner.prune(before, limit)).await
     }
 
     async fn ping(&self) -> StoreResult<()> {

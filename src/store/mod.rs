@@ -251,8 +251,24 @@ pub fn from_micros(us: i64) -> SystemTime {
 /// (or `postgresql://...`), or `memory:`. Migrations run here; an
 /// unreachable database is an error (one line, no secrets from the URL).
 /// Every call of the store returned is timed and its failures counted
-/// (`agentd_store_*` metrics).
+/// (`agentd_store_*` metrics), and fails as unavailable past
+/// [`DEFAULT_CALL_TIMEOUT`].
 pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
+    open_bounded(url, Some(DEFAULT_CALL_TIMEOUT)).await
+}
+
+/// The longest a store call waits, queueing included, before it fails as
+/// [`StoreError::Unavailable`], unless `--store-timeout` says otherwise:
+/// twice the bound on a claim, commit or read group's statement, so a call
+/// queued behind a slow group still gets its own.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// [`open`], with `call_timeout` as the bound on every call (`None`: no
+/// bound).
+pub async fn open_bounded(
+    url: &str,
+    call_timeout: Option<Duration>,
+) -> anyhow::Result<std::sync::Arc<dyn Store>> {
     use anyhow::Context;
     let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
     let store: std::sync::Arc<dyn Store> = match scheme {
@@ -273,7 +289,10 @@ pub async fn open(url: &str) -> anyhow::Result<std::sync::Arc<dyn Store>> {
         ),
         _ => anyhow::bail!("--store must be sqlite://PATH, postgres://... or memory:"),
     };
-    Ok(std::sync::Arc::new(metered::Metered::new(store)))
+    Ok(std::sync::Arc::new(metered::Metered::new(
+        store,
+        call_timeout,
+    )))
 }
 
 /// sqlx errors already name their cause; keep just that, once.
@@ -406,9 +425,11 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// Ends every running turn whose lease expired before `now` with
     /// `outcome`; returns how many. Such a turn is never run again.
     async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64>;
-    /// Deletes terminal turns (and their events) last updated before
-    /// `before`; returns how many.
-    async fn prune(&self, before: SystemTime) -> StoreResult<u64>;
+    /// Deletes at most `limit` of the terminal turns (and their events)
+    /// last updated before `before`, oldest first; returns how many. A
+    /// bounded batch keeps each call short: on SQLite the writer is held
+    /// while it runs.
+    async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64>;
     /// Cheap round trip: is the backend reachable now?
     async fn ping(&self) -> StoreResult<()>;
 }

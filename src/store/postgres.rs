@@ -69,6 +69,10 @@ impl PostgresStore {
              ORDER BY first_seq LIMIT $4",
         delete_session_events: None,
         prune_events: None,
+        prune_turns: "DELETE FROM turns WHERE (session_id, request_id) IN \
+             (SELECT session_id, request_id FROM turns WHERE state <> 'running' AND updated_at < $1 \
+              ORDER BY updated_at LIMIT $2) \
+             RETURNING updated_at",
         insert_moved_batch: "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
              ON CONFLICT DO NOTHING",
     };

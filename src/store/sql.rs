@@ -319,9 +319,13 @@ pub(super) struct Dialect {
     /// Deletes a session's event batches ($1 session), where no foreign key
     /// does it with the session.
     pub delete_session_events: Option<&'static str>,
-    /// Deletes the event batches of the turns pruned before $1, where no
-    /// foreign key does it with the turns.
+    /// Deletes the event batches of the turns [`Dialect::prune_turns`]
+    /// deletes ($1 before, $2 limit), where no foreign key does it with the
+    /// turns; run first, in the same transaction.
     pub prune_events: Option<&'static str>,
+    /// Deletes at most $2 of the ended turns last updated before $1, oldest
+    /// first, returning each one's `updated_at`.
+    pub prune_turns: &'static str,
     /// Stores one batch of a turn moved from the per-event table: ($1
     /// session, $2 request, $3 first seq, $4 last seq, $5 blob).
     pub insert_moved_batch: &'static str,
@@ -870,27 +874,34 @@ macro_rules! sql_store {
                 Ok(done.rows_affected())
             }
 
-            async fn prune(&self, before: std::time::SystemTime) -> StoreResult<u64> {
+            async fn prune(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {
+                let limit = i64::try_from(limit).unwrap_or(i64::MAX);
                 let mut tx = self.write.begin().await.map_err(db_err)?;
                 if let Some(sql) = Self::SQL.prune_events {
                     sqlx::query(sql)
                     .bind(to_micros(before))
+                    .bind(limit)
                     .execute(&mut *tx)
                     .await
                     .map_err(db_err)?;
                 }
-                let done = sqlx::query("DELETE FROM turns WHERE state <> 'running' AND updated_at < $1")
+                let ended: Vec<i64> = sqlx::query_scalar(Self::SQL.prune_turns)
                     .bind(to_micros(before))
-                    .execute(&mut *tx)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
                     .await
                     .map_err(db_err)?;
                 tx.commit().await.map_err(db_err)?;
-                if done.rows_affected() > 0 {
-                    if let Some(cache) = &self.sessions {
-                        cache.pruned(to_micros(before));
-                    }
+                if let Some(cache) = &self.sessions
+                    && let Some(&last) = ended.iter().max()
+                {
+                    // A batch cut short by `limit` may leave turns that
+                    // ended at `last` itself: the cache lets go of the turns
+                    // ended before it, which are all gone.
+                    let full = ended.len() as i64 == limit;
+                    cache.pruned(if full { last } else { to_micros(before) });
                 }
-                Ok(done.rows_affected())
+                Ok(ended.len() as u64)
             }
 
             async fn ping(&self) -> StoreResult<()> {

@@ -527,8 +527,13 @@ impl SqliteStore {
         ),
         prune_events: Some(
             "DELETE FROM event_log WHERE turn_no IN \
-             (SELECT turn_no FROM turns WHERE state <> 'running' AND updated_at < $1)",
+             (SELECT turn_no FROM turns WHERE state <> 'running' AND updated_at < $1 \
+              ORDER BY updated_at, turn_no LIMIT $2)",
         ),
+        prune_turns: "DELETE FROM turns WHERE turn_no IN \
+             (SELECT turn_no FROM turns WHERE state <> 'running' AND updated_at < $1 \
+              ORDER BY updated_at, turn_no LIMIT $2) \
+             RETURNING updated_at",
         insert_moved_batch: "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
              SELECT turn_no, $3, $4, $5 FROM turns WHERE session_id = $1 AND request_id = $2 \
              ON CONFLICT DO NOTHING",
@@ -865,7 +870,7 @@ mod tests {
         assert!(store.delete_session(deleted.session_id).await.unwrap());
         assert_eq!(count(&store.read, batches).await, 2);
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
-        assert_eq!(store.prune(later).await.unwrap(), 1);
+        assert_eq!(store.prune(later, 10).await.unwrap(), 1);
         assert_eq!(count(&store.read, batches).await, 1);
         assert_eq!(
             store.events_after(&running, None, 10).await.unwrap().len(),

@@ -16,7 +16,7 @@ mod pump;
 mod stream;
 mod upkeep;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -199,6 +199,9 @@ pub struct Turns {
     permits: Arc<Semaphore>,
     /// Turns running in this process, so a repeated request id attaches live.
     live: Mutex<HashMap<TurnKey, watch::Receiver<Progress>>>,
+    /// Turns a Run of this process is claiming: a repeat sent meanwhile
+    /// waits for the claim instead of calling the model beside it.
+    claiming: Mutex<HashSet<TurnKey>>,
     /// Every pump, writer and follower, so shutdown can wait for them.
     tracker: TaskTracker,
     /// Fired when the shutdown grace is over: what still runs is cut.
@@ -218,6 +221,7 @@ impl Turns {
             agents,
             cfg,
             live: Mutex::default(),
+            claiming: Mutex::default(),
             tracker: TaskTracker::new(),
             cut: CancellationToken::new(),
             draining: AtomicBool::new(false),
@@ -306,9 +310,18 @@ impl Turns {
         // now, beside the claim (unless `claim_first`, or the turn is stored
         // already: a repeat, which will replay, attach or follow, and whose
         // model call would only be dropped); any other starts once the turn
-        // is ours. A repeat that comes while its first is still being
-        // claimed starts too, and is dropped when its claim finds the turn.
-        let early = agent.starts_before_claim() && !self.cfg.claim_first && !read.turn_stored;
+        // is ours. So does a repeat sent while another Run of this process
+        // claims its turn: it waits for its own claim, which finds the turn
+        // (only a repeat sent to another replica at the same moment starts,
+        // and is dropped when its claim finds the turn).
+        let claiming = match input.generated_request_id {
+            true => None,
+            false => Claiming::enter(self, &key),
+        };
+        let early = agent.starts_before_claim()
+            && !self.cfg.claim_first
+            && !read.turn_stored
+            && (input.generated_request_id || claiming.is_some());
         let (claimed, run) = if early {
             let span = span();
             let mut events = agent.run(ctx, input.text.as_str().to_owned()).peekable();
@@ -345,6 +358,8 @@ impl Turns {
                     span,
                 };
                 let stream = pump::spawn(self, run, &input, deadline, permit);
+                // The turn is live here now: a repeat attaches to it.
+                drop(claiming);
                 Ok(Started {
                     request_id: key.request_id,
                     mode: Mode::New,
@@ -515,6 +530,38 @@ impl Turns {
             .unwrap_or_else(|e| e.into_inner())
             .get(key)
             .cloned()
+    }
+}
+
+/// A Run of this process claiming a turn, in [`Turns::claiming`] until
+/// dropped.
+struct Claiming {
+    turns: Arc<Turns>,
+    key: TurnKey,
+}
+
+impl Claiming {
+    /// `None` when another Run of this process is claiming `key`.
+    fn enter(turns: &Arc<Turns>, key: &TurnKey) -> Option<Self> {
+        let entered = turns
+            .claiming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone());
+        entered.then(|| Claiming {
+            turns: turns.clone(),
+            key: key.clone(),
+        })
+    }
+}
+
+impl Drop for Claiming {
+    fn drop(&mut self) {
+        self.turns
+            .claiming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
     }
 }
 

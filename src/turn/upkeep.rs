@@ -1,24 +1,29 @@
 //! Background upkeep of one engine: a periodic store health check (whose
 //! result gates new Runs and feeds grpc.health), failing turns whose owner's
-//! lease expired (that replica died mid-turn), and pruning old turns.
+//! lease expired (that replica died mid-turn), and, beside them, pruning
+//! old turns (a long backlog of which never holds up the health checks).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::Turns;
 use crate::grpc::status;
+use crate::store::{Store, StoreError};
 
 /// Pruning runs at most this often, and at least once per retention/4.
 const PRUNE_EVERY_MAX: Duration = Duration::from_secs(600);
+/// Turns deleted per store call when pruning.
+const PRUNE_BATCH: usize = 500;
 
 pub(super) async fn run(turns: Arc<Turns>) {
+    tokio::join!(check(turns.clone()), prune(turns));
+}
+
+/// The health checks and the sweep of expired leases.
+async fn check(turns: Arc<Turns>) {
     let cfg = turns.cfg.clone();
     let mut tick = tokio::time::interval(cfg.store_check.min(cfg.lease / 2));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let prune_every = cfg
-        .retain_turns
-        .map(|r| (r / 4).clamp(cfg.store_check, PRUNE_EVERY_MAX));
-    let mut last_prune: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
         let ok = match tokio::time::timeout(
@@ -63,23 +68,102 @@ pub(super) async fn run(turns: Arc<Turns>) {
                 tracing::warn!(error = %format!("{e:#}"), "could not sweep expired turn leases")
             }
         }
-        if let (Some(retain), Some(every)) = (cfg.retain_turns, prune_every)
-            && last_prune.is_none_or(|t| t.elapsed() >= every)
-        {
-            last_prune = Some(tokio::time::Instant::now());
-            match turns
-                .store
-                .prune(
-                    SystemTime::now()
-                        .checked_sub(retain)
-                        .unwrap_or(SystemTime::UNIX_EPOCH),
-                )
-                .await
-            {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(turns = n, "pruned turns past the retention"),
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "could not prune old turns"),
+    }
+}
+
+/// Pruning past the retention, at most every [`PRUNE_EVERY_MAX`] and at
+/// least once per retention/4, while the store answers its health checks.
+async fn prune(turns: Arc<Turns>) {
+    let cfg = turns.cfg.clone();
+    let Some(retain) = cfg.retain_turns else {
+        return;
+    };
+    let mut tick = tokio::time::interval((retain / 4).clamp(cfg.store_check, PRUNE_EVERY_MAX));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut healthy = turns.store_health();
+    loop {
+        tick.tick().await;
+        if healthy.wait_for(|ok| *ok).await.is_err() {
+            return;
+        }
+        let before = SystemTime::now()
+            .checked_sub(retain)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let (n, failed) = prune_all(&*turns.store, before, PRUNE_BATCH).await;
+        if n > 0 {
+            tracing::info!(turns = n, "pruned turns past the retention");
+        }
+        if let Some(e) = failed {
+            tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old turns");
+        }
+    }
+}
+
+/// Deletes every ended turn last updated before `before`, `batch` turns
+/// (and their events) per store call, so no one transaction holds the
+/// database long (SQLite's writer, most of all) and commits of running
+/// turns go on between them. Returns how many went, and the error that
+/// stopped it early, if one did.
+async fn prune_all(
+    store: &dyn Store,
+    before: SystemTime,
+    batch: usize,
+) -> (u64, Option<StoreError>) {
+    let mut pruned = 0;
+    loop {
+        match store.prune(before, batch).await {
+            Ok(n) => {
+                pruned += n;
+                if n < batch as u64 {
+                    return (pruned, None);
+                }
+            }
+            Err(e) => return (pruned, Some(e)),
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{RequestId, TurnKey, UserId};
+    use crate::store::{NewTurn, TurnOutcome, TurnState, memory::MemoryStore};
+
+    #[tokio::test]
+    async fn pruning_goes_on_batch_after_batch_until_every_old_turn_is_gone() {
+        let store = MemoryStore::new();
+        let session = store
+            .create_session(&UserId::parse("alice").unwrap())
+            .await
+            .unwrap();
+        let key = |r: &str| TurnKey {
+            session_id: session.id,
+            request_id: RequestId::parse(r).unwrap(),
+        };
+        let done = TurnOutcome {
+            state: TurnState::Completed,
+            code: 0,
+            message: String::new(),
+        };
+        for r in ["r1", "r2", "r3", "r4", "r5", "running"] {
+            let turn = NewTurn {
+                key: key(r),
+                user_text: "q".into(),
+                agent: "a".into(),
+                owner: "here".into(),
+                lease: Duration::from_secs(60),
+            };
+            store.claim_turn(&turn).await.unwrap();
+            if r != "running" {
+                store.finish_turn(&key(r), &done, Some("a")).await.unwrap();
             }
         }
+        let later = SystemTime::now() + Duration::from_secs(1);
+        assert_eq!(prune_all(&store, later, 2).await.0, 5);
+        let left = store.list_turns(session.id).await.unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].key, key("running"));
+        assert_eq!(prune_all(&store, later, 2).await.0, 0);
     }
 }
