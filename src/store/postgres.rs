@@ -69,6 +69,8 @@ impl PostgresStore {
              ORDER BY first_seq LIMIT $4",
         delete_session_events: None,
         prune_events: None,
+        // Values over 2 kB go to TOAST, in chunks, whatever the row's size.
+        row_bytes: super::sql::BATCH_ROW_BYTES,
         prune_turns: "DELETE FROM turns WHERE (session_id, request_id) IN \
              (SELECT session_id, request_id FROM turns WHERE state <> 'running' AND updated_at < $1 \
               ORDER BY updated_at LIMIT $2) \
@@ -146,7 +148,7 @@ impl PostgresStore {
             Vec::with_capacity(n),
         );
         for p in group {
-            for (f, l, events) in p.rows() {
+            for (f, l, events) in p.rows(Self::SQL.row_bytes) {
                 sid.push(p.sid.as_str());
                 rid.push(p.rid.as_str());
                 first.push(f);

@@ -71,18 +71,23 @@ pub(super) fn bad_row(what: &str) -> StoreError {
     StoreError::Unexpected(anyhow::anyhow!("the store holds a malformed {what}"))
 }
 
-/// The most encoded bytes (roughly) one batch row holds; a single event
-/// larger than this gets a row of its own.
-const BATCH_ROW_BYTES: usize = 1 << 20;
+/// The most encoded bytes one batch row holds unless its backend says
+/// less ([`Dialect::row_bytes`]), so no row approaches the backends' value
+/// limits (1 GB) whatever the batch; a single event larger than a row's
+/// limit gets a row of its own.
+pub(super) const BATCH_ROW_BYTES: usize = 1 << 20;
 
-/// Splits a commit's events into rows of at most [`BATCH_ROW_BYTES`], so no
-/// row approaches the backends' value limits (1 GB) whatever the batch.
-pub(super) fn split_batch(events: &[super::EncodedEvent]) -> Vec<&[super::EncodedEvent]> {
+/// Splits a commit's events into rows of at most `row_bytes` (but at least
+/// one event each).
+pub(super) fn split_batch(
+    events: &[super::EncodedEvent],
+    row_bytes: usize,
+) -> Vec<&[super::EncodedEvent]> {
     let mut rows = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (i, e) in events.iter().enumerate() {
         let size = e.as_bytes().len();
-        if i > start && bytes + size > BATCH_ROW_BYTES {
+        if i > start && bytes + size > row_bytes {
             rows.push(&events[start..i]);
             (start, bytes) = (i, 0);
         }
@@ -98,8 +103,9 @@ pub(super) fn split_batch(events: &[super::EncodedEvent]) -> Vec<&[super::Encode
 /// by [`split_batch`].
 pub(super) fn batch_rows(
     events: &[super::EncodedEvent],
+    row_bytes: usize,
 ) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
-    split_batch(events).into_iter().map(|chunk| {
+    split_batch(events, row_bytes).into_iter().map(|chunk| {
         let first = chunk.first().map_or(0, |e| e.seq as i64);
         let last = chunk.last().map_or(0, |e| e.seq as i64);
         (first, last, chunk)
@@ -221,10 +227,13 @@ impl PendingBatch {
         }
     }
 
-    /// The batch's rows, each under the size limit: (first_seq, last_seq,
-    /// the row's events).
-    pub fn rows(&self) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
-        batch_rows(&self.events)
+    /// The batch's rows, each of at most `row_bytes` (or one event):
+    /// (first_seq, last_seq, the row's events).
+    pub fn rows(
+        &self,
+        row_bytes: usize,
+    ) -> impl Iterator<Item = (i64, i64, &[super::EncodedEvent])> {
+        batch_rows(&self.events, row_bytes)
     }
 }
 
@@ -326,6 +335,9 @@ pub(super) struct Dialect {
     /// Deletes at most $2 of the ended turns last updated before $1, oldest
     /// first, returning each one's `updated_at`.
     pub prune_turns: &'static str,
+    /// The most encoded bytes of events one row of the event log holds
+    /// (a single larger event gets a row of its own).
+    pub row_bytes: usize,
     /// Stores one batch of a turn moved from the per-event table: ($1
     /// session, $2 request, $3 first seq, $4 last seq, $5 blob).
     pub insert_moved_batch: &'static str,
@@ -1027,7 +1039,7 @@ macro_rules! sql_store {
                     events.sort_by_key(|e| e.seq);
                     moved += events.len() as u64;
                     let encoded: Vec<_> = events.iter().map(EncodedEvent::of).collect();
-                    for (first, last, row) in $crate::store::sql::batch_rows(&encoded) {
+                    for (first, last, row) in $crate::store::sql::batch_rows(&encoded, Self::SQL.row_bytes) {
                         sqlx::query(Self::SQL.insert_moved_batch)
                         .bind(&sid)
                         .bind(&rid)
@@ -1080,14 +1092,14 @@ mod tests {
             event(4, BATCH_ROW_BYTES * 2),
             event(5, 10),
         ];
-        let rows = split_batch(&events);
+        let rows = split_batch(&events, BATCH_ROW_BYTES);
         let seqs: Vec<Vec<u64>> = rows
             .iter()
             .map(|r| r.iter().map(|e| e.seq).collect())
             .collect();
         assert_eq!(seqs, vec![vec![0, 1, 2], vec![3], vec![4], vec![5]]);
-        assert!(split_batch(&[]).is_empty());
-        assert_eq!(split_batch(&events[..1]).len(), 1);
+        assert!(split_batch(&[], BATCH_ROW_BYTES).is_empty());
+        assert_eq!(split_batch(&events[..1], BATCH_ROW_BYTES).len(), 1);
     }
 
     /// Small groups of events alone wait for more; a group with an outcome,
@@ -1155,7 +1167,7 @@ mod tests {
             .map(|e| EncodedEvent::encode(e.seq, &e.event, &mut buf))
             .collect();
         assert_eq!(encoded[2].decode().as_ref(), Some(&events[2]));
-        let rows: Vec<_> = batch_rows(&encoded).collect();
+        let rows: Vec<_> = batch_rows(&encoded, BATCH_ROW_BYTES).collect();
         assert_eq!(rows.len(), 1);
         assert_eq!((rows[0].0, rows[0].1), (3, 7));
         let blob = blob(rows[0].2);
