@@ -31,7 +31,7 @@ use sqlx::sqlite::{
 /// of one group commit) fits one to a page, and the rest of the page,
 /// empty, was written to the WAL and the file all the same: with commits of
 /// 50 KB per turn the log took 1.31 bytes of disk per byte of events (1.44
-/// in `bench/store.sh`), 1.13 with rows of at most this size. Smaller rows
+/// in `bench/store.sh`), 1.13 (1.07) with rows of at most this size. Smaller rows
 /// pack a little better but cost more than they save (4,000 bytes: 1.07,
 /// and 4% fewer events/s; this size: 2% more than rows of up to 1 MB).
 const EVENT_LOG_ROW_BYTES: usize = 8_000;
