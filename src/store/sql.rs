@@ -30,18 +30,31 @@ pub(super) fn unavailable(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+        sqlx::Error::Database(d) => match d.try_downcast_ref::<sqlx::sqlite::SqliteError>() {
+            // SQLite gives extended result codes: the primary code is the
+            // low byte (517, SQLITE_BUSY_SNAPSHOT, is a BUSY).
+            Some(_) => d
+                .code()
+                .and_then(|c| c.parse::<i32>().ok())
+                .is_some_and(|c| sqlite_unavailable(c & 0xff)),
             // PostgreSQL: class 08 connection exception, 57P0x shutdown /
-            // cannot connect now, 53 insufficient resources. SQLite: 5 BUSY,
-            // 6 LOCKED (after the busy timeout).
-            c.starts_with("08")
-                || c.starts_with("57P")
-                || c.starts_with("53")
-                || c == "5"
-                || c == "6"
-        }),
+            // cannot connect now, 53 insufficient resources (53100: disk
+            // full).
+            None => d.code().is_some_and(|c| {
+                c.starts_with("08") || c.starts_with("57P") || c.starts_with("53")
+            }),
+        },
         _ => false,
     }
+}
+
+/// SQLite's primary result codes that say the file cannot take the
+/// statement now, not that the statement is bad: BUSY and LOCKED (after the
+/// busy timeout), NOMEM, READONLY (the file or its folder no longer
+/// writable), IOERR, FULL (the disk), CANTOPEN (a WAL or lock file),
+/// PROTOCOL (a WAL lock race). An operator's fix, or time, makes them go.
+fn sqlite_unavailable(primary: i32) -> bool {
+    matches!(primary, 5 | 6 | 7 | 8 | 10 | 13 | 14 | 15)
 }
 
 /// How long a group's statement (a claim, commit or read group) may take

@@ -817,6 +817,50 @@ mod tests {
         assert_eq!(s.user_id.as_str(), "bob", "held since the first read");
     }
 
+    /// A full disk (here, the event log held to its size) fails a commit
+    /// as unavailable, not as a bug: the caller is told to retry, its turn
+    /// ends UNAVAILABLE, and once there is room again commits go on. The
+    /// failed commit stored nothing.
+    #[tokio::test]
+    async fn a_full_disk_fails_commits_as_unavailable_until_there_is_room() {
+        use crate::agent::Event;
+        use crate::store::{SeqEvent, StoreError};
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("a.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let key = claimed_turn(&store, "r1").await;
+        let batch = |from: u64| -> Vec<SeqEvent> {
+            (from..from + 100)
+                .map(|seq| SeqEvent {
+                    seq,
+                    event: Event::partial("echo", "x".repeat(1000)),
+                })
+                .collect()
+        };
+        store.append_events(&key, batch(0)).await.unwrap();
+        let pages = count(&store.write, "PRAGMA ev.page_count").await;
+        sqlx::query(&format!("PRAGMA ev.max_page_count = {pages}"))
+            .execute(&store.write)
+            .await
+            .unwrap();
+        let full = store.append_events(&key, batch(100)).await;
+        assert!(matches!(full, Err(StoreError::Unavailable(_))), "{full:?}");
+        assert_eq!(
+            count(&store.read, "SELECT MAX(last_seq) FROM ev.event_log").await,
+            99,
+            "nothing of the failed commit stored"
+        );
+        sqlx::query("PRAGMA ev.max_page_count = 1073741823")
+            .execute(&store.write)
+            .await
+            .unwrap();
+        store.append_events(&key, batch(100)).await.unwrap();
+        assert_eq!(
+            count(&store.read, "SELECT MAX(last_seq) FROM ev.event_log").await,
+            199
+        );
+    }
+
     /// Commits of 50 KB of one turn's events each (a busy turn's share of
     /// a group commit) are stored in rows that pack the event log's pages:
     /// the file holds at most 1.2 bytes per byte of events (1.31 with a row
