@@ -19,6 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        .codec_path("crate::grpc::codec::SmallBufferCodec")
         .compile_fds(fds)?;
 
     // lf.a2a.v1 (the A2A 1.0 gRPC binding, whose code a2a-pb generates): only
