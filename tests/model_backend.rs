@@ -125,6 +125,17 @@ struct Fake {
     closed: mpsc::UnboundedReceiver<()>,
 }
 
+impl Fake {
+    /// Waits (5 s at most) for the model server to see a call's connection
+    /// close; `what` says which.
+    async fn call_closed(&mut self, what: &str) {
+        tokio::time::timeout(Duration::from_secs(5), self.closed.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not within 5 s"))
+            .unwrap();
+    }
+}
+
 async fn fake(replies: Vec<Reply>) -> Fake {
     let (tx, rx) = mpsc::unbounded_channel();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -474,10 +485,8 @@ async fn a_client_deadline_closes_the_connection_to_the_model_server() {
         .await;
     assert_eq!(status.unwrap_err().code(), Code::DeadlineExceeded);
     assert!(!events.is_empty(), "text was streaming before the deadline");
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("the model server saw the connection close")
-        .unwrap();
+    f.call_closed("the model server saw the connection close")
+        .await;
     d.stop().await;
 }
 
@@ -735,10 +744,8 @@ async fn two_runs_of_one_new_turn_sent_together_to_one_server_make_one_model_cal
     assert_eq!(f.seen.lock().unwrap().len(), 1, "one model call in all");
     assert!(f.closed.try_recv().is_err(), "the model call goes on");
     drop(runs);
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("the run was cancelled with its callers")
-        .unwrap();
+    f.call_closed("the run was cancelled with its callers")
+        .await;
     d.stop().await;
 }
 
@@ -768,10 +775,8 @@ async fn of_two_servers_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_
     );
     held_writes_end(lock).await;
     let mut runs = one_new_one_attached(calls).await;
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("the losing model call's connection closed")
-        .unwrap();
+    f.call_closed("the losing model call's connection closed")
+        .await;
     // The winner's model call goes on: both callers still get its ticks.
     for run in &mut runs {
         run.events.message().await.unwrap().expect("another tick");
@@ -779,10 +784,8 @@ async fn of_two_servers_runs_of_one_new_turn_the_one_that_loses_the_claim_drops_
     assert!(f.closed.try_recv().is_err(), "only the loser's call closed");
     assert_eq!(f.seen.lock().unwrap().len(), 2);
     drop(runs);
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("the run was cancelled with its callers")
-        .unwrap();
+    f.call_closed("the run was cancelled with its callers")
+        .await;
     d2.stop().await;
     d.stop().await;
 }
@@ -822,10 +825,7 @@ async fn a_repeat_of_a_turn_running_here_attaches_without_calling_the_model() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(f.seen.lock().unwrap().len(), 1, "one model call");
     drop((first, again));
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("the run was cancelled")
-        .unwrap();
+    f.call_closed("the run was cancelled").await;
     d.stop().await;
 }
 
@@ -875,10 +875,7 @@ async fn the_per_call_timeout_bounds_a_model_call() {
         .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
-    tokio::time::timeout(Duration::from_secs(5), f.closed.recv())
-        .await
-        .expect("connection closed")
-        .unwrap();
+    f.call_closed("connection closed").await;
     d.stop().await;
 }
 
