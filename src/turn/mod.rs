@@ -314,14 +314,12 @@ impl Turns {
         // claims its turn: it waits for its own claim, which finds the turn
         // (only a repeat sent to another replica at the same moment starts,
         // and is dropped when its claim finds the turn).
-        let claiming = match input.generated_request_id {
-            true => None,
-            false => Claiming::enter(self, &key),
-        };
-        let early = agent.starts_before_claim()
-            && !self.cfg.claim_first
-            && !read.turn_stored
-            && (input.generated_request_id || claiming.is_some());
+        let may_start_early =
+            agent.starts_before_claim() && !self.cfg.claim_first && !read.turn_stored;
+        let claiming = (may_start_early && !input.generated_request_id)
+            .then(|| Claiming::enter(self, &key))
+            .flatten();
+        let early = may_start_early && (input.generated_request_id || claiming.is_some());
         let (claimed, run) = if early {
             let span = span();
             let mut events = agent.run(ctx, input.text.as_str().to_owned()).peekable();
