@@ -30,10 +30,11 @@ use sqlx::sqlite::{
 /// an eighth of its 64 KiB page. A row of 32 to 64 KiB (a busy turn's share
 /// of one group commit) fits one to a page, and the rest of the page,
 /// empty, was written to the WAL and the file all the same: with commits of
-/// 50 KB per turn the log took 1.31 bytes of disk per byte of events (1.44
-/// in `bench/store.sh`), 1.13 (1.07) with rows of at most this size. Smaller rows
-/// pack a little better but cost more than they save (4,000 bytes: 1.07,
-/// and 4% fewer events/s; this size: 2% more than rows of up to 1 MB).
+/// 50 KB per turn the log took 1.31 bytes of disk per byte of events, 1.13
+/// with rows of at most this size (in `bench/store.sh`, 1.44 and 1.07).
+/// Smaller rows pack a little better but cost more than they save (rows of
+/// 4,000 bytes: 1.07 in the test, and 4% fewer events/s; this size: 2% more
+/// than rows of up to 1 MB).
 const EVENT_LOG_ROW_BYTES: usize = 8_000;
 
 /// How long a statement waits for the database lock before failing.
@@ -280,7 +281,7 @@ fn group_rows(group: &[super::sql::PendingBatch]) -> Vec<GroupRow<'_>> {
     group
         .iter()
         .flat_map(|p| {
-            p.rows(EVENT_LOG_ROW_BYTES)
+            p.rows(SqliteStore::SQL.row_bytes)
                 .map(move |(first, last, events)| (p, first, last, super::sql::blob(events)))
         })
         .collect()
