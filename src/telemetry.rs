@@ -114,10 +114,17 @@ where
     // span's busy and idle time; making its context current, which nothing
     // here reads: propagation asks the span itself) is switched off: a run
     // polls its futures once per event.
+    // Nor does a span carry the thread that opened it (a run's futures move
+    // between the runtime's threads, and the name was a string allocated
+    // for every span) or the source line of its macro: every span stays in
+    // memory as long as its run: 10,000 Runs waiting on their model held
+    // 7 MB of these.
     let otel = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("agentd"))
         .with_tracked_inactivity(false)
-        .with_context_activation(false);
+        .with_context_activation(false)
+        .with_threads(false)
+        .with_location(false);
     // Even with both switched off, the layer looks its span up and stamps
     // an end time on every exit; a span's end is its close (the layer ends
     // a span there when no exit stamped it).

@@ -151,6 +151,17 @@ async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
         attr(tool, "gen_ai.tool.name").as_deref(),
         Some("lookup_order")
     );
+    // No span carries the thread that opened it or its macro's source line:
+    // a span lives as long as its run, and they cost every waiting run.
+    for span in &spans {
+        let extra: Vec<_> = span
+            .attributes
+            .iter()
+            .map(|kv| kv.key.as_str())
+            .filter(|k| k.starts_with("thread.") || k.starts_with("code."))
+            .collect();
+        assert!(extra.is_empty(), "{}: {extra:?}", span.name);
+    }
 
     // The run's log line carries the trace id.
     let logs = telemetry().1.text();
