@@ -8,7 +8,8 @@
 #   BENCH_DURATION=2s bench/run.sh   # shorter windows (noisier)
 #   BENCH_ONLY=agentd,tonic bench/run.sh   # a subset of the servers
 #   BENCH_STORES=0 bench/run.sh  # without the durable-store rows (SQLite, and
-#                                # PostgreSQL at AGENTD_BENCH_POSTGRES_URL when it answers)
+#                                # PostgreSQL at AGENTD_BENCH_POSTGRES_URL when it answers,
+#                                # its processes moved to the client's core: bench/postgres_core.sh)
 #
 # Each workload starts a fresh server (so RSS readings are its own), pinned
 # to core 0 with the client on core 1 when the machine has two or more
@@ -102,6 +103,14 @@ if [[ ,$only, == *,agentd,* && ${BENCH_STORES:-1} != 0 ]]; then
   store_servers+=("agentd+sqlite")
   if command -v pg_isready >/dev/null && pg_isready -q -d "$postgres_url" 2>/dev/null; then
     store_servers+=("agentd+postgres")
+    # Off the server's core, with the client (see bench/postgres_core.sh).
+    if ((${#server_pin[@]} > 0)); then
+      # shellcheck source=bench/postgres_core.sh
+      source bench/postgres_core.sh
+      postgres_to_core 1
+      pinning="$pinning; $postgres_placement"
+      echo "$pinning" > "$out/pinning.txt"
+    fi
   else
     log "no PostgreSQL at $postgres_url: skipping the PostgreSQL rows"
   fi

@@ -6,10 +6,13 @@
 # round (every other round in the reverse order), so each ratio is against
 # a baseline run seconds before or after it. The table gives each store's
 # median events/s over the rounds and the median (and range) of each
-# round's ratio to the in-memory store.
+# round's ratio to the in-memory store. PostgreSQL's own processes are
+# moved to the client's core for the run, as if on a machine of their own
+# (bench/postgres_core.sh; BENCH_POSTGRES_CORE=shared leaves them be).
 #
 #   bench/store.sh                       # AGENTD_BENCH_POSTGRES_URL, default postgres://postgres@127.0.0.1:5432/test
 #   BENCH_DURATION=2s BENCH_ROUNDS=1 bench/store.sh
+#   BENCH_POSTGRES_CORE=shared bench/store.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 duration=${BENCH_DURATION:-4s}
@@ -23,13 +26,25 @@ postgres_url=${AGENTD_BENCH_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/tes
 cargo build --release --locked --bin agentd
 bin=${CARGO_TARGET_DIR:-target}/release/agentd
 pin_s=() pin_c=()
-if [[ $(nproc) -ge 2 ]] && command -v taskset >/dev/null; then pin_s=(taskset -c 0); pin_c=(taskset -c 1); fi
+pinning="not pinned (fewer than 2 cores or no taskset)"
+if [[ $(nproc) -ge 2 ]] && command -v taskset >/dev/null; then
+  pin_s=(taskset -c 0) pin_c=(taskset -c 1) pinning="agentd on core 0, the client on core 1"
+fi
 db=$out/store-bench.db
 # The servers' own logs (why one did not start, say) go beside the client's.
 export AGENTD_BENCH_SERVER_LOG=$out/store-servers.log
 rm -f "$AGENTD_BENCH_SERVER_LOG"
 stores=(memory: "sqlite://$db")
-if command -v pg_isready >/dev/null && pg_isready -q -d "$postgres_url"; then stores+=("$postgres_url"); fi
+# shellcheck source=bench/postgres_core.sh
+source bench/postgres_core.sh
+if command -v pg_isready >/dev/null && pg_isready -q -d "$postgres_url"; then
+  stores+=("$postgres_url")
+  # Off the server's core, with the client (see bench/postgres_core.sh).
+  if ((${#pin_s[@]} > 0)); then
+    postgres_to_core 1
+    pinning="$pinning; $postgres_placement"
+  fi
+fi
 for w in bursty one-at-a-time; do
   for n in 1 64; do
     conns=$((n >= 8 ? 8 : n))
@@ -55,9 +70,9 @@ for w in bursty one-at-a-time; do
   done
 done
 rm -f "$db" "$db"-*
-python3 - "$out" "$rounds" <<'PY'
+python3 - "$out" "$rounds" "$pinning" <<'PY'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, pinning = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 # (server, workload, streams) -> {round: events/s}
 runs = {}
 for rnd in range(1, rounds + 1):
@@ -69,6 +84,7 @@ for rnd in range(1, rounds + 1):
         r = json.loads(l)
         runs.setdefault((r["server"], r["workload"], r["streams"]), {})[rnd] = r["events_per_second"]
 print(f"{rounds} round(s); events/s are medians over the rounds, ratios the median of each round's ratio")
+print(pinning)
 print("| workload | streams | memory events/s | SQLite events/s | PostgreSQL events/s | SQLite / memory | PostgreSQL / memory |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 goals = []
