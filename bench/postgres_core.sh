@@ -21,9 +21,14 @@ postgres_placement="PostgreSQL's processes not moved (BENCH_POSTGRES_CORE=shared
 
 postgres_to_core() {
   local core=$1 pid mask
-  if [[ ${BENCH_POSTGRES_CORE:-client} == shared ]]; then
-    return
-  fi
+  case ${BENCH_POSTGRES_CORE:-client} in
+    shared) return ;;
+    client) ;;
+    *)
+      echo "BENCH_POSTGRES_CORE must be client (the default) or shared, not ${BENCH_POSTGRES_CORE}" >&2
+      exit 2
+      ;;
+  esac
   postgres_placement="PostgreSQL's processes share the server's core (they could not be moved)"
   command -v taskset >/dev/null && command -v pgrep >/dev/null || return 0
   local pids
