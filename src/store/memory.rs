@@ -159,6 +159,11 @@ impl Store for MemoryStore {
         Ok(self.lock().turns.get(key).and_then(|t| t.record.clone()))
     }
 
+    /// Nothing outlives the process: no older release reads these events.
+    fn kind_encoding(&self) -> KindEncoding {
+        KindEncoding::Code
+    }
+
     async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
         let mut inner = self.lock();
         let turn = inner

@@ -17,8 +17,8 @@ use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
 use super::{
-    Claim, EncodedEvent, NewTurn, PageCursor, RunRead, SeqEvent, Session, SessionPage, Store,
-    StoreError, StoreResult, TurnOutcome, TurnRecord,
+    Claim, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
+    SessionPage, Store, StoreError, StoreResult, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -133,6 +133,10 @@ impl Store for Metered {
 
     async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>> {
         self.timed(Op::GetTurn, self.inner.get_turn(key)).await
+    }
+
+    fn kind_encoding(&self) -> KindEncoding {
+        self.inner.kind_encoding()
     }
 
     async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {

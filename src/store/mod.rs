@@ -21,6 +21,8 @@ use thiserror::Error;
 use crate::agent::{Event, PriorTurn};
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
 
+pub use codec::KindEncoding;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
     pub id: SessionId,
@@ -104,9 +106,10 @@ const FIRST_EVENTS: u64 = 8;
 
 impl EncodedEvent {
     /// Encodes `event` as event `seq` into `buf`'s free space (growing it
-    /// by a block when short) and splits the bytes off.
-    pub fn encode(seq: u64, event: &Event, buf: &mut bytes::BytesMut) -> Self {
-        let len = codec::event_len(seq, event);
+    /// by a block when short) and splits the bytes off, its kind as the
+    /// store asks ([`Store::kind_encoding`]).
+    pub fn encode(seq: u64, event: &Event, kinds: KindEncoding, buf: &mut bytes::BytesMut) -> Self {
+        let len = codec::event_len(seq, event, kinds);
         let n = codec::entry_len(len);
         if buf.capacity() - buf.len() < n {
             let block = if seq < FIRST_EVENTS {
@@ -116,18 +119,20 @@ impl EncodedEvent {
             };
             buf.reserve(n.max(block));
         }
-        codec::put_entry(buf, len, seq, event);
+        codec::put_entry(buf, len, seq, event, kinds);
         Self {
             seq,
             bytes: buf.split().freeze(),
         }
     }
 
-    /// The stored form of `e`, in an allocation of its own.
+    /// The stored form of `e`, its kind by name (what every store reads),
+    /// in an allocation of its own.
     pub fn of(e: &SeqEvent) -> Self {
-        let exact = codec::entry_len(codec::event_len(e.seq, &e.event));
+        let kinds = KindEncoding::Name;
+        let exact = codec::entry_len(codec::event_len(e.seq, &e.event, kinds));
         let mut buf = bytes::BytesMut::with_capacity(exact);
-        Self::encode(e.seq, &e.event, &mut buf)
+        Self::encode(e.seq, &e.event, kinds, &mut buf)
     }
 
     /// The encoded bytes: one entry of a stored batch.
@@ -321,6 +326,11 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// Atomically claims `turn.key`: [`Claim::New`] for exactly one caller.
     async fn claim_turn(&self, turn: &NewTurn) -> StoreResult<Claim>;
     async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>>;
+    /// How the events handed to [`Store::append_encoded`] write their kind:
+    /// by name unless every reader of this store's rows reads numbers.
+    fn kind_encoding(&self) -> KindEncoding {
+        KindEncoding::Name
+    }
     /// Appends events in seq order (a batch; the turn's writer calls it per
     /// group, with the events its pump encoded).
     async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()>;

@@ -77,6 +77,9 @@ impl PostgresStore {
              RETURNING updated_at",
         insert_moved_batch: "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) VALUES ($1, $2, $3, $4, $5) \
              ON CONFLICT DO NOTHING",
+        // Replicas of the release before kinds by number read these rows
+        // during a rolling upgrade: names, until no release in use needs them.
+        kinds: super::KindEncoding::Name,
     };
 }
 

@@ -354,6 +354,8 @@ pub(super) struct Dialect {
     /// Stores one batch of a turn moved from the per-event table: ($1
     /// session, $2 request, $3 first seq, $4 last seq, $5 blob).
     pub insert_moved_batch: &'static str,
+    /// How the event log's rows write an event's kind.
+    pub kinds: super::KindEncoding,
 }
 
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
@@ -713,6 +715,10 @@ macro_rules! sql_store {
                     .await
                     .map_err(db_err)?;
                 row.as_ref().map(turn_from_row).transpose()
+            }
+
+            fn kind_encoding(&self) -> KindEncoding {
+                Self::SQL.kinds
             }
 
             async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
@@ -1076,7 +1082,7 @@ pub(super) use sql_store;
 mod tests {
     use super::*;
     use crate::agent::{Event, EventKind};
-    use crate::store::{EncodedEvent, SeqEvent};
+    use crate::store::{EncodedEvent, KindEncoding, SeqEvent};
 
     fn event(seq: u64, text_len: usize) -> EncodedEvent {
         EncodedEvent::of(&SeqEvent {
@@ -1177,14 +1183,17 @@ mod tests {
         let mut buf = bytes::BytesMut::new();
         let encoded: Vec<_> = events
             .iter()
-            .map(|e| EncodedEvent::encode(e.seq, &e.event, &mut buf))
+            .map(|e| EncodedEvent::encode(e.seq, &e.event, KindEncoding::Code, &mut buf))
             .collect();
         assert_eq!(encoded[2].decode().as_ref(), Some(&events[2]));
         let rows: Vec<_> = batch_rows(&encoded, BATCH_ROW_BYTES).collect();
         assert_eq!(rows.len(), 1);
         assert_eq!((rows[0].0, rows[0].1), (3, 7));
         let blob = blob(rows[0].2);
-        assert_eq!(blob, crate::store::codec::encode(&events));
+        assert_eq!(
+            blob,
+            crate::store::codec::encode(&events, KindEncoding::Code)
+        );
         assert_eq!(crate::store::codec::decode(&blob), Some(events));
     }
 }

@@ -549,6 +549,9 @@ impl SqliteStore {
         insert_moved_batch: "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
              SELECT turn_no, $3, $4, $5 FROM turns WHERE session_id = $1 AND request_id = $2 \
              ON CONFLICT DO NOTHING",
+        // Only this process reads the file; a release before kinds by number
+        // started on it cannot replay the turns stored since (see README).
+        kinds: super::KindEncoding::Code,
     };
 }
 
@@ -1001,7 +1004,10 @@ mod tests {
             .bind(sid)
             .bind(first)
             .bind(first + 1)
-            .bind(crate::store::codec::encode(rows))
+            .bind(crate::store::codec::encode(
+                rows,
+                crate::store::KindEncoding::Name,
+            ))
             .execute(old)
             .await
             .unwrap();

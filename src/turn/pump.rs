@@ -86,6 +86,7 @@ pub(super) fn spawn(
         stored: progress_rx,
         writer: writer_tx,
         encoded: bytes::BytesMut::new(),
+        kinds: turns.store.kind_encoding(),
         answer: None,
         end: end.clone(),
         deadline,
@@ -114,6 +115,8 @@ struct Pump {
     writer: mpsc::Sender<ToWriter>,
     /// Where events are encoded for the store, a block at a time.
     encoded: bytes::BytesMut,
+    /// How the store writes an event's kind.
+    kinds: crate::store::KindEncoding,
     /// The text of the final answer, once there is one.
     answer: Option<String>,
     end: Arc<End>,
@@ -202,7 +205,7 @@ impl Pump {
             }
             // Encoded for the store here, while the event is in cache; the
             // client's message then takes the event's strings over.
-            let stored = EncodedEvent::encode(seq, &event, &mut self.encoded);
+            let stored = EncodedEvent::encode(seq, &event, self.kinds, &mut self.encoded);
             let wire = Box::new(convert::into_wire(seq, event));
             seq += 1;
             if self.stored.borrow().store_failed {
