@@ -7,11 +7,12 @@
 //! stored form does not change when the API does.
 //!
 //! An event's kind is stored by name (`kind`) or by number (`kind_code`,
-//! [`KindEncoding`]); every reader takes either. Numbers are 12 bytes less
-//! per event, and on SQLite every stored byte is written about two and a
-//! half times (WAL, then checkpoint): a bursty run of 64 streams moved
-//! 10-15% more events/s with them. Releases before numbers read only names,
-//! so PostgreSQL, whose rows replicas of the previous release read during a
+//! [`KindEncoding`]); every reader takes either. A number is 12 bytes less
+//! per event (a tenth of a streamed token's row), and on SQLite every stored
+//! byte is written about two and a half times (WAL, then checkpoint): the
+//! bursty benchmark wrote 11-16% fewer bytes per event, at the same events/s
+//! within its spread. Releases before numbers read only names, so
+//! PostgreSQL, whose rows replicas of the previous release read during a
 //! rolling upgrade, still writes names.
 
 use prost::Message as _;
