@@ -149,6 +149,14 @@ impl UserText {
                 max: max_bytes,
             });
         }
+        // PostgreSQL's text cannot hold U+0000: refused here for every
+        // store alike, rather than failing as the store's error there.
+        if value.contains('\0') {
+            return Err(InvalidInput::Malformed {
+                field: "text",
+                rule: "free of NUL characters (U+0000)",
+            });
+        }
         Ok(Self(value))
     }
     pub fn as_str(&self) -> &str {
@@ -231,6 +239,10 @@ mod tests {
             UserText::parse("hello".into(), 10).unwrap().as_str(),
             "hello"
         );
+        assert!(matches!(
+            UserText::parse("a\0b".into(), 10),
+            Err(InvalidInput::Malformed { field: "text", .. })
+        ));
     }
 
     #[test]

@@ -200,6 +200,57 @@ async fn attach_on_another_replica_after_a_dropped_stream_resumes_without_losing
     b.stop().await;
 }
 
+/// A follower cut by its own server's shutdown says so, without the trailer
+/// of a recorded outcome: the turn goes on on A, and the same Attach sent
+/// again (as a client retries UNAVAILABLE) gets all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_cut_by_its_replicas_shutdown_is_retryable_and_the_turn_goes_on() {
+    let Some((_db, a, b)) = two_replicas(Opts::default()).await else {
+        return;
+    };
+    let sid = a.session(ALICE).await;
+    let req = stream_request(&sid, "r1", "n=40 size=8 rate=40", pb::OnDisconnect::Cancel);
+    let mut on_a = a
+        .client
+        .clone()
+        .run(req, Duration::from_secs(30))
+        .await
+        .unwrap();
+    on_a.events.message().await.unwrap().unwrap();
+    let attach = pb::AttachRequest {
+        user_id: ALICE.into(),
+        session_id: sid.clone(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    let mut on_b = b
+        .raw()
+        .attach(attach.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    on_b.message().await.unwrap().unwrap();
+    b.turns.cut_all();
+    let (_, cut) = collect(&mut on_b).await;
+    let cut = cut.unwrap_err();
+    assert_eq!(cut.code(), Code::Unavailable, "{cut:?}");
+    assert!(cut.message().contains("attach to it again"), "{cut:?}");
+    assert!(
+        cut.metadata().get("agentd-turn-outcome").is_none(),
+        "nothing was recorded: {cut:?}"
+    );
+    assert!(agentd::client::retry::run_is_retryable(&cut));
+
+    let (_, ok) = collect(&mut on_a.events).await;
+    ok.unwrap();
+    let again = a.raw().attach(attach).await.unwrap().into_inner();
+    let (events, ok) = collect(&mut { again }).await;
+    ok.unwrap();
+    assert_eq!(seqs(&events), (0..=40).collect::<Vec<u64>>());
+    a.stop().await;
+    b.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_turn_leaves_the_turn_failed_unavailable_and_it_is_never_rerun() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

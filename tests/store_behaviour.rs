@@ -212,6 +212,22 @@ async fn attach_after_a_seq_streams_the_rest_then_the_final_status(db: TestDb) {
     let (none, ok) = s.attach(ALICE, &sid, "r1", Some(2)).await.unwrap();
     ok.unwrap();
     assert!(none.is_empty());
+    // A seq past what the store's integers hold is refused, not read as
+    // "from the start".
+    let huge = s.attach(ALICE, &sid, "r1", Some(u64::MAX)).await;
+    assert_eq!(code(&huge), Code::InvalidArgument);
+    assert!(
+        huge.unwrap_err()
+            .message()
+            .contains("after_seq must be at most"),
+        "says which field"
+    );
+    let (last, ok) = s
+        .attach(ALICE, &sid, "r1", Some(i64::MAX as u64))
+        .await
+        .unwrap();
+    ok.unwrap();
+    assert!(last.is_empty(), "nothing stored after the largest seq");
     assert_eq!(
         code(&s.attach(ALICE, &sid, "nope", None).await),
         Code::NotFound
@@ -468,6 +484,53 @@ async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(
     s.stop().await;
 }
 
+/// Text with U+0000 in it: refused as a question (PostgreSQL's text cannot
+/// hold it, so no store is asked to); in an agent's answer, streamed and
+/// replayed as sent and kept in the history with U+FFFD in its place.
+async fn a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(store.clone(), Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let status = s
+        .client
+        .clone()
+        .run_to_end(
+            run_request(ALICE, &sid, "q", "where\0is it?"),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("NUL"), "{}", status.message());
+    assert!(
+        s.get_session(ALICE, &sid).await.unwrap().turns.is_empty(),
+        "nothing stored"
+    );
+
+    let req = agentd::pb::RunRequest {
+        agent: "nul_answer".into(),
+        ..run_request(ALICE, &sid, "r1", "answer with a NUL")
+    };
+    let (live, ok) = s
+        .client
+        .clone()
+        .run_to_end(req, Duration::from_secs(30))
+        .await
+        .unwrap();
+    ok.unwrap();
+    assert_eq!(live.last().unwrap().text, NUL_ANSWER, "streamed as sent");
+    let (replayed, ok) = s.attach(ALICE, &sid, "r1", None).await.unwrap();
+    ok.unwrap();
+    assert_eq!(replayed, live, "replayed as sent");
+    let history = store
+        .history(SessionId::parse(&sid).unwrap(), 5)
+        .await
+        .unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].answer, "before\u{FFFD}after");
+    s.stop().await;
+}
+
 /// The store contract below the service: a claim is exclusive, appends keep
 /// seq order, and a lease is only renewed by its owner.
 async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb) {
@@ -699,6 +762,116 @@ async fn appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone(
         let want: Vec<SeqEvent> = (0..3).flat_map(|round| events(k, round * 10)).collect();
         assert_eq!(store.events_after(k, None, 100).await.unwrap(), want, "{k}");
     }
+}
+
+/// The store never deletes a session under a running turn: checked in the
+/// delete's own transaction, so on PostgreSQL a claim in flight when the
+/// delete starts (inserted by another replica, not yet committed) is waited
+/// for and seen.
+async fn a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_the_delete(
+    db: TestDb,
+) {
+    use agentd::store::Deletion;
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let k = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    store.claim_turn(&new_turn(&k, "replica-a")).await.unwrap();
+    assert_eq!(
+        store.delete_session(session.id).await.unwrap(),
+        Deletion::Busy
+    );
+    assert!(store.get_session(session.id).await.unwrap().is_some());
+    assert!(
+        store.get_turn(&k).await.unwrap().is_some(),
+        "its turn stays"
+    );
+    end_turn(&*store, &k, Some("done")).await;
+    assert_eq!(
+        store.delete_session(session.id).await.unwrap(),
+        Deletion::Deleted
+    );
+    assert_eq!(
+        store.delete_session(session.id).await.unwrap(),
+        Deletion::NotFound
+    );
+
+    if db.backend != Backend::Postgres {
+        return;
+    }
+    use sqlx::Connection as _;
+    let other = store.create_session(&alice).await.unwrap();
+    let mut claimer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut claim = claimer.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
+         VALUES ($1, 'r2', 'q', 'order_helper', 'running', 'replica-b', 0, 0, 0)",
+    )
+    .bind(other.id.to_string())
+    .execute(&mut *claim)
+    .await
+    .unwrap();
+    let delete = tokio::spawn({
+        let store = store.clone();
+        async move { store.delete_session(other.id).await }
+    });
+    let watcher = sqlx::PgPool::connect(&db.url).await.unwrap();
+    eventually("the delete waits for the claim's lock", || {
+        let watcher = watcher.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+    claim.commit().await.unwrap();
+    assert_eq!(delete.await.unwrap().unwrap(), Deletion::Busy);
+    assert!(store.get_session(other.id).await.unwrap().is_some());
+
+    // The other order: a Run reads its session, then its claim waits for a
+    // delete that commits first. It is told the session is gone.
+    let s = Server::start(store.clone(), Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let mut deleter = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut deleting = deleter.begin().await.unwrap();
+    sqlx::query("DELETE FROM sessions WHERE id = $1")
+        .bind(&sid)
+        .execute(&mut *deleting)
+        .await
+        .unwrap();
+    let run = tokio::spawn({
+        let mut c = s.client.clone();
+        let req = run_request(ALICE, &sid, "r3", ORDER_Q);
+        async move { c.run_to_end(req, Duration::from_secs(30)).await }
+    });
+    eventually("the claim waits for the delete's lock", || {
+        let watcher = watcher.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+    deleting.commit().await.unwrap();
+    let status = match run.await.unwrap() {
+        Err(status) | Ok((_, Err(status))) => status,
+        Ok(ok) => panic!("ran in a deleted session: {ok:?}"),
+    };
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    s.stop().await;
 }
 
 fn new_turn(key: &TurnKey, owner: &str) -> NewTurn {
@@ -1157,7 +1330,10 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
     same(b, &["r1", "r2", "r3"]).await;
     same(c, &["r1"]).await;
 
-    assert!(store.delete_session(a).await.unwrap());
+    assert_eq!(
+        store.delete_session(a).await.unwrap(),
+        agentd::store::Deletion::Deleted
+    );
     assert!(store.session_with_history(a, 5).await.unwrap().is_none());
     same(b, &["r1", "r2", "r3"]).await;
 }
@@ -1542,6 +1718,8 @@ macro_rules! per_backend {
 
 per_backend!(
     pruning_deletes_a_bounded_batch_of_the_oldest_ended_turns_with_their_events,
+    a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_the_delete,
+    a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,
     the_history_a_run_reads_follows_every_change_to_its_session,

@@ -447,6 +447,9 @@ pub(crate) fn updates(
                 Some(Err(f)) => {
                     let state = match &f {
                         Failure::ClientGone => TaskState::Canceled,
+                        Failure::StoppedFollowing(f) if matches!(**f, Failure::ClientGone) => {
+                            TaskState::Canceled
+                        }
                         Failure::Stored(o) if o.state == TurnState::Cancelled => TaskState::Canceled,
                         _ => TaskState::Failed,
                     };

@@ -242,6 +242,13 @@ impl pb::agent_service_server::AgentService for AgentsService {
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
         let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
+        // Stores number events with signed 64-bit integers.
+        if req.after_seq.is_some_and(|a| a > i64::MAX as u64) {
+            return Err(Status::invalid_argument(format!(
+                "after_seq must be at most {}",
+                i64::MAX
+            )));
+        }
         let key = TurnKey {
             session_id,
             request_id,

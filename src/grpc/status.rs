@@ -93,65 +93,81 @@ pub fn bad_page_token() -> Status {
 
 /// How a turn that ended with `result` is recorded (and so replayed).
 pub fn outcome(result: &Result<(), Failure>) -> TurnOutcome {
-    let (state, code, message): (TurnState, Code, String) = match result {
-        Ok(()) => (TurnState::Completed, Code::Ok, String::new()),
-        Err(f) => match f {
-            Failure::Deadline { by_server: false } => (
-                TurnState::DeadlineExceeded,
-                Code::DeadlineExceeded,
-                "the call's deadline passed before the run finished".into(),
-            ),
-            Failure::Deadline { by_server: true } => (
-                TurnState::DeadlineExceeded,
-                Code::DeadlineExceeded,
-                "the run exceeded the server's maximum run duration".into(),
-            ),
-            Failure::SlowConsumer => (
-                TurnState::Failed,
-                Code::ResourceExhausted,
-                "the client stopped reading events; the run was cancelled".into(),
-            ),
+    match result {
+        Ok(()) => TurnOutcome {
+            state: TurnState::Completed,
+            code: Code::Ok as i32,
+            message: String::new(),
+        },
+        Err(f) => failure_outcome(f),
+    }
+}
+
+fn failure_outcome(f: &Failure) -> TurnOutcome {
+    let (state, code, message): (TurnState, Code, String) = match f {
+        Failure::Deadline { by_server: false } => (
+            TurnState::DeadlineExceeded,
+            Code::DeadlineExceeded,
+            "the call's deadline passed before the run finished".into(),
+        ),
+        Failure::Deadline { by_server: true } => (
+            TurnState::DeadlineExceeded,
+            Code::DeadlineExceeded,
+            "the run exceeded the server's maximum run duration".into(),
+        ),
+        Failure::SlowConsumer => (
+            TurnState::Failed,
+            Code::ResourceExhausted,
+            "the client stopped reading events; the run was cancelled".into(),
+        ),
+        Failure::Shutdown => (
+            TurnState::Failed,
+            Code::Unavailable,
+            "the server shut down before the run finished".into(),
+        ),
+        Failure::StoppedFollowing(f) => match **f {
             Failure::Shutdown => (
                 TurnState::Failed,
                 Code::Unavailable,
-                "the server shut down before the run finished".into(),
+                "the server shut down while following the turn; attach to it again".into(),
             ),
-            Failure::ClientGone => (
-                TurnState::Cancelled,
-                Code::Cancelled,
-                "the client cancelled the call".into(),
-            ),
-            Failure::Agent(AgentError::Unavailable { message, .. }) => {
-                (TurnState::Failed, Code::Unavailable, message.clone())
-            }
-            Failure::Agent(AgentError::FailedPrecondition(m)) => {
-                (TurnState::Failed, Code::FailedPrecondition, m.clone())
-            }
-            Failure::Agent(AgentError::InvalidInput(m)) => {
-                (TurnState::Failed, Code::InvalidArgument, m.clone())
-            }
-            Failure::Agent(AgentError::Unexpected(_)) => (
-                TurnState::Failed,
-                Code::Internal,
-                "the agent failed; the server log has the cause".into(),
-            ),
-            Failure::NoFinalAnswer => (
-                TurnState::Failed,
-                Code::Internal,
-                "the agent ended without a final answer".into(),
-            ),
-            Failure::Store(StoreError::Unavailable(_)) => (
-                TurnState::Failed,
-                Code::Unavailable,
-                "the session store is unavailable; retry later".into(),
-            ),
-            Failure::Store(StoreError::Unexpected(_)) => (
-                TurnState::Failed,
-                Code::Internal,
-                "internal error in the session store".into(),
-            ),
-            Failure::Stored(o) => return o.clone(),
+            ref f => return failure_outcome(f),
         },
+        Failure::ClientGone => (
+            TurnState::Cancelled,
+            Code::Cancelled,
+            "the client cancelled the call".into(),
+        ),
+        Failure::Agent(AgentError::Unavailable { message, .. }) => {
+            (TurnState::Failed, Code::Unavailable, message.clone())
+        }
+        Failure::Agent(AgentError::FailedPrecondition(m)) => {
+            (TurnState::Failed, Code::FailedPrecondition, m.clone())
+        }
+        Failure::Agent(AgentError::InvalidInput(m)) => {
+            (TurnState::Failed, Code::InvalidArgument, m.clone())
+        }
+        Failure::Agent(AgentError::Unexpected(_)) => (
+            TurnState::Failed,
+            Code::Internal,
+            "the agent failed; the server log has the cause".into(),
+        ),
+        Failure::NoFinalAnswer => (
+            TurnState::Failed,
+            Code::Internal,
+            "the agent ended without a final answer".into(),
+        ),
+        Failure::Store(StoreError::Unavailable(_)) => (
+            TurnState::Failed,
+            Code::Unavailable,
+            "the session store is unavailable; retry later".into(),
+        ),
+        Failure::Store(StoreError::Unexpected(_)) => (
+            TurnState::Failed,
+            Code::Internal,
+            "internal error in the session store".into(),
+        ),
+        Failure::Stored(o) => return o.clone(),
     };
     TurnOutcome {
         state,
@@ -172,7 +188,7 @@ pub fn failure(f: Failure) -> Status {
     };
     // The turn's own outcome: stored, so a resend with the same request_id
     // replays it. A store failure while following is not, and may pass.
-    let recorded = !matches!(f, Failure::Store(_));
+    let recorded = !matches!(f, Failure::Store(_) | Failure::StoppedFollowing(_));
     let o = outcome(&Err(f));
     let mut status = Status::new(Code::from(o.code), o.message);
     if recorded {

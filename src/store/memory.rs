@@ -206,7 +206,9 @@ impl Store for MemoryStore {
         let Some(turn) = inner.turns.get(key) else {
             return Ok(Vec::new());
         };
-        let start = after.map_or(0, |a| a as usize + 1);
+        let start = after.map_or(0, |a| {
+            usize::try_from(a).map_or(usize::MAX, |a| a.saturating_add(1))
+        });
         turn.events
             .iter()
             .skip(start)
@@ -268,12 +270,23 @@ impl Store for MemoryStore {
         Ok(SessionPage { sessions, next })
     }
 
-    async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+    async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion> {
         let mut inner = self.lock();
+        if !inner.sessions.contains_key(&id) {
+            return Ok(Deletion::NotFound);
+        }
+        if inner.session_turns(id).any(|t| {
+            t.record
+                .as_ref()
+                .is_some_and(|r| r.state == TurnState::Running)
+        }) {
+            return Ok(Deletion::Busy);
+        }
         for k in inner.by_session.remove(&id).unwrap_or_default() {
             inner.turns.remove(&k);
         }
-        Ok(inner.sessions.remove(&id).is_some())
+        inner.sessions.remove(&id);
+        Ok(Deletion::Deleted)
     }
 
     async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {

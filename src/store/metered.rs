@@ -17,7 +17,7 @@ use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
 use super::{
-    Claim, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
+    Claim, Deletion, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
     SessionPage, Store, StoreError, StoreResult, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
@@ -226,7 +226,7 @@ impl Store for Metered {
         .await
     }
 
-    async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+    async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion> {
         self.timed(Op::DeleteSession, self.inner.delete_session(id))
             .await
     }

@@ -195,6 +195,16 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// What [`Store::delete_session`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deletion {
+    Deleted,
+    /// There was no such session.
+    NotFound,
+    /// A turn of the session is running: nothing was deleted.
+    Busy,
+}
+
 /// What a new Run reads before its claim ([`Store::session_for_run`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunRead {
@@ -424,8 +434,11 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         limit: usize,
         after: Option<&PageCursor>,
     ) -> StoreResult<SessionPage>;
-    /// Removes a session with its turns and events; false if there was none.
-    async fn delete_session(&self, id: SessionId) -> StoreResult<bool>;
+    /// Removes a session with its turns and events, unless one of its turns
+    /// is running: checked in the delete's own transaction, so that a turn
+    /// claimed while the delete runs is either seen (`Busy`) or refused by
+    /// the session's absence, never deleted under its run.
+    async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion>;
     /// Every turn of a session, oldest first.
     async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>>;
     /// Extends the lease of a turn `owner` runs; false when the turn is no

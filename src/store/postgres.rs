@@ -68,6 +68,7 @@ impl PostgresStore {
         events_after: "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
              ORDER BY first_seq LIMIT $4",
         delete_session_events: None,
+        lock_session: Some("SELECT 1 FROM sessions WHERE id = $1 FOR UPDATE"),
         prune_events: None,
         // Values over 2 kB go to TOAST, in chunks, whatever the row's size.
         row_bytes: super::sql::BATCH_ROW_BYTES,

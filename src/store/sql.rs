@@ -341,6 +341,10 @@ pub(super) struct Dialect {
     /// Deletes a session's event batches ($1 session), where no foreign key
     /// does it with the session.
     pub delete_session_events: Option<&'static str>,
+    /// Locks a session's row ($1 session) for the rest of its transaction,
+    /// where writers other than the store's one connection could claim a
+    /// turn in it meanwhile.
+    pub lock_session: Option<&'static str>,
     /// Deletes the event batches of the turns [`Dialect::prune_turns`]
     /// deletes ($1 before, $2 limit), where no foreign key does it with the
     /// turns; run first, in the same transaction.
@@ -747,7 +751,7 @@ macro_rules! sql_store {
                 // the cursor, a few at a time, until `limit` events are in.
                 const BATCHES: i64 = 4;
                 let mut out = Vec::new();
-                let mut cursor = after.map_or(-1, |a| a as i64);
+                let mut cursor = after.map_or(-1, |a| i64::try_from(a).unwrap_or(i64::MAX));
                 while out.len() < limit {
                     let rows = sqlx::query(Self::SQL.events_after)
                     .bind(key.session_id.to_string())
@@ -832,13 +836,33 @@ macro_rules! sql_store {
                 Ok(SessionPage { sessions, next })
             }
 
-            async fn delete_session(&self, id: SessionId) -> StoreResult<bool> {
+            async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion> {
                 // Forgotten before (no Run finds it held meanwhile) and
                 // after (a read that saw it before the delete is not taken).
                 if let Some(cache) = &self.sessions {
                     cache.forget(&id.to_string());
                 }
                 let mut tx = self.write.begin().await.map_err(db_err)?;
+                // The session's row locked where other writers could claim
+                // a turn meanwhile (PostgreSQL: a claim's foreign key check
+                // shares the lock): a claim in flight commits first and is
+                // seen below; one after waits, then finds no session.
+                if let Some(sql) = Self::SQL.lock_session {
+                    sqlx::query(sql)
+                        .bind(id.to_string())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_err)?;
+                }
+                let running = sqlx::query("SELECT 1 FROM turns WHERE session_id = $1 AND state = 'running' LIMIT 1")
+                    .bind(id.to_string())
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db_err)?;
+                if running.is_some() {
+                    tx.rollback().await.map_err(db_err)?;
+                    return Ok(Deletion::Busy);
+                }
                 if let Some(sql) = Self::SQL.delete_session_events {
                     sqlx::query(sql)
                         .bind(id.to_string())
@@ -856,7 +880,7 @@ macro_rules! sql_store {
                     cache.forget(&id.to_string());
                 }
                 committed?;
-                Ok(done.rows_affected() > 0)
+                Ok(if done.rows_affected() > 0 { Deletion::Deleted } else { Deletion::NotFound })
             }
 
             async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {

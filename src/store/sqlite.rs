@@ -533,6 +533,9 @@ impl SqliteStore {
         events_after: "SELECT events FROM event_log \
              WHERE turn_no = (SELECT turn_no FROM turns WHERE session_id = $1 AND request_id = $2) AND last_seq > $3 \
              ORDER BY first_seq LIMIT $4",
+        // Every write goes through the one writer connection, which this
+        // transaction holds.
+        lock_session: None,
         delete_session_events: Some(
             "DELETE FROM event_log WHERE turn_no IN (SELECT turn_no FROM turns WHERE session_id = $1)",
         ),
@@ -966,7 +969,10 @@ mod tests {
         }
         let batches = "SELECT COUNT(*) FROM ev.event_log";
         assert_eq!(count(&store.read, batches).await, 3);
-        assert!(store.delete_session(deleted.session_id).await.unwrap());
+        assert_eq!(
+            store.delete_session(deleted.session_id).await.unwrap(),
+            super::super::Deletion::Deleted
+        );
         assert_eq!(count(&store.read, batches).await, 2);
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
         assert_eq!(store.prune(later, 10).await.unwrap(), 1);

@@ -51,7 +51,7 @@ pub(super) fn spawn(
         let started = Instant::now();
         let key = follower.key.clone();
         let mut sent = 0u64;
-        let result = follower.run(&mut sent).await;
+        let result = follower.run(&mut sent).await.map_err(Failure::of_follower);
         crate::telemetry::metrics::run_finished(mode, &result, sent);
         let code = tonic::Code::from(status::outcome(&result).code);
         tracing::info!(method = "Run", mode = mode.as_str(), session = %key.session_id, request_id = %key.request_id,

@@ -33,7 +33,7 @@ pub use stream::RunStream;
 
 use crate::agent::{AgentError, AgentRegistry, EventStream, RunContext};
 use crate::domain::{RequestId, RunInput, SessionId, TurnKey, UserId};
-use crate::store::{Claim, NewTurn, Session, Store, StoreError, TurnOutcome, TurnRecord};
+use crate::store::{Claim, Deletion, NewTurn, Session, Store, StoreError, TurnOutcome, TurnRecord};
 
 /// What to do when a client does not read and the channel is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -140,13 +140,33 @@ pub enum Failure {
     /// The stored outcome of a turn that ran earlier (replay).
     #[error("stored outcome {0:?}")]
     Stored(TurnOutcome),
+    /// A follower (Attach, or a repeat that joined a running turn) stopped
+    /// for a reason of its own (this server's shutdown, its call's deadline,
+    /// its client): the turn goes on, or ends, where it runs, and nothing of
+    /// this is recorded.
+    #[error("stopped following the turn: {0}")]
+    StoppedFollowing(Box<Failure>),
 }
 
 impl Failure {
     /// Failures after which buffered events are not worth delivering: the
     /// caller is too slow or out of time, so the status goes out first.
     fn discards_buffer(&self) -> bool {
-        matches!(self, Failure::SlowConsumer | Failure::Deadline { .. })
+        match self {
+            Failure::StoppedFollowing(f) => f.discards_buffer(),
+            f => matches!(f, Failure::SlowConsumer | Failure::Deadline { .. }),
+        }
+    }
+
+    /// A follower's failure: its own reasons to stop are not the turn's.
+    pub(crate) fn of_follower(self) -> Failure {
+        match self {
+            f @ (Failure::Shutdown
+            | Failure::Deadline { .. }
+            | Failure::ClientGone
+            | Failure::SlowConsumer) => Failure::StoppedFollowing(Box::new(f)),
+            f => f,
+        }
     }
 }
 
@@ -340,7 +360,19 @@ impl Turns {
         } else {
             (self.store.claim_turn(&claim).await, Err(ctx))
         };
-        match claimed? {
+        let claimed = match claimed {
+            Ok(c) => c,
+            // The session deleted since it was read: the SQL stores' foreign
+            // key refuses the claim. Reported as the missing session it is.
+            Err(StoreError::Unexpected(e))
+                if matches!(self.store.get_session(key.session_id).await, Ok(None)) =>
+            {
+                tracing::debug!(turn = %key, error = %format!("{e:#}"), "claim refused: the session was deleted");
+                return Err(RunError::SessionNotFound);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match claimed {
             // A run started early is dropped here, its model call with it.
             Claim::Existing(existing) => {
                 drop(permit);
@@ -423,17 +455,11 @@ impl Turns {
     pub async fn delete_session(&self, id: SessionId, user_id: &UserId) -> Result<(), RunError> {
         self.check_store()?;
         self.owned_session(id, user_id).await?;
-        if self
-            .store
-            .list_turns(id)
-            .await?
-            .iter()
-            .any(|t| !t.state.is_terminal())
-        {
-            return Err(RunError::SessionBusy);
+        match self.store.delete_session(id).await? {
+            Deletion::Busy => Err(RunError::SessionBusy),
+            // NotFound: deleted by another call since it was read.
+            Deletion::Deleted | Deletion::NotFound => Ok(()),
         }
-        self.store.delete_session(id).await?;
-        Ok(())
     }
 
     /// Fails fast while the store's health check fails.

@@ -201,7 +201,13 @@ impl Pump {
             };
             let is_final = event.is_final();
             if event.kind == crate::agent::EventKind::FinalAnswer {
-                self.answer = Some(event.text.clone());
+                // Kept as the session's history, in a text column that on
+                // PostgreSQL cannot hold U+0000 (the event log keeps it).
+                self.answer = Some(if event.text.contains('\0') {
+                    event.text.replace('\0', "\u{FFFD}")
+                } else {
+                    event.text.clone()
+                });
             }
             // Encoded for the store here, while the event is in cache; the
             // client's message then takes the event's strings over.

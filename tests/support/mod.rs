@@ -264,6 +264,28 @@ impl Default for Opts {
     }
 }
 
+/// `nul_answer`: answers with text holding U+0000, as a model may.
+pub struct NulAnswer;
+
+pub const NUL_ANSWER: &str = "before\0after";
+
+impl Agent for NulAnswer {
+    fn name(&self) -> &str {
+        "nul_answer"
+    }
+    fn description(&self) -> &str {
+        "Answers with a NUL character in its text."
+    }
+    fn run(&self, _ctx: agentd::agent::RunContext, _input: String) -> agentd::agent::EventStream {
+        Box::pin(futures::stream::once(async {
+            Ok(agentd::agent::Event::final_answer(
+                "nul_answer",
+                NUL_ANSWER.into(),
+            ))
+        }))
+    }
+}
+
 /// An agentd server in this process on 127.0.0.1:0.
 pub struct Server {
     pub addr: SocketAddr,
@@ -283,6 +305,7 @@ impl Server {
             Arc::new(helper),
             Arc::new(synthetic::Echo),
             Arc::new(synthetic::Streamer),
+            Arc::new(NulAnswer),
         ];
         let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
         let cfg = TurnConfig {
