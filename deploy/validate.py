@@ -16,7 +16,7 @@
   each workload names its store (SQLite on a volume with one replica,
   PostgreSQL from a Secret),
   every AGENTD_* variable is a flag the binary knows, the listen addresses,
-  the gRPC probes, the rollout strategy, the headless Service, the PDB, and
+  the probes (gRPC startup and readiness, HTTP liveness), the rollout strategy, the headless Service, the PDB, and
   the Dockerfile's shape.
 - With --self-test, breaks the manifests in memory in each of those ways and
   fails unless every break is caught.
@@ -295,10 +295,15 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
     if ports.get("grpc") != 50051 or ports.get("admin") != 9090:
         errors.append(f"{what}: container ports must be grpc=50051 and admin=9090 (are {ports})")
-    for probe in ["startupProbe", "readinessProbe", "livenessProbe"]:
+    for probe in ["startupProbe", "readinessProbe"]:
         grpc = c.get(probe, {}).get("grpc")
         if not grpc or grpc.get("port") != 50051:
             errors.append(f"{what}: {probe} must be a gRPC probe (grpc.health.v1) on port 50051")
+    # gRPC health turns NOT_SERVING while the store is away: as liveness it
+    # would restart every pod during a database outage.
+    live = c.get("livenessProbe", {}).get("httpGet", {})
+    if live.get("path") != "/healthz" or live.get("port") not in (9090, "admin"):
+        errors.append(f"{what}: livenessProbe must be an HTTP GET of /healthz on the admin port 9090")
     resources = c.get("resources", {})
     for kind in ["requests", "limits"]:
         if not {"cpu", "memory"} <= set(resources.get(kind, {})):
@@ -438,6 +443,7 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("a run longer than the shutdown grace", pg, "AGENTD_MAX_RUN_DURATION (600s) must be shorter", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "10m")),
         ("a misspelt AGENTD_ variable", pg, "AGENTD_DRAIN_DELEY is not a flag", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_DRAIN_DELEY="5s")),
         ("the gRPC port on loopback", pg, "AGENTD_LISTEN must be 0.0.0.0:50051", lambda d: env(d, "AGENTD_LISTEN", "127.0.0.1:50051")),
+        ("a liveness probe on gRPC health", sq, "livenessProbe must be an HTTP GET of /healthz", lambda d: container(d, "StatefulSet").update(livenessProbe={"grpc": {"port": 50051}})),
         ("an HTTP readiness probe", pg, "readinessProbe must be a gRPC probe", lambda d: container(d).update(readinessProbe={"httpGet": {"path": "/readyz", "port": 9090}})),
         ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
         ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
