@@ -77,7 +77,7 @@ if [[ -n ${BENCH_AUTOGROUP_NICE:-} ]]; then
 fi
 echo "$pinning" > "$out/pinning.txt"
 
-agentd_serve=("$bin/agentd" serve --default-agent stream
+agentd_serve=("$bin/agentd" serve --stream-agent --default-agent stream
   --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s)
 declare -A port=([agentd]=50061 [tonic]=50062 [grpc.aio]=50063 [agentd+sqlite]=50064 [agentd+postgres]=50065)
 sqlite_db=$out/bench.db

@@ -61,7 +61,7 @@ for w in bursty one-at-a-time; do
         name=${store%%:*}
         "${pin_c[@]}" "$bin" --log-format text bench --server-name "$name" --target 127.0.0.1:50066 \
           --workload "$w" --streams "$n" --connections "$conns" --duration "$duration" --warmup 1s \
-          --json-out "$out/store-round-$round.jsonl" -- "${pin_s[@]}" "$bin" serve --default-agent stream --listen 127.0.0.1:50066 \
+          --json-out "$out/store-round-$round.jsonl" -- "${pin_s[@]}" "$bin" serve --stream-agent --default-agent stream --listen 127.0.0.1:50066 \
           --store "$store" --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s \
           --admin-listen off --a2a-listen off >/dev/null 2>>"$out/store-servers.log" \
           || echo "bench/store.sh: FAILED $name $w $n (round $round)" >&2

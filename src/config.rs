@@ -111,6 +111,12 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_MAX_INPUT_BYTES", default_value_t = 64 * 1024)]
     pub max_input_bytes: usize,
 
+    /// Also serve the `stream` agent, for tests and benchmarks. Off by
+    /// default: it emits as many events, as large, as its caller asks for
+    /// (up to 10 million of 1 MiB each), and every one is stored.
+    #[arg(long, env = "AGENTD_STREAM_AGENT", value_parser = clap::builder::BoolishValueParser::new())]
+    pub stream_agent: bool,
+
     /// Earlier turns given to an agent as conversation memory.
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
@@ -124,7 +130,7 @@ pub struct ServeArgs {
     /// dropped as soon as its claim finds the turn (a hosted model may still
     /// bill its prompt). With this flag no repeat calls the model, and a
     /// server short of CPU spends it on claims before streams.
-    #[arg(long, env = "AGENTD_CLAIM_FIRST")]
+    #[arg(long, env = "AGENTD_CLAIM_FIRST", value_parser = clap::builder::BoolishValueParser::new())]
     pub claim_first: bool,
 
     /// HTTP/2 PING interval on idle connections (0s disables).
@@ -230,7 +236,7 @@ pub struct ServeArgs {
     /// Serve A2A's `conformance` agent: a message whose messageId starts with
     /// `tck-` (or `test-resubscribe-`) gets the scripted answer conformance
     /// suites expect; other messages reach the agents as usual.
-    #[arg(long, env = "AGENTD_A2A_CONFORMANCE")]
+    #[arg(long, env = "AGENTD_A2A_CONFORMANCE", value_parser = clap::builder::BoolishValueParser::new())]
     pub a2a_conformance: bool,
 
     /// How long the conformance agent's `test-resubscribe-message-id` task

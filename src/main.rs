@@ -113,8 +113,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut agents: Vec<Arc<dyn Agent>> = vec![
         Arc::new(demo::OrderHelper::new(args.tool_delay)),
         Arc::new(synthetic::Echo),
-        Arc::new(synthetic::Streamer),
     ];
+    if args.stream_agent {
+        agents.push(Arc::new(synthetic::Streamer));
+    }
     let mut default = None;
     if let Some(path) = &args.agents {
         let opts = agentd::agent::file::LoadOptions {
@@ -130,6 +132,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .or(default)
         .unwrap_or_else(|| demo::NAME.to_owned());
+    if default == "stream" && !agents.iter().any(|a| a.name() == "stream") {
+        anyhow::bail!("default agent \"stream\" is served only with --stream-agent");
+    }
     let registry = AgentRegistry::new(agents, &default)?;
     let store = agentd::store::open_bounded(
         &args.store,

@@ -19,6 +19,7 @@ impl Served {
                 "--log-format",
                 "json",
                 "serve",
+                "--stream-agent",
                 "--listen",
                 "127.0.0.1:0",
                 "--a2a-listen",

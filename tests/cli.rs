@@ -16,6 +16,10 @@ struct Served {
 
 impl Served {
     fn start(extra: &[&str]) -> Self {
+        Self::start_with_env(extra, &[])
+    }
+
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut child = Command::new(BIN)
             .args([
@@ -36,6 +40,7 @@ impl Served {
                 format!("sqlite://{}", dir.path().join("agentd.db").display()),
             )
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -90,7 +95,7 @@ fn text(b: &[u8]) -> String {
 
 #[test]
 fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
-    let served = Served::start(&[]);
+    let served = Served::start(&["--stream-agent"]);
     let out = served.cli(&["session", "create", "--user", "alice"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let session = text(&out.stdout).trim().to_owned();
@@ -177,6 +182,55 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
     assert!(status.success(), "exit status after SIGTERM: {status:?}");
 }
 
+/// `stream` emits what its caller asks for: served only when asked (a
+/// switch's variable takes 1/0 and yes/no as well as true/false).
+#[test]
+fn the_stream_agent_is_served_only_with_its_switch() {
+    let run_stream = |served: &Served| {
+        let out = served.cli(&["session", "create", "--user", "alice"]);
+        let session = text(&out.stdout).trim().to_owned();
+        served.cli(&[
+            "run",
+            "--user",
+            "alice",
+            "--session",
+            &session,
+            "--agent",
+            "stream",
+            "n=2",
+        ])
+    };
+    let off = Served::start(&[]);
+    let out = run_stream(&off);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("NotFound"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(off.terminate().success());
+
+    let on = Served::start_with_env(&[], &[("AGENTD_STREAM_AGENT", "1")]);
+    let out = run_stream(&on);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("sent 2 events"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(on.terminate().success());
+
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", "memory:"])
+        .args(["--default-agent", "stream"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--stream-agent"), "{stderr}");
+}
+
 #[test]
 fn a_bad_configuration_fails_at_start_up_with_one_clear_line() {
     let out = Command::new(BIN)
@@ -247,6 +301,7 @@ fn help_explains_every_serve_flag_and_its_environment_variable() {
         "--store",
         "--retain-turns",
         "--turn-lease",
+        "--stream-agent",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
         let env = format!(

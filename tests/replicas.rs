@@ -223,12 +223,7 @@ async fn a_follower_cut_by_its_replicas_shutdown_is_retryable_and_the_turn_goes_
         request_id: "r1".into(),
         after_seq: None,
     };
-    let mut on_b = b
-        .raw()
-        .attach(attach.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let mut on_b = b.raw().attach(attach.clone()).await.unwrap().into_inner();
     on_b.message().await.unwrap().unwrap();
     b.turns.cut_all();
     let (_, cut) = collect(&mut on_b).await;
