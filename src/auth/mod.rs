@@ -216,6 +216,13 @@ impl Authenticator {
                     "{whose}: a token must be at least {MIN_TOKEN_BYTES} printable ASCII characters"
                 );
             }
+            // deploy/examples/secrets.yaml's placeholder, applied unchanged,
+            // would be a working token that anyone who read the example knows.
+            if t.token.starts_with("REPLACE") {
+                anyhow::bail!(
+                    "{whose}: the token is the example's placeholder; put a random one in its place (e.g. from `openssl rand -hex 32`)"
+                );
+            }
             if t.caller.is_empty() {
                 anyhow::bail!("tokens[{i}]: caller is empty");
             }
@@ -367,6 +374,21 @@ mod tests {
         assert!(!err.contains("a-very-secret"), "{err}");
         let mixed = r#"{"tokens": [{"token": "a-very-secret-token-value", "caller": "x", "user_ids": ["*", "bob"]}]}"#;
         assert!(Authenticator::parse(mixed).is_err());
+        let example = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/examples/secrets.yaml"
+        ))
+        .unwrap();
+        let placeholder = example
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(r#"{"token": ""#))
+            .and_then(|rest| rest.split('"').next())
+            .expect("the example lists a token");
+        let copied = format!(
+            r#"{{"tokens": [{{"token": "{placeholder}", "caller": "web", "user_ids": ["*"]}}]}}"#
+        );
+        let err = format!("{:#}", Authenticator::parse(&copied).unwrap_err());
+        assert!(err.contains("placeholder"), "{err}");
     }
 
     #[test]
