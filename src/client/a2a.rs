@@ -152,7 +152,7 @@ pub struct CallState {
 }
 
 impl CallState {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             task_id: None,
             context_id: None,
@@ -195,7 +195,7 @@ impl CallState {
         }
     }
 
-    fn apply(&mut self, event: &StreamResponse) {
+    pub(crate) fn apply(&mut self, event: &StreamResponse) {
         self.last_event_at = Instant::now();
         match event {
             StreamResponse::Task(task) => self.apply_task(task),
