@@ -49,7 +49,8 @@ const CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Remote {
     /// Read the agent card there (a base URL, or the card's own URL) and use
-    /// `binding`, or the card's JSON-RPC interface, else its gRPC one.
+    /// `binding`, or else the first of the card's interfaces the client speaks
+    /// (JSON-RPC, gRPC), in the card's order.
     Card {
         url: String,
         binding: Option<Binding>,
