@@ -23,6 +23,14 @@
 //! expires, the turn fails with UNAVAILABLE, and the follower writes FAILED
 //! into the task, which nobody else would.
 //!
+//! A task another replica cancels (CancelTask served there marks it CANCELED
+//! in the store) is noticed here when its run's next update is refused: the
+//! inner handler then stops the run (it drops the executor's stream, which
+//! cancels the turn) and ends the task's streams with that refusal. Every
+//! stream of a task served here, and a blocking SendMessage, turns an error
+//! that finds the task terminal in the store into its end: the stored
+//! terminal status (CANCELED), as every stream of a task must end.
+//!
 //! A task is its owner's alone (the caller that created it; without
 //! authentication every caller is one anonymous user). Every call runs as its
 //! caller (`as_caller`: ListTasks lists the caller's tasks, a new task is the
@@ -179,6 +187,78 @@ impl Handler {
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
 
+/// Task `task_id` as stored, if it is terminal there.
+async fn stored_end(tasks: &dyn A2aTasks, task_id: &str) -> Option<Task> {
+    match tasks.get(task_id).await {
+        Ok(Some(t)) if t.status.state.is_terminal() => Some(t),
+        _ => None,
+    }
+}
+
+fn event_task_id(ev: &StreamResponse) -> Option<&str> {
+    match ev {
+        StreamResponse::Task(t) => Some(&t.id),
+        StreamResponse::StatusUpdate(u) => Some(&u.task_id),
+        StreamResponse::ArtifactUpdate(u) => Some(&u.task_id),
+        StreamResponse::Message(m) => m.task_id.as_deref(),
+    }
+}
+
+/// `events` of task `task_id` (or of the task its events name), ending with
+/// the task's stored terminal status in place of an error when the task is
+/// terminal in the store (see the module docs: cancelled through another
+/// replica).
+fn ending_as_stored(
+    tasks: Arc<dyn A2aTasks>,
+    task_id: Option<String>,
+    events: EventStream,
+) -> EventStream {
+    Box::pin(async_stream::stream! {
+        let (mut task_id, mut events) = (task_id, events);
+        while let Some(item) = events.next().await {
+            match item {
+                Ok(ev) => {
+                    if task_id.is_none() {
+                        task_id = event_task_id(&ev).map(str::to_owned);
+                    }
+                    yield Ok(ev);
+                }
+                Err(e) => {
+                    let end = match &task_id {
+                        Some(id) => stored_end(&*tasks, id).await,
+                        None => None,
+                    };
+                    match end {
+                        Some(t) => {
+                            tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; its stream ends with its stored status");
+                            yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                                task_id: t.id,
+                                context_id: t.context_id,
+                                status: t.status,
+                                metadata: None,
+                            }));
+                        }
+                        None => yield Err(e),
+                    }
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// The crate's `apply_history_length` (not public): the last
+/// `history_length` messages of the history, none for 0 or less.
+fn trim_history(task: &mut Task, history_length: Option<i32>) {
+    let (Some(n), Some(history)) = (history_length, task.history.as_mut()) else {
+        return;
+    };
+    let keep = usize::try_from(n).unwrap_or(0);
+    if history.len() > keep {
+        history.drain(..history.len() - keep);
+    }
+}
+
 /// One A2A request in the metrics (`agentd_a2a_requests_total` and
 /// `agentd_a2a_request_seconds`), recorded when it ends: a unary request
 /// when it is answered, a streaming one when its stream ends. The outcome is
@@ -324,7 +404,30 @@ impl RequestHandler for Handler {
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                 }
-                as_caller(caller, self.inner.send_message(params, req)).await
+                let (known, history_length) = (
+                    req.message.task_id.clone(),
+                    req.configuration.as_ref().and_then(|c| c.history_length),
+                );
+                match as_caller(caller, self.inner.send_message(params, req)).await {
+                    Err(e) => {
+                        let id = known.or_else(|| {
+                            crate::store::a2a_tasks::refused_task_id(&e).map(str::to_owned)
+                        });
+                        let end = match &id {
+                            Some(id) => stored_end(&*self.tasks, id).await,
+                            None => None,
+                        };
+                        match end {
+                            Some(mut t) => {
+                                tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; answering its stored state");
+                                trim_history(&mut t, history_length);
+                                Ok(SendMessageResponse::Task(t))
+                            }
+                            None => Err(e),
+                        }
+                    }
+                    ok => ok,
+                }
             }
             .await,
         )
@@ -342,7 +445,10 @@ impl RequestHandler for Handler {
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                 }
-                as_caller(caller, self.inner.send_streaming_message(params, req)).await
+                let known = req.message.task_id.clone();
+                as_caller(caller, self.inner.send_streaming_message(params, req))
+                    .await
+                    .map(|events| ending_as_stored(self.tasks.clone(), known, events))
             }
             .await,
         )
@@ -410,7 +516,8 @@ impl RequestHandler for Handler {
                     Err(e) if e.code == error_code::TASK_NOT_FOUND => {
                         self.follow_remote(&caller, &id).await
                     }
-                    other => other,
+                    Ok(events) => Ok(ending_as_stored(self.tasks.clone(), Some(id), events)),
+                    Err(e) => Err(e),
                 }
             }
             .await,

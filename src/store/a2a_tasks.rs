@@ -224,8 +224,25 @@ fn listed(mut task: Task, req: &ListTasksRequest) -> Task {
 /// same terminal state may be written again (idempotent re-emission).
 fn update_refused(task_id: &str, current: &TaskState, next: &TaskState) -> A2AError {
     A2AError::invalid_request(format!(
-        "task {task_id} is in terminal state {current:?} and cannot transition to {next:?}"
+        "{REFUSED_PREFIX}{task_id}{REFUSED_INFIX}{current:?} and cannot transition to {next:?}"
     ))
+}
+
+const REFUSED_PREFIX: &str = "task ";
+const REFUSED_INFIX: &str = " is in terminal state ";
+
+/// The task whose update was refused because it is terminal already (the
+/// run of a task another replica cancelled, writing its next update), if
+/// `e` is that refusal.
+pub fn refused_task_id(e: &A2AError) -> Option<&str> {
+    if e.code != a2a::error_code::INVALID_REQUEST {
+        return None;
+    }
+    e.message
+        .strip_prefix(REFUSED_PREFIX)?
+        .split_once(REFUSED_INFIX)
+        .map(|(id, _)| id)
+        .filter(|id| !id.is_empty())
 }
 
 macro_rules! sql_task_store {
@@ -651,6 +668,14 @@ mod tests {
         let (ab, a) = (UserId::parse("ab").unwrap(), UserId::parse("a").unwrap());
         assert_ne!(context_session(&ab, "c"), context_session(&a, "bc"));
         assert_eq!(context_session(&alice, "c1").as_uuid().get_version_num(), 8);
+    }
+
+    #[test]
+    fn a_refused_update_names_its_task() {
+        let e = update_refused("t-1", &TaskState::Canceled, &TaskState::Working);
+        assert_eq!(refused_task_id(&e), Some("t-1"));
+        assert_eq!(refused_task_id(&A2AError::invalid_request("task x")), None);
+        assert_eq!(refused_task_id(&A2AError::task_not_found("t-1")), None);
     }
 
     #[test]
