@@ -27,9 +27,10 @@
 //! in the store) is noticed here when its run's next update is refused: the
 //! inner handler then stops the run (it drops the executor's stream, which
 //! cancels the turn) and ends the task's streams with that refusal. Every
-//! stream of a task served here, and a blocking SendMessage, turns an error
-//! that finds the task terminal in the store into its end: the stored
-//! terminal status (CANCELED), as every stream of a task must end.
+//! stream of a task served here, and a blocking SendMessage, turns that
+//! refusal, when the task it names is terminal in the store, into the task's
+//! end: its stored terminal status (CANCELED), as every stream of a task
+//! must end.
 //!
 //! A task is its owner's alone (the caller that created it; without
 //! authentication every caller is one anonymous user). Every call runs as its
@@ -187,57 +188,38 @@ impl Handler {
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
 
-/// Task `task_id` as stored, if it is terminal there.
-async fn stored_end(tasks: &dyn A2aTasks, task_id: &str) -> Option<Task> {
-    match tasks.get(task_id).await {
-        Ok(Some(t)) if t.status.state.is_terminal() => Some(t),
+/// The task an error ended elsewhere: the task named by the store's refusal
+/// of an update to a task already terminal, when it is terminal in the store
+/// (see the module docs: cancelled through another replica). Any other error
+/// stays an error (a subscriber that fell behind, say, must not see a clean
+/// end).
+async fn ended_elsewhere(tasks: &dyn A2aTasks, e: &A2AError) -> Option<Task> {
+    let id = crate::store::a2a_tasks::refused_task_id(e)?;
+    match tasks.get(id).await {
+        Ok(Some(t)) if t.status.state.is_terminal() => {
+            tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; answering its stored status");
+            Some(t)
+        }
         _ => None,
     }
 }
 
-fn event_task_id(ev: &StreamResponse) -> Option<&str> {
-    match ev {
-        StreamResponse::Task(t) => Some(&t.id),
-        StreamResponse::StatusUpdate(u) => Some(&u.task_id),
-        StreamResponse::ArtifactUpdate(u) => Some(&u.task_id),
-        StreamResponse::Message(m) => m.task_id.as_deref(),
-    }
-}
-
-/// `events` of task `task_id` (or of the task its events name), ending with
-/// the task's stored terminal status in place of an error when the task is
-/// terminal in the store (see the module docs: cancelled through another
-/// replica).
-fn ending_as_stored(
-    tasks: Arc<dyn A2aTasks>,
-    task_id: Option<String>,
-    events: EventStream,
-) -> EventStream {
+/// `events` of a task, ending with the task's stored terminal status in
+/// place of the error of a task that ended elsewhere ([`ended_elsewhere`]).
+fn ending_as_stored(tasks: Arc<dyn A2aTasks>, events: EventStream) -> EventStream {
     Box::pin(async_stream::stream! {
-        let (mut task_id, mut events) = (task_id, events);
+        let mut events = events;
         while let Some(item) = events.next().await {
             match item {
-                Ok(ev) => {
-                    if task_id.is_none() {
-                        task_id = event_task_id(&ev).map(str::to_owned);
-                    }
-                    yield Ok(ev);
-                }
+                Ok(ev) => yield Ok(ev),
                 Err(e) => {
-                    let end = match &task_id {
-                        Some(id) => stored_end(&*tasks, id).await,
-                        None => None,
-                    };
-                    match end {
-                        Some(t) => {
-                            tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; its stream ends with its stored status");
-                            yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
-                                task_id: t.id,
-                                context_id: t.context_id,
-                                status: t.status,
-                                metadata: None,
-                            }));
-                        }
+                    match ended_elsewhere(&*tasks, &e).await {
+                        Some(t) => yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                            task_id: t.id,
+                            context_id: t.context_id,
+                            status: t.status,
+                            metadata: None,
+                        })),
                         None => yield Err(e),
                     }
                     return;
@@ -404,28 +386,15 @@ impl RequestHandler for Handler {
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                 }
-                let (known, history_length) = (
-                    req.message.task_id.clone(),
-                    req.configuration.as_ref().and_then(|c| c.history_length),
-                );
+                let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
                 match as_caller(caller, self.inner.send_message(params, req)).await {
-                    Err(e) => {
-                        let id = known.or_else(|| {
-                            crate::store::a2a_tasks::refused_task_id(&e).map(str::to_owned)
-                        });
-                        let end = match &id {
-                            Some(id) => stored_end(&*self.tasks, id).await,
-                            None => None,
-                        };
-                        match end {
-                            Some(mut t) => {
-                                tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; answering its stored state");
-                                trim_history(&mut t, history_length);
-                                Ok(SendMessageResponse::Task(t))
-                            }
-                            None => Err(e),
+                    Err(e) => match ended_elsewhere(&*self.tasks, &e).await {
+                        Some(mut t) => {
+                            trim_history(&mut t, history_length);
+                            Ok(SendMessageResponse::Task(t))
                         }
-                    }
+                        None => Err(e),
+                    },
                     ok => ok,
                 }
             }
@@ -445,10 +414,9 @@ impl RequestHandler for Handler {
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                 }
-                let known = req.message.task_id.clone();
                 as_caller(caller, self.inner.send_streaming_message(params, req))
                     .await
-                    .map(|events| ending_as_stored(self.tasks.clone(), known, events))
+                    .map(|events| ending_as_stored(self.tasks.clone(), events))
             }
             .await,
         )
@@ -516,7 +484,7 @@ impl RequestHandler for Handler {
                     Err(e) if e.code == error_code::TASK_NOT_FOUND => {
                         self.follow_remote(&caller, &id).await
                     }
-                    Ok(events) => Ok(ending_as_stored(self.tasks.clone(), Some(id), events)),
+                    Ok(events) => Ok(ending_as_stored(self.tasks.clone(), events)),
                     Err(e) => Err(e),
                 }
             }
