@@ -460,7 +460,6 @@ impl Agent for RemoteA2aAgent {
                     if let Some(m) = &st.status_message {
                         r.status_text = parts_text(&m.parts);
                     }
-                    let r = &mut *r;
                     let events = map_update(&agent, ev, st, &mut r.forwarded);
                     if !events.is_empty() {
                         r.events.extend(events);
