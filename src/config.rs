@@ -558,7 +558,8 @@ pub struct A2aArgs {
     /// <URL>/.well-known/agent-card.json.
     #[arg(long, env = "AGENTD_A2A_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    /// Binding to use (default: JSON-RPC if the card offers it, else gRPC).
+    /// Binding to use (default: the first of the card's interfaces this client
+    /// speaks, JSON-RPC or gRPC, in the card's order; JSON-RPC only for https).
     #[arg(long, value_enum)]
     pub binding: Option<crate::client::a2a::Binding>,
     /// Sets message metadata "agent" (which of agentd's agents answers).

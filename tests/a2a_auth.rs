@@ -1,20 +1,37 @@
 //! Bearer tokens on the A2A faces: JSON-RPC/SSE and gRPC refuse a call
 //! without a valid token (HTTP 401 with a JSON-RPC error body, gRPC
 //! UNAUTHENTICATED), the agent card stays public and declares the scheme,
-//! and an authenticated caller's tasks run as that caller.
+//! and an authenticated caller's tasks run as that caller and are that
+//! caller's alone: another caller can neither see nor touch them.
 
 mod a2a_support;
+mod support;
 
 use std::time::Duration;
 
+use a2a::{
+    A2AError, ListTasksRequest, Message, Part, Role, SendMessageRequest, StreamResponse,
+    SubscribeToTaskRequest, TaskState,
+};
 use a2a_support::A2aServer;
 use agentd::client::a2a::{A2aClient, Binding, CallError, CallOptions, Outcome, parts_text};
 use agentd::domain::UserId;
+use futures::StreamExt;
+use support::{Backend, TestDb};
 
 const BILLING: &str = "tok-billing-service-0000001";
+const ORDERS: &str = "tok-orders-service-00000001";
 
 fn tokens() -> String {
     format!(r#"{{"tokens": [{{"token": "{BILLING}", "caller": "billing", "user_ids": ["*"]}}]}}"#)
+}
+
+/// Two callers, `billing` and `orders`.
+fn two_callers() -> String {
+    format!(
+        r#"{{"tokens": [{{"token": "{BILLING}", "caller": "billing", "user_ids": ["*"]}},
+                        {{"token": "{ORDERS}", "caller": "orders", "user_ids": ["*"]}}]}}"#
+    )
 }
 
 /// `agentd_a2a_requests_total` for one method and outcome in this process
@@ -242,4 +259,276 @@ async fn a_client_cannot_name_its_own_caller() {
     assert_eq!(sessions_of(&open, "mallory").await, 0);
     assert_eq!(sessions_of(&open, "a2a-anonymous").await, 1);
     open.stop().await;
+}
+
+fn all_tasks() -> ListTasksRequest {
+    ListTasksRequest {
+        context_id: None,
+        status: None,
+        page_size: None,
+        page_token: None,
+        history_length: None,
+        status_timestamp_after: None,
+        include_artifacts: None,
+        tenant: None,
+    }
+}
+
+fn send_request(message: Message) -> SendMessageRequest {
+    SendMessageRequest {
+        message,
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    }
+}
+
+/// SubscribeToTask's refusal, whether the call or its stream's first item
+/// carries it.
+async fn subscribe_refusal(client: &A2aClient, task_id: &str) -> A2AError {
+    let req = SubscribeToTaskRequest {
+        id: task_id.to_owned(),
+        tenant: None,
+    };
+    match client.raw().subscribe_to_task(&req).await {
+        Err(e) => e,
+        Ok(mut stream) => match stream.next().await {
+            Some(Err(e)) => e,
+            other => panic!("subscribed to {task_id}: {other:?}"),
+        },
+    }
+}
+
+/// What a caller is answered for a task id that is not its own: exactly
+/// what it is answered for one that does not exist.
+fn assert_not_found(what: &str, task_id: &str, e: &A2AError) {
+    let unknown = A2AError::task_not_found(task_id);
+    assert_eq!(
+        (e.code, e.message.as_str()),
+        (unknown.code, unknown.message.as_str()),
+        "{what} {task_id}: {e:?}"
+    );
+}
+
+/// `billing` has a finished task and a running one (its tool takes a
+/// minute); `orders`, over either binding, cannot get, list, cancel,
+/// subscribe to or continue either, and is answered as for a task that does
+/// not exist. `billing` still can. A context is the caller's own: `orders`
+/// sending into `billing`'s context gets a task of its own, in its own
+/// session, which `billing` does not see. With `other` (a second replica on
+/// the same database), the same holds there, where the running task is
+/// followed from the store rather than served from memory.
+async fn tasks_are_their_callers_alone(
+    store: std::sync::Arc<dyn agentd::store::Store>,
+    other: Option<std::sync::Arc<dyn agentd::store::Store>>,
+) {
+    let server =
+        A2aServer::start_secured_on(&two_callers(), store, Duration::from_secs(60), "replica-a")
+            .await;
+    let replica = match other {
+        Some(store) => Some(
+            A2aServer::start_secured_on(&two_callers(), store, Duration::ZERO, "replica-b").await,
+        ),
+        None => None,
+    };
+    let billing = A2aClient::connect_with(&server.base_url(), Some(Binding::Grpc), Some(BILLING))
+        .await
+        .unwrap();
+    let Outcome::Completed {
+        task_id: done,
+        context_id,
+        ..
+    } = billing
+        .send_text("hello", echo(), &opts(), None)
+        .await
+        .unwrap()
+    else {
+        panic!("the echo task did not complete")
+    };
+    let mut running_stream = billing
+        .raw()
+        .send_streaming_message(&send_request(Message::new(
+            Role::User,
+            vec![Part::text("Where is order 1187?")],
+        )))
+        .await
+        .unwrap();
+    let running = match running_stream.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t.id,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+
+    let urls: Vec<String> = std::iter::once(&server)
+        .chain(replica.as_ref())
+        .map(A2aServer::base_url)
+        .collect();
+    for (url, binding) in urls
+        .iter()
+        .flat_map(|u| [(u, Binding::Jsonrpc), (u, Binding::Grpc)])
+    {
+        let orders = A2aClient::connect_with(url, Some(binding), Some(ORDERS))
+            .await
+            .unwrap();
+        for id in [&done, &running] {
+            let what = format!("{url} {binding:?}");
+            assert_not_found(&what, id, &orders.get_task(id).await.unwrap_err());
+            assert_not_found(&what, id, &orders.cancel(id).await.unwrap_err());
+            assert_not_found(&what, id, &subscribe_refusal(&orders, id).await);
+            let reply = Message {
+                task_id: Some(id.clone()),
+                ..Message::new(Role::User, vec![Part::text("and now?")])
+            };
+            let e = orders
+                .raw()
+                .send_message(&send_request(reply.clone()))
+                .await
+                .unwrap_err();
+            assert_not_found(&what, id, &e);
+            let e = match orders
+                .raw()
+                .send_streaming_message(&send_request(reply))
+                .await
+            {
+                Err(e) => e,
+                Ok(mut s) => match s.next().await {
+                    Some(Err(e)) => e,
+                    other => panic!("{what}: continued {id}: {other:?}"),
+                },
+            };
+            assert_not_found(&what, id, &e);
+        }
+        let listed = orders.raw().list_tasks(&all_tasks()).await.unwrap();
+        assert_eq!(
+            (listed.tasks.len(), listed.total_size),
+            (0, 0),
+            "{binding:?}"
+        );
+        let in_context = orders
+            .raw()
+            .list_tasks(&ListTasksRequest {
+                context_id: Some(context_id.clone()),
+                ..all_tasks()
+            })
+            .await
+            .unwrap();
+        assert_eq!(in_context.tasks.len(), 0, "{binding:?}");
+    }
+
+    // The owner still can, and the other caller's cancel changed nothing.
+    assert_eq!(
+        billing.get_task(&done).await.unwrap().status.state,
+        TaskState::Completed
+    );
+    assert_eq!(
+        billing.get_task(&running).await.unwrap().status.state,
+        TaskState::Working
+    );
+    let listed = billing.raw().list_tasks(&all_tasks()).await.unwrap();
+    let mut ids: Vec<_> = listed.tasks.iter().map(|t| t.id.clone()).collect();
+    ids.sort();
+    let mut expected = vec![done.clone(), running.clone()];
+    expected.sort();
+    assert_eq!((ids, listed.total_size), (expected, 2));
+    for url in &urls {
+        let billing = A2aClient::connect_with(url, Some(Binding::Jsonrpc), Some(BILLING))
+            .await
+            .unwrap();
+        let mut followed = billing
+            .raw()
+            .subscribe_to_task(&SubscribeToTaskRequest {
+                id: running.clone(),
+                tenant: None,
+            })
+            .await
+            .unwrap();
+        match followed.next().await.unwrap().unwrap() {
+            StreamResponse::Task(t) => assert_eq!(t.id, running, "{url}"),
+            other => panic!("{url}: first event is not the task: {other:?}"),
+        }
+    }
+    assert_eq!(
+        billing.cancel(&running).await.unwrap().status.state,
+        TaskState::Canceled
+    );
+
+    // `orders` in `billing`'s context: a task of its own, in its session.
+    let orders = A2aClient::connect_with(&server.base_url(), Some(Binding::Jsonrpc), Some(ORDERS))
+        .await
+        .unwrap();
+    let message = Message {
+        context_id: Some(context_id.clone()),
+        metadata: echo(),
+        ..Message::new(Role::User, vec![Part::text("hello too")])
+    };
+    let Outcome::Completed {
+        task_id: theirs,
+        context_id: same,
+        ..
+    } = orders.send(message, &opts(), None).await.unwrap()
+    else {
+        panic!("the echo task did not complete")
+    };
+    assert_eq!(same, context_id);
+    let session_of = |t: &a2a::Task| {
+        t.metadata.as_ref().unwrap()[agentd::store::a2a_tasks::SESSION_METADATA_KEY]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let context_of = |user: &str| {
+        agentd::store::a2a_tasks::context_session(&UserId::parse(user).unwrap(), &context_id)
+            .to_string()
+    };
+    assert_eq!(
+        session_of(&orders.get_task(&theirs).await.unwrap()),
+        context_of("orders")
+    );
+    assert_eq!(
+        session_of(&billing.get_task(&done).await.unwrap()),
+        context_of("billing")
+    );
+    let in_context = |c: &A2aClient| {
+        let c = c.clone();
+        let context_id = context_id.clone();
+        async move {
+            c.raw()
+                .list_tasks(&ListTasksRequest {
+                    context_id: Some(context_id),
+                    ..all_tasks()
+                })
+                .await
+                .unwrap()
+                .tasks
+                .into_iter()
+                .map(|t| t.id)
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(in_context(&billing).await, [done]);
+    assert_eq!(in_context(&orders).await, [theirs]);
+    if let Some(replica) = replica {
+        replica.stop().await;
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_caller_cannot_get_list_cancel_follow_or_continue_a_task_in_memory() {
+    let db = TestDb::fresh(Backend::Memory).await.unwrap();
+    tasks_are_their_callers_alone(db.open().await, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_caller_cannot_get_list_cancel_follow_or_continue_a_task_on_sqlite() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    tasks_are_their_callers_alone(db.open().await, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_caller_cannot_get_list_cancel_follow_or_continue_a_task_on_either_postgres_replica()
+ {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    tasks_are_their_callers_alone(db.open().await, Some(db.open().await)).await;
 }

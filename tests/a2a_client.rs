@@ -300,3 +300,94 @@ async fn a_listener_can_stop_the_call_without_cancelling_the_remote_task() {
         .unwrap();
     assert!(matches!(out, Outcome::Stopped { response: Some(r), .. } if r == "enough"));
 }
+
+/// The agent card of `server`, with its interfaces replaced by
+/// `interfaces` (binding, URL), served on 127.0.0.1 by itself: its base URL.
+async fn card_listing(server: &a2a_support::A2aServer, interfaces: &[(&str, String)]) -> String {
+    agentd::auth::tls::install_crypto_provider();
+    let mut card: a2a::AgentCard =
+        reqwest::get(format!("{}/.well-known/agent-card.json", server.base_url()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    card.supported_interfaces = interfaces
+        .iter()
+        .map(|(binding, url)| a2a::AgentInterface::new(url.clone(), *binding))
+        .collect();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let router = a2a_server::agent_card::agent_card_router(std::sync::Arc::new(
+        a2a_server::StaticAgentCard::new(card),
+    ));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
+/// An address on 127.0.0.1 nothing listens on.
+fn nothing_listens() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_client_takes_the_first_interface_of_the_card_it_speaks_unless_told_which() {
+    use a2a::{TRANSPORT_PROTOCOL_GRPC as GRPC, TRANSPORT_PROTOCOL_JSONRPC as JSONRPC};
+    let server = a2a_support::A2aServer::start(Duration::ZERO).await;
+    let echo = || {
+        Some(
+            [("agent".to_owned(), serde_json::json!("echo"))]
+                .into_iter()
+                .collect(),
+        )
+    };
+    let (grpc, jsonrpc, dead) = (
+        server.grpc.to_string(),
+        format!("{}/", server.base_url()),
+        nothing_listens(),
+    );
+    // Each card's second interface leads nowhere: a call succeeds only
+    // over the one chosen.
+    let cases = [
+        // gRPC first: gRPC, though JSON-RPC is listed too.
+        (
+            vec![(GRPC, grpc.clone()), (JSONRPC, format!("http://{dead}/"))],
+            None,
+        ),
+        // JSON-RPC first: JSON-RPC.
+        (
+            vec![(JSONRPC, jsonrpc.clone()), (GRPC, dead.to_string())],
+            None,
+        ),
+        // An interface this client does not speak is passed over.
+        (
+            vec![
+                ("HTTP+JSON", format!("http://{dead}/")),
+                (GRPC, grpc.clone()),
+                (JSONRPC, format!("http://{dead}/")),
+            ],
+            None,
+        ),
+        // Told which: that one, wherever the card lists it.
+        (
+            vec![(GRPC, dead.to_string()), (JSONRPC, jsonrpc.clone())],
+            Some(agentd::client::a2a::Binding::Jsonrpc),
+        ),
+    ];
+    for (interfaces, binding) in cases {
+        let url = card_listing(&server, &interfaces).await;
+        let client = A2aClient::connect(&url, binding).await.unwrap();
+        let out = client
+            .send_text("hello", echo(), &opts(), None)
+            .await
+            .unwrap_or_else(|e| panic!("{interfaces:?} {binding:?}: {e:?}"));
+        let Outcome::Completed { artifacts, .. } = out else {
+            panic!("{interfaces:?}: {out:?}")
+        };
+        assert_eq!(parts_text(&artifacts[0].parts), "hello");
+    }
+    server.stop().await;
+}

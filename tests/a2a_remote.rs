@@ -2,7 +2,11 @@
 //! delegates to a second agentd (in-process, A2A on 127.0.0.1) or to the
 //! Python SDK test agent. A Run streams the remote's answer through, a
 //! dropped Run cancels the remote task, remote failures are sanitised, and a
-//! bad entry stops start-up with the file, line and reason.
+//! bad entry stops start-up with the file, line and reason. A scripted A2A
+//! peer (the A2A crates' JSON-RPC router on a handler that answers from a
+//! script) sends what those agents do not: artifact chunks that replace
+//! rather than append, and a turn replayed from its first chunk after a
+//! resubscription.
 
 mod a2a_support;
 mod support;
@@ -438,4 +442,245 @@ card_url = "{url}"
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("cannot be reached"), "{status:?}");
+}
+
+/// A2A peer that answers every message from a script picked by the
+/// message's text:
+/// - `replace`: the answer as whole-text-so-far chunks, each replacing the
+///   last (`append` false): "Hel", "Hello", "Hello world".
+/// - `replay`: "Hel", then "lo" appended, then the stream ends before the
+///   task does; GetTask shows "Hello" so far, and SubscribeToTask replays the
+///   turn from its first chunk ("Hel", "lo") before the rest (" world"), as
+///   a replica following the task's turn from the store does.
+struct ScriptedPeer;
+
+mod scripted {
+    use a2a::*;
+    use futures::stream::BoxStream;
+
+    pub const TASK: &str = "t-scripted";
+    pub const CONTEXT: &str = "c-scripted";
+
+    pub fn task(state: TaskState, artifact: Option<&str>) -> Task {
+        Task {
+            id: TASK.into(),
+            context_id: CONTEXT.into(),
+            status: TaskStatus {
+                state,
+                message: None,
+                timestamp: Some(chrono::Utc::now()),
+            },
+            artifacts: artifact.map(|text| vec![answer(text)]),
+            history: None,
+            metadata: None,
+        }
+    }
+
+    fn answer(text: &str) -> Artifact {
+        Artifact {
+            artifact_id: "answer".into(),
+            name: None,
+            description: None,
+            parts: vec![Part::text(text)],
+            metadata: None,
+            extensions: None,
+        }
+    }
+
+    pub fn chunk(text: &str, append: bool, last: bool) -> StreamResponse {
+        StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+            task_id: TASK.into(),
+            context_id: CONTEXT.into(),
+            artifact: answer(text),
+            append: Some(append),
+            last_chunk: Some(last),
+            metadata: None,
+        })
+    }
+
+    pub fn status(state: TaskState) -> StreamResponse {
+        StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+            task_id: TASK.into(),
+            context_id: CONTEXT.into(),
+            status: TaskStatus {
+                state,
+                message: None,
+                timestamp: Some(chrono::Utc::now()),
+            },
+            metadata: None,
+        })
+    }
+
+    pub fn stream(
+        events: Vec<StreamResponse>,
+    ) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+        Box::pin(futures::stream::iter(events.into_iter().map(Ok)))
+    }
+}
+
+#[async_trait::async_trait]
+impl a2a_server::RequestHandler for ScriptedPeer {
+    async fn send_message(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::SendMessageRequest,
+    ) -> Result<a2a::SendMessageResponse, a2a::A2AError> {
+        Err(a2a::A2AError::unsupported_operation("streaming only"))
+    }
+    async fn send_streaming_message(
+        &self,
+        _: &a2a_server::ServiceParams,
+        req: a2a::SendMessageRequest,
+    ) -> Result<
+        futures::stream::BoxStream<'static, Result<a2a::StreamResponse, a2a::A2AError>>,
+        a2a::A2AError,
+    > {
+        use scripted::*;
+        let start = vec![
+            a2a::StreamResponse::Task(task(TaskState::Submitted, None)),
+            status(TaskState::Working),
+        ];
+        let rest = match agentd::client::a2a::parts_text(&req.message.parts).as_str() {
+            "replace" => vec![
+                chunk("Hel", false, false),
+                chunk("Hello", false, false),
+                chunk("Hello world", false, true),
+                status(TaskState::Completed),
+            ],
+            // Ends before the task does: the client recovers.
+            "replay" => vec![chunk("Hel", false, false), chunk("lo", true, false)],
+            other => panic!("no script {other:?}"),
+        };
+        Ok(stream(start.into_iter().chain(rest).collect()))
+    }
+    async fn get_task(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::GetTaskRequest,
+    ) -> Result<a2a::Task, a2a::A2AError> {
+        Ok(scripted::task(TaskState::Working, Some("Hello")))
+    }
+    async fn list_tasks(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::ListTasksRequest,
+    ) -> Result<a2a::ListTasksResponse, a2a::A2AError> {
+        Err(a2a::A2AError::unsupported_operation("not scripted"))
+    }
+    async fn cancel_task(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::CancelTaskRequest,
+    ) -> Result<a2a::Task, a2a::A2AError> {
+        Err(a2a::A2AError::unsupported_operation("not scripted"))
+    }
+    async fn subscribe_to_task(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::SubscribeToTaskRequest,
+    ) -> Result<
+        futures::stream::BoxStream<'static, Result<a2a::StreamResponse, a2a::A2AError>>,
+        a2a::A2AError,
+    > {
+        use scripted::*;
+        Ok(stream(vec![
+            a2a::StreamResponse::Task(task(TaskState::Working, Some("Hello"))),
+            chunk("Hel", false, false),
+            chunk("lo", true, false),
+            chunk(" world", true, true),
+            status(TaskState::Completed),
+        ]))
+    }
+    async fn create_push_config(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::TaskPushNotificationConfig,
+    ) -> Result<a2a::TaskPushNotificationConfig, a2a::A2AError> {
+        Err(a2a::A2AError::push_notification_not_supported())
+    }
+    async fn get_push_config(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::GetTaskPushNotificationConfigRequest,
+    ) -> Result<a2a::TaskPushNotificationConfig, a2a::A2AError> {
+        Err(a2a::A2AError::push_notification_not_supported())
+    }
+    async fn list_push_configs(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::ListTaskPushNotificationConfigsRequest,
+    ) -> Result<a2a::ListTaskPushNotificationConfigsResponse, a2a::A2AError> {
+        Err(a2a::A2AError::push_notification_not_supported())
+    }
+    async fn delete_push_config(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::DeleteTaskPushNotificationConfigRequest,
+    ) -> Result<(), a2a::A2AError> {
+        Err(a2a::A2AError::push_notification_not_supported())
+    }
+    async fn get_extended_agent_card(
+        &self,
+        _: &a2a_server::ServiceParams,
+        _: a2a::GetExtendedAgentCardRequest,
+    ) -> Result<a2a::AgentCard, a2a::A2AError> {
+        Err(a2a::A2AError::unsupported_operation("not scripted"))
+    }
+}
+
+/// Serves [`ScriptedPeer`]'s JSON-RPC on 127.0.0.1; its URL.
+async fn scripted_peer() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let router = a2a_server::jsonrpc::jsonrpc_router(std::sync::Arc::new(ScriptedPeer));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
+/// The partial texts and the final answer of a run.
+fn streamed(events: &[pb::AgentEvent]) -> (Vec<&str>, &str) {
+    let partials = events
+        .iter()
+        .filter(|e| e.kind() == pb::EventKind::PartialText)
+        .map(|e| e.text.as_str())
+        .collect();
+    let last = events.last().expect("no events");
+    assert_eq!(last.kind(), pb::EventKind::FinalAnswer, "{events:?}");
+    (partials, last.text.as_str())
+}
+
+#[tokio::test]
+async fn chunks_that_replace_the_answer_stream_only_their_new_text() {
+    let url = scripted_peer().await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.peer]\nkind = \"remote_a2a\"\n[agents.peer.a2a]\njsonrpc_url = \"{url}\"\n"
+        ),
+    );
+    let child = serve(&agents).await;
+    let (events, end) = run(&child, "peer", "replace").await;
+    end.unwrap();
+    let (partials, answer) = streamed(&events);
+    assert_eq!(answer, "Hello world");
+    assert_eq!(partials, ["Hel", "lo", " world"], "{events:?}");
+}
+
+#[tokio::test]
+async fn a_turn_replayed_after_a_resubscription_streams_nothing_twice() {
+    let url = scripted_peer().await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.peer]\nkind = \"remote_a2a\"\n[agents.peer.a2a]\njsonrpc_url = \"{url}\"\n"
+        ),
+    );
+    let child = serve(&agents).await;
+    let (events, end) = run(&child, "peer", "replay").await;
+    end.unwrap();
+    let (partials, answer) = streamed(&events);
+    assert_eq!(answer, "Hello world");
+    assert_eq!(partials.concat(), "Hello world", "{events:?}");
 }

@@ -249,7 +249,7 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
         &["--replica-id", "replica-a", "--tool-delay", "60s"],
     )
     .await;
-    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
 
     // A finished task on A (the echo agent: no tool), fetched and listed
@@ -391,7 +391,7 @@ async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
         ],
     )
     .await;
-    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
     let req = SendMessageRequest {
         message: user_message(ORDER_Q, None),
@@ -455,4 +455,128 @@ async fn deleting_the_session_of_a_context_deletes_its_tasks() {
         TaskState::Completed
     );
     server.kill9().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cancelled_through_another_replica_ends_canceled_on_every_stream_of_its_own() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = serve(&db.url, &["--replica-id", "replica-a", "--stream-agent"]).await;
+    let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    // A chunk every 50 ms for half a minute, on A.
+    let req = SendMessageRequest {
+        message: Message {
+            metadata: Some([("agent".to_owned(), serde_json::json!("stream"))].into()),
+            ..user_message("n=600 size=1 rate=20", None)
+        },
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut sent = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let task = match sent.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    // A second stream of the task on A, and both streaming its chunks.
+    let mut subscribed = on_a
+        .raw()
+        .subscribe_to_task(&SubscribeToTaskRequest {
+            id: task.id.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    for stream in [&mut sent, &mut subscribed] {
+        loop {
+            let ev = stream.next().await.expect("ended before a chunk").unwrap();
+            if matches!(ev, StreamResponse::ArtifactUpdate(_)) {
+                break;
+            }
+        }
+    }
+
+    assert_eq!(
+        on_b.cancel(&task.id).await.unwrap().status.state,
+        TaskState::Canceled
+    );
+
+    // Each of A's streams ends with the CANCELED status, not an error.
+    for (name, stream) in [("sent", &mut sent), ("subscribed", &mut subscribed)] {
+        let mut last = None;
+        while let Some(ev) = stream.next().await {
+            let ev = ev.unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            last = Some(ev);
+        }
+        let Some(StreamResponse::StatusUpdate(end)) = last else {
+            panic!("{name} did not end with a status: {last:?}")
+        };
+        assert_eq!(
+            (end.task_id.as_str(), end.status.state),
+            (task.id.as_str(), TaskState::Canceled),
+            "{name}"
+        );
+    }
+    // The run stopped: its turn on A ended cancelled, long before its
+    // thirty seconds.
+    let session = task.metadata.as_ref().unwrap()[agentd::store::a2a_tasks::SESSION_METADATA_KEY]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let turn = eventually("the task's turn to end", || {
+        let (mut c, session) = (a.client.raw(), session.clone());
+        async move {
+            let s = c
+                .get_session(agentd::pb::GetSessionRequest {
+                    user_id: agentd::store::a2a_tasks::A2A_USER.into(),
+                    session_id: session,
+                })
+                .await
+                .ok()?
+                .into_inner();
+            s.turns
+                .into_iter()
+                .find(|t| t.state() != agentd::pb::TurnState::Running)
+        }
+    })
+    .await;
+    assert_eq!(turn.state(), agentd::pb::TurnState::Cancelled, "{turn:?}");
+    for c in [&on_a, &on_b] {
+        assert_eq!(
+            c.get_task(&task.id).await.unwrap().status.state,
+            TaskState::Canceled
+        );
+    }
+
+    // A blocking SendMessage on A answers the CANCELED task.
+    let blocking = tokio::spawn({
+        let (on_a, req) = (on_a.clone(), req.clone());
+        async move { on_a.raw().send_message(&req).await }
+    });
+    let running = eventually("the blocking task to run", || {
+        let on_b = on_b.clone();
+        async move {
+            let page = on_b
+                .raw()
+                .list_tasks(&ListTasksRequest {
+                    status: Some(TaskState::Working),
+                    ..all_tasks()
+                })
+                .await
+                .ok()?;
+            page.tasks.into_iter().next().map(|t| t.id)
+        }
+    })
+    .await;
+    on_b.cancel(&running).await.unwrap();
+    match blocking.await.unwrap() {
+        Ok(a2a::SendMessageResponse::Task(t)) => {
+            assert_eq!((t.id, t.status.state), (running, TaskState::Canceled))
+        }
+        other => panic!("the blocking call did not answer the cancelled task: {other:?}"),
+    }
+    a.kill9().await;
+    b.kill9().await;
 }

@@ -5,8 +5,8 @@
 //! Either layer refuses a call without valid credentials before the
 //! handler sees it (HTTP 401 with a JSON-RPC error body here, gRPC
 //! UNAUTHENTICATED there), and passes the caller's name on as the
-//! [`crate::auth::CALLER_HEADER`] service parameter, which the executor
-//! reads as the task's user. The header is removed from every incoming
+//! [`crate::auth::CALLER_HEADER`] service parameter, which the handler reads
+//! as the call's user: the user its tasks run as and belong to. The header is removed from every incoming
 //! request first, so a client cannot name itself. The agent card at
 //! `/.well-known/agent-card.json` stays public: it says how to authenticate.
 

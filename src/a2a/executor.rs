@@ -103,6 +103,27 @@ pub(crate) struct Job {
     trace_parent: opentelemetry::Context,
 }
 
+/// The user a call is made by: with authentication on, the caller the
+/// authentication layers name (the `CALLER_HEADER` service parameter, which
+/// they remove from what a client sends); without, [`ANONYMOUS_USER`].
+pub(crate) fn caller(
+    params: &a2a_server::ServiceParams,
+    authenticated: bool,
+) -> Result<UserId, A2AError> {
+    if !authenticated {
+        return Ok(UserId::parse(ANONYMOUS_USER).expect("a valid id"));
+    }
+    let caller = params
+        .get(crate::auth::CALLER_HEADER)
+        .and_then(|v| v.first())
+        .ok_or_else(|| A2AError::invalid_request("this call has no authenticated caller"))?;
+    UserId::parse(caller.clone()).map_err(|_| {
+        A2AError::invalid_request(
+            "the caller's name is not a valid user id (A2A tasks run as their caller)",
+        )
+    })
+}
+
 impl Job {
     fn from_ctx(ctx: ExecutorContext, authenticated: bool) -> Result<Self, A2AError> {
         let message = ctx
@@ -115,22 +136,7 @@ impl Job {
                 .and_then(|v| v.as_str())
                 .map(str::to_owned)
         });
-        let user = if authenticated {
-            let caller = ctx
-                .service_params
-                .get(crate::auth::CALLER_HEADER)
-                .and_then(|v| v.first())
-                .ok_or_else(|| {
-                    A2AError::invalid_request("this call has no authenticated caller")
-                })?;
-            UserId::parse(caller.clone()).map_err(|_| {
-                A2AError::invalid_request(
-                    "the caller's name is not a valid user id (A2A tasks run as their caller)",
-                )
-            })?
-        } else {
-            UserId::parse(ANONYMOUS_USER).expect("a valid id")
-        };
+        let user = caller(&ctx.service_params, authenticated)?;
         let turn_index = ctx
             .stored_task
             .as_ref()

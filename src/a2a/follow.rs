@@ -22,6 +22,24 @@
 //! A task whose replica died is ended by its follower: the turn's lease
 //! expires, the turn fails with UNAVAILABLE, and the follower writes FAILED
 //! into the task, which nobody else would.
+//!
+//! A task another replica cancels (CancelTask served there marks it CANCELED
+//! in the store) is noticed here when its run's next update is refused: the
+//! inner handler then stops the run (it drops the executor's stream, which
+//! cancels the turn) and ends the task's streams with that refusal. Every
+//! stream of a task served here, and a blocking SendMessage, turns that
+//! refusal, when the task it names is terminal in the store, into the task's
+//! end: its stored terminal status (CANCELED), as every stream of a task
+//! must end.
+//!
+//! A task is its owner's alone (the caller that created it; without
+//! authentication every caller is one anonymous user). Every call runs as its
+//! caller (`as_caller`: ListTasks lists the caller's tasks, a new task is the
+//! caller's), and GetTask, CancelTask, SubscribeToTask and a message into an
+//! existing task first check that the task is the caller's: another's is
+//! TaskNotFound, as if it did not exist. A context is the caller's own too:
+//! its session is derived from (caller, contextId), so another caller using
+//! the same contextId gets a conversation of its own.
 
 use std::sync::Arc;
 
@@ -32,8 +50,9 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 use super::executor::{self, Job};
+use crate::domain::UserId;
 use crate::domain::{RequestId, TurnKey};
-use crate::store::a2a_tasks::{A2aTasks, task_session};
+use crate::store::a2a_tasks::{A2aTasks, as_caller, task_session};
 use crate::turn::Turns;
 
 /// Store reads while waiting for a new task's turn to be claimed.
@@ -43,19 +62,44 @@ pub struct Handler {
     inner: DefaultRequestHandler,
     turns: Arc<Turns>,
     tasks: Arc<dyn A2aTasks>,
+    /// Authentication is on: each call's caller is named by the
+    /// authentication layers.
+    authenticated: bool,
 }
 
 impl Handler {
-    pub fn new(inner: DefaultRequestHandler, turns: Arc<Turns>, tasks: Arc<dyn A2aTasks>) -> Self {
+    pub fn new(
+        inner: DefaultRequestHandler,
+        turns: Arc<Turns>,
+        tasks: Arc<dyn A2aTasks>,
+        authenticated: bool,
+    ) -> Self {
         Self {
             inner,
             turns,
             tasks,
+            authenticated,
         }
     }
 
-    /// Follows a task that is not terminal and runs elsewhere.
-    async fn follow_remote(&self, task_id: &str) -> Result<EventStream, A2AError> {
+    /// The caller of a call, once its version is one we speak (that check
+    /// comes first, as the inner handler's authorizer would make it).
+    fn caller(&self, params: &ServiceParams) -> Result<UserId, A2AError> {
+        super::version::check(params)?;
+        executor::caller(params, self.authenticated)
+    }
+
+    /// Refuses a task that is not `caller`'s exactly as one that does not
+    /// exist (spec: never reveal a resource the caller may not access).
+    async fn check_owner(&self, caller: &UserId, task_id: &str) -> Result<(), A2AError> {
+        match self.tasks.owner(task_id).await? {
+            Some(owner) if owner == *caller => Ok(()),
+            _ => Err(A2AError::task_not_found(task_id)),
+        }
+    }
+
+    /// Follows a task of `caller`'s that is not terminal and runs elsewhere.
+    async fn follow_remote(&self, caller: &UserId, task_id: &str) -> Result<EventStream, A2AError> {
         let prefix = format!("{task_id}.");
         for _ in 0..TURN_WAIT_POLLS {
             let Some(task) = self.tasks.get(task_id).await? else {
@@ -69,15 +113,6 @@ impl Handler {
                 return Err(A2AError::task_not_found(task_id));
             }
             let session = task_session(&task);
-            let user = match self.turns.store().get_session(session).await {
-                Ok(Some(s)) => s.user_id,
-                Ok(None) => return Err(A2AError::task_not_found(task_id)),
-                Err(_) => {
-                    return Err(A2AError::internal(
-                        "the task store is unavailable; retry later",
-                    ));
-                }
-            };
             let turns =
                 self.turns.store().list_turns(session).await.map_err(|_| {
                     A2AError::internal("the task store is unavailable; retry later")
@@ -105,7 +140,7 @@ impl Handler {
             };
             let started = self
                 .turns
-                .attach(&user, key.clone(), None, None)
+                .attach(caller, key.clone(), None, None)
                 .await
                 .map_err(|e| {
                     tracing::warn!(task = %task_id, error = %e, "a2a: cannot follow the task's turn");
@@ -152,6 +187,59 @@ impl Handler {
 }
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
+
+/// The task an error ended elsewhere: the task named by the store's refusal
+/// of an update to a task already terminal, when it is terminal in the store
+/// (see the module docs: cancelled through another replica). Any other error
+/// stays an error (a subscriber that fell behind, say, must not see a clean
+/// end).
+async fn ended_elsewhere(tasks: &dyn A2aTasks, e: &A2AError) -> Option<Task> {
+    let id = crate::store::a2a_tasks::refused_task_id(e)?;
+    match tasks.get(id).await {
+        Ok(Some(t)) if t.status.state.is_terminal() => {
+            tracing::info!(task = %t.id, state = ?t.status.state, error = %e.message, "a2a: the task ended elsewhere; answering its stored status");
+            Some(t)
+        }
+        _ => None,
+    }
+}
+
+/// `events` of a task, ending with the task's stored terminal status in
+/// place of the error of a task that ended elsewhere ([`ended_elsewhere`]).
+fn ending_as_stored(tasks: Arc<dyn A2aTasks>, events: EventStream) -> EventStream {
+    Box::pin(async_stream::stream! {
+        let mut events = events;
+        while let Some(item) = events.next().await {
+            match item {
+                Ok(ev) => yield Ok(ev),
+                Err(e) => {
+                    match ended_elsewhere(&*tasks, &e).await {
+                        Some(t) => yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                            task_id: t.id,
+                            context_id: t.context_id,
+                            status: t.status,
+                            metadata: None,
+                        })),
+                        None => yield Err(e),
+                    }
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// The crate's `apply_history_length` (not public): the last
+/// `history_length` messages of the history, none for 0 or less.
+fn trim_history(task: &mut Task, history_length: Option<i32>) {
+    let (Some(n), Some(history)) = (history_length, task.history.as_mut()) else {
+        return;
+    };
+    let keep = usize::try_from(n).unwrap_or(0);
+    if history.len() > keep {
+        history.drain(..history.len() - keep);
+    }
+}
 
 /// One A2A request in the metrics (`agentd_a2a_requests_total` and
 /// `agentd_a2a_request_seconds`), recorded when it ends: a unary request
@@ -292,7 +380,26 @@ impl RequestHandler for Handler {
         req: SendMessageRequest,
     ) -> Result<SendMessageResponse, A2AError> {
         let obs = Observed::start("SendMessage");
-        obs.unary(self.inner.send_message(params, req).await)
+        obs.unary(
+            async {
+                let caller = self.caller(params)?;
+                if let Some(id) = &req.message.task_id {
+                    self.check_owner(&caller, id).await?;
+                }
+                let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
+                match as_caller(caller, self.inner.send_message(params, req)).await {
+                    Err(e) => match ended_elsewhere(&*self.tasks, &e).await {
+                        Some(mut t) => {
+                            trim_history(&mut t, history_length);
+                            Ok(SendMessageResponse::Task(t))
+                        }
+                        None => Err(e),
+                    },
+                    ok => ok,
+                }
+            }
+            .await,
+        )
     }
 
     async fn send_streaming_message(
@@ -301,7 +408,18 @@ impl RequestHandler for Handler {
         req: SendMessageRequest,
     ) -> Result<EventStream, A2AError> {
         let obs = Observed::start("SendStreamingMessage");
-        obs.stream(self.inner.send_streaming_message(params, req).await)
+        obs.stream(
+            async {
+                let caller = self.caller(params)?;
+                if let Some(id) = &req.message.task_id {
+                    self.check_owner(&caller, id).await?;
+                }
+                as_caller(caller, self.inner.send_streaming_message(params, req))
+                    .await
+                    .map(|events| ending_as_stored(self.tasks.clone(), events))
+            }
+            .await,
+        )
     }
 
     async fn get_task(
@@ -310,7 +428,14 @@ impl RequestHandler for Handler {
         req: GetTaskRequest,
     ) -> Result<Task, A2AError> {
         let obs = Observed::start("GetTask");
-        obs.unary(self.inner.get_task(params, req).await)
+        obs.unary(
+            async {
+                let caller = self.caller(params)?;
+                self.check_owner(&caller, &req.id).await?;
+                as_caller(caller, self.inner.get_task(params, req)).await
+            }
+            .await,
+        )
     }
 
     async fn list_tasks(
@@ -319,7 +444,13 @@ impl RequestHandler for Handler {
         req: ListTasksRequest,
     ) -> Result<ListTasksResponse, A2AError> {
         let obs = Observed::start("ListTasks");
-        obs.unary(self.inner.list_tasks(params, req).await)
+        obs.unary(
+            async {
+                let caller = self.caller(params)?;
+                as_caller(caller, self.inner.list_tasks(params, req)).await
+            }
+            .await,
+        )
     }
 
     async fn cancel_task(
@@ -328,7 +459,14 @@ impl RequestHandler for Handler {
         req: CancelTaskRequest,
     ) -> Result<Task, A2AError> {
         let obs = Observed::start("CancelTask");
-        obs.unary(self.inner.cancel_task(params, req).await)
+        obs.unary(
+            async {
+                let caller = self.caller(params)?;
+                self.check_owner(&caller, &req.id).await?;
+                as_caller(caller, self.inner.cancel_task(params, req)).await
+            }
+            .await,
+        )
     }
 
     async fn subscribe_to_task(
@@ -337,11 +475,21 @@ impl RequestHandler for Handler {
         req: SubscribeToTaskRequest,
     ) -> Result<EventStream, A2AError> {
         let obs = Observed::start("SubscribeToTask");
-        let id = req.id.clone();
-        obs.stream(match self.inner.subscribe_to_task(params, req).await {
-            Err(e) if e.code == error_code::TASK_NOT_FOUND => self.follow_remote(&id).await,
-            other => other,
-        })
+        obs.stream(
+            async {
+                let caller = self.caller(params)?;
+                let id = req.id.clone();
+                self.check_owner(&caller, &id).await?;
+                match as_caller(caller.clone(), self.inner.subscribe_to_task(params, req)).await {
+                    Err(e) if e.code == error_code::TASK_NOT_FOUND => {
+                        self.follow_remote(&caller, &id).await
+                    }
+                    Ok(events) => Ok(ending_as_stored(self.tasks.clone(), events)),
+                    Err(e) => Err(e),
+                }
+            }
+            .await,
+        )
     }
 
     async fn create_push_config(

@@ -83,7 +83,7 @@ impl A2a {
             )
             .with_authorizer(version::VersionCheck);
         Self {
-            handler: Arc::new(follow::Handler::new(handler, turns, tasks)),
+            handler: Arc::new(follow::Handler::new(handler, turns, tasks, auth.is_some())),
             auth,
         }
     }

@@ -7,7 +7,8 @@
 //! Run ─▶ SendStreamingMessage (contextId of this session, metadata "agent")
 //!        WORKING status with a toolCall / toolResult data part ─▶ TOOL_CALL / TOOL_RESULT
 //!        other status messages                               ─▶ not forwarded (debug log)
-//!        artifact chunks (text)                              ─▶ PARTIAL_TEXT
+//!        artifact chunks (text)                              ─▶ PARTIAL_TEXT: the text not
+//!                                                              forwarded yet (see `unsent`)
 //!        COMPLETED: the artifacts' text (else the status
 //!        message's), or a direct Message                    ─▶ FINAL_ANSWER
 //!        INPUT_REQUIRED                                      ─▶ FINAL_ANSWER "The remote agent needs
@@ -48,7 +49,8 @@ const CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Remote {
     /// Read the agent card there (a base URL, or the card's own URL) and use
-    /// `binding`, or the card's JSON-RPC interface, else its gRPC one.
+    /// `binding`, or else the first of the card's interfaces the client speaks
+    /// (JSON-RPC, gRPC), in the card's order.
     Card {
         url: String,
         binding: Option<Binding>,
@@ -196,6 +198,8 @@ struct Relay {
     task_id: Option<String>,
     /// The latest status message's text (an answer some agents give there).
     status_text: String,
+    /// Per artifact id, the text forwarded as PARTIAL_TEXT so far.
+    forwarded: HashMap<String, String>,
 }
 
 /// Cancels the remote task if the run's stream is dropped while the call
@@ -242,8 +246,48 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The agents.v1 events of one remote update.
-fn map_update(agent: &str, ev: &StreamResponse) -> Vec<Event> {
+/// What of an artifact's whole text so far (`current`, as the client
+/// buffers it: a chunk with `append` extends the artifact of its id, one
+/// without replaces it) was not forwarded yet, given `sent`, what was; `sent`
+/// then becomes `current`.
+///
+/// - A chunk that appends, or a replacement that extends what was sent (a
+///   remote sending the whole text so far each time): the new suffix.
+/// - A replacement that is a prefix of what was sent: nothing. This is a
+///   replay (a peer that, on resubscription, sends the turn again from its
+///   first chunk, as an agentd replica following the task's turn does) or a
+///   repeated chunk; once the replay passes what was sent, its new suffix is
+///   forwarded.
+/// - A replacement that rewrites text already forwarded: nothing, now or
+///   later for that artifact unless its text comes back to extend what was
+///   sent. PARTIAL_TEXT cannot take text back, so forwarding the rewrite
+///   would show the caller both versions run together; the FINAL_ANSWER
+///   carries the artifact's final text whatever was streamed.
+fn unsent(agent: &str, artifact_id: &str, sent: &mut String, current: &str) -> Option<String> {
+    match current.strip_prefix(sent.as_str()) {
+        Some("") => None,
+        Some(rest) => {
+            let rest = rest.to_owned();
+            current.clone_into(sent);
+            Some(rest)
+        }
+        None => {
+            if !sent.starts_with(current) {
+                tracing::debug!(%agent, artifact = %artifact_id, "remote_a2a: an artifact rewrote text already streamed; not forwarded");
+            }
+            None
+        }
+    }
+}
+
+/// The agents.v1 events of one remote update; `st`: the call's state with
+/// the update applied; `forwarded`: the text forwarded so far per artifact.
+fn map_update(
+    agent: &str,
+    ev: &StreamResponse,
+    st: &CallState,
+    forwarded: &mut HashMap<String, String>,
+) -> Vec<Event> {
     match ev {
         StreamResponse::StatusUpdate(u) => {
             let Some(m) = &u.status.message else {
@@ -276,15 +320,25 @@ fn map_update(agent: &str, ev: &StreamResponse) -> Vec<Event> {
             }
             out
         }
-        StreamResponse::ArtifactUpdate(u) => {
-            let text = parts_text(&u.artifact.parts);
-            if text.is_empty() {
-                vec![]
-            } else {
-                vec![Event::partial(agent, text)]
-            }
+        // A chunk changes its artifact; a snapshot (after a recovery) may
+        // bring text whose chunks were lost.
+        StreamResponse::ArtifactUpdate(_) | StreamResponse::Task(_) => {
+            let changed = match ev {
+                StreamResponse::ArtifactUpdate(u) => Some(u.artifact.artifact_id.as_str()),
+                _ => None,
+            };
+            st.artifacts
+                .iter()
+                .filter(|b| changed.is_none_or(|id| b.artifact.artifact_id == id))
+                .filter_map(|b| {
+                    let id = &b.artifact.artifact_id;
+                    let sent = forwarded.entry(id.clone()).or_default();
+                    unsent(agent, id, sent, &parts_text(&b.artifact.parts))
+                })
+                .map(|text| Event::partial(agent, text))
+                .collect()
         }
-        StreamResponse::Task(_) | StreamResponse::Message(_) => vec![],
+        StreamResponse::Message(_) => vec![],
     }
 }
 
@@ -406,7 +460,7 @@ impl Agent for RemoteA2aAgent {
                     if let Some(m) = &st.status_message {
                         r.status_text = parts_text(&m.parts);
                     }
-                    let events = map_update(&agent, ev);
+                    let events = map_update(&agent, ev, st, &mut r.forwarded);
                     if !events.is_empty() {
                         r.events.extend(events);
                         ready.notify_one();
@@ -502,6 +556,13 @@ mod tests {
     use super::*;
     use a2a::{Artifact, TaskArtifactUpdateEvent, TaskStatus, TaskStatusUpdateEvent};
 
+    /// One update mapped on its own (no earlier update).
+    fn map_one(agent: &str, ev: &StreamResponse) -> Vec<Event> {
+        let mut st = CallState::new();
+        st.apply(ev);
+        map_update(agent, ev, &st, &mut HashMap::new())
+    }
+
     fn status(parts: Vec<Part>) -> StreamResponse {
         StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
             task_id: "t".into(),
@@ -523,7 +584,7 @@ mod tests {
                 serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c1", "arguments": {"order_id": "1187"}}}),
             ),
         ]);
-        let e = map_update("orders", &call);
+        let e = map_one("orders", &call);
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].kind, super::super::EventKind::ToolCall);
         assert_eq!(
@@ -537,10 +598,10 @@ mod tests {
                 serde_json::json!({"toolResult": {"name": "lookup_order", "id": "c1", "result": {"found": true}}}),
             ),
         ]);
-        let e = map_update("orders", &result);
+        let e = map_one("orders", &result);
         assert_eq!(e[0].kind, super::super::EventKind::ToolResult);
         assert_eq!(e[0].text, "order 1187 is shipped");
-        assert!(map_update("orders", &status(vec![Part::text("thinking")])).is_empty());
+        assert!(map_one("orders", &status(vec![Part::text("thinking")])).is_empty());
     }
 
     #[test]
@@ -560,7 +621,7 @@ mod tests {
             last_chunk: Some(false),
             metadata: None,
         });
-        let e = map_update("x", &chunk);
+        let e = map_one("x", &chunk);
         assert_eq!(
             (e[0].kind, e[0].text.as_str()),
             (super::super::EventKind::PartialText, "Hel")
@@ -572,6 +633,106 @@ mod tests {
         b.parts = vec![Part::text("two")];
         assert_eq!(answer_text(&[u.artifact, b], "ignored"), "Hel\ntwo");
         assert_eq!(answer_text(&[], "from status"), "from status");
+    }
+
+    fn chunk(id: &str, text: &str, append: bool) -> StreamResponse {
+        StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            artifact: Artifact {
+                artifact_id: id.into(),
+                name: None,
+                description: None,
+                parts: vec![Part::text(text)],
+                metadata: None,
+                extensions: None,
+            },
+            append: Some(append),
+            last_chunk: Some(false),
+            metadata: None,
+        })
+    }
+
+    /// The partial texts of `updates`, mapped in order on one call.
+    fn partials(updates: &[StreamResponse]) -> Vec<String> {
+        let (mut st, mut forwarded) = (CallState::new(), HashMap::new());
+        updates
+            .iter()
+            .flat_map(|u| {
+                st.apply(u);
+                map_update("x", u, &st, &mut forwarded)
+            })
+            .map(|e| e.text)
+            .collect()
+    }
+
+    #[test]
+    fn only_text_not_forwarded_yet_is_partial_text_per_artifact() {
+        // Replacements that extend: their new suffix; appends: themselves;
+        // per artifact id.
+        assert_eq!(
+            partials(&[
+                chunk("a", "Hel", false),
+                chunk("b", "x", false),
+                chunk("a", "Hello", false),
+                chunk("b", "y", true),
+                chunk("a", "!", true),
+            ]),
+            ["Hel", "x", "lo", "y", "!"]
+        );
+        // A replay from the first chunk: nothing until it passes what was
+        // sent, then the rest; a repeated chunk: nothing.
+        assert_eq!(
+            partials(&[
+                chunk("a", "Hel", false),
+                chunk("a", "lo", true),
+                chunk("a", "Hel", false),
+                chunk("a", "lo", true),
+                chunk("a", "lo", false),
+                chunk("a", "Hello", false),
+                chunk("a", " world", true),
+            ]),
+            ["Hel", "lo", " world"]
+        );
+        // A rewrite of text already sent: not forwarded, nor what extends
+        // it, until the text extends what was sent again.
+        assert_eq!(
+            partials(&[
+                chunk("a", "Hello wrld", false),
+                chunk("a", "Hello world", false),
+                chunk("a", "!", true),
+                chunk("a", "Hello wrld, bye", false),
+            ]),
+            ["Hello wrld", ", bye"]
+        );
+    }
+
+    #[test]
+    fn a_snapshot_after_a_gap_forwards_the_text_whose_chunks_were_lost() {
+        let mut snapshot = a2a::Task {
+            id: "t".into(),
+            context_id: "c".into(),
+            status: TaskStatus {
+                state: TaskState::Working,
+                message: None,
+                timestamp: None,
+            },
+            artifacts: None,
+            history: None,
+            metadata: None,
+        };
+        let StreamResponse::ArtifactUpdate(u) = chunk("a", "Hello wor", false) else {
+            unreachable!()
+        };
+        snapshot.artifacts = Some(vec![u.artifact]);
+        assert_eq!(
+            partials(&[
+                chunk("a", "Hel", false),
+                StreamResponse::Task(snapshot),
+                chunk("a", "ld", true),
+            ]),
+            ["Hel", "lo wor", "ld"]
+        );
     }
 
     #[test]

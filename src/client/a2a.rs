@@ -152,7 +152,7 @@ pub struct CallState {
 }
 
 impl CallState {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             task_id: None,
             context_id: None,
@@ -195,7 +195,7 @@ impl CallState {
         }
     }
 
-    fn apply(&mut self, event: &StreamResponse) {
+    pub(crate) fn apply(&mut self, event: &StreamResponse) {
         self.last_event_at = Instant::now();
         match event {
             StreamResponse::Task(task) => self.apply_task(task),
@@ -366,8 +366,9 @@ pub struct A2aClient {
 }
 
 impl A2aClient {
-    /// Resolves the agent card at `base_url` and connects over `binding`
-    /// (or the card's first binding this client speaks).
+    /// Resolves the agent card at `base_url` and connects over `binding`,
+    /// or else over the first of the card's interfaces this client speaks
+    /// (JSON-RPC, gRPC), in the card's order.
     pub async fn connect(base_url: &str, binding: Option<Binding>) -> anyhow::Result<Self> {
         Self::connect_with(base_url, binding, None).await
     }
@@ -404,29 +405,60 @@ impl A2aClient {
             .map_err(|e| {
                 anyhow::anyhow!("cannot read the agent card at {base_url}: {}", e.message)
             })?;
-        let mut preferred = vec![
-            a2a::TRANSPORT_PROTOCOL_JSONRPC.to_owned(),
-            a2a::TRANSPORT_PROTOCOL_GRPC.to_owned(),
-        ];
-        if let Some(b) = binding {
-            preferred.retain(|p| p == b.protocol());
-            if !card
-                .supported_interfaces
+        // The bindings this client may use here: the one asked for, else
+        // JSON-RPC and gRPC; gRPC is plaintext only, so an https:// agent
+        // is not called over it unless asked.
+        let speaks: Vec<&str> = match binding {
+            Some(b) => vec![b.protocol()],
+            None if base_url.starts_with("https://") => vec![a2a::TRANSPORT_PROTOCOL_JSONRPC],
+            None => vec![
+                a2a::TRANSPORT_PROTOCOL_JSONRPC,
+                a2a::TRANSPORT_PROTOCOL_GRPC,
+            ],
+        };
+        // A2A §8.3.2: the first interface of the card's (ordered) list that
+        // the client supports. The factory ranks candidates by this list's
+        // order, so it is the card's, with what this client does not speak
+        // left out (and no default factories registered for it).
+        let mut preferred: Vec<String> = Vec::new();
+        let mut jsonrpc = false;
+        let mut grpc = false;
+        for i in &card.supported_interfaces {
+            let Some(p) = speaks
                 .iter()
-                .any(|i| i.protocol_binding.eq_ignore_ascii_case(b.protocol()))
-            {
-                anyhow::bail!(
+                .find(|p| i.protocol_binding.eq_ignore_ascii_case(p))
+            else {
+                continue;
+            };
+            jsonrpc |= *p == a2a::TRANSPORT_PROTOCOL_JSONRPC;
+            grpc |= *p == a2a::TRANSPORT_PROTOCOL_GRPC;
+            if !preferred.contains(&i.protocol_binding) {
+                preferred.push(i.protocol_binding.clone());
+            }
+        }
+        if preferred.is_empty() {
+            match binding {
+                Some(b) => anyhow::bail!(
                     "the agent card at {base_url} offers no {} interface",
                     b.protocol()
-                );
+                ),
+                None => anyhow::bail!(
+                    "the agent card at {base_url} offers no interface this client speaks ({})",
+                    speaks.join(", ")
+                ),
             }
         }
         let mut factory = A2AClientFactory::builder()
-            .register(Arc::new(a2a_client::jsonrpc::JsonRpcTransportFactory::new(
-                Some(http),
-            )))
-            .register(Arc::new(a2a_grpc::GrpcTransportFactory::new()))
+            .no_defaults()
             .preferred_bindings(preferred);
+        if jsonrpc {
+            factory = factory.register(Arc::new(
+                a2a_client::jsonrpc::JsonRpcTransportFactory::new(Some(http)),
+            ));
+        }
+        if grpc {
+            factory = factory.register(Arc::new(a2a_grpc::GrpcTransportFactory::new()));
+        }
         for i in interceptors(token) {
             factory = factory.with_interceptor(i);
         }

@@ -2,18 +2,27 @@
 //! PostgreSQL (table `a2a_tasks`, migration 0003), and one in memory.
 //!
 //! A row holds the serialized task (its A2A JSON) with the columns ListTasks
-//! filters and pages on (context, state, status time, creation order) and a
-//! version for optimistic updates. Every task belongs to the session of its
-//! context ([`context_session`]): creating a task creates that session when
-//! it is missing, and deleting the session (DeleteSession) deletes its tasks
-//! (`ON DELETE CASCADE`). Tasks are not pruned otherwise.
+//! filters and pages on (context, state, status time, creation order), its
+//! owner and a version for optimistic updates. Every task belongs to the
+//! session of its context ([`context_session`]): creating a task creates that
+//! session when it is missing, and deleting the session (DeleteSession)
+//! deletes its tasks (`ON DELETE CASCADE`). Tasks are not pruned otherwise.
+//!
+//! Every task is owned by the user who created it (the authenticated
+//! caller, or [`A2A_USER`] without authentication), and a caller sees its own
+//! tasks only. The A2A handler (`a2a::follow`) checks the owner
+//! ([`A2aTasks::owner`]) before a task is read, cancelled, followed or
+//! continued, and runs every call as its caller ([`as_caller`]): the
+//! `TaskStore` face creates a task for that caller and lists only that
+//! caller's tasks, and refuses to do either outside a call.
 //!
 //! The session of a context is derived, not looked up: a name-based UUID of
 //! (user, contextId). Every replica computes the same id, and creating it is
 //! `INSERT … ON CONFLICT DO NOTHING`, so two replicas racing on a new context
 //! end up in one session.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use a2a::{A2AError, ListTasksRequest, ListTasksResponse, Task, TaskState};
 use a2a_server::TaskStore;
@@ -23,9 +32,29 @@ use async_trait::async_trait;
 use super::{StoreError, StoreResult};
 use crate::domain::{SessionId, UserId};
 
-/// The user every A2A task runs as: the A2A handler passes no caller
-/// identity to its executor or its task store.
+/// The user A2A tasks run as, and belong to, when authentication is off
+/// (with it on, a task runs as and belongs to its authenticated caller).
 pub const A2A_USER: &str = "a2a-anonymous";
+
+tokio::task_local! {
+    /// The user an A2A call is made by, while the handler serves it.
+    static CALLER: UserId;
+}
+
+/// Runs `f`, one A2A call of `caller`: the tasks it creates are
+/// `caller`'s, and it lists `caller`'s tasks only.
+pub async fn as_caller<F: std::future::Future>(caller: UserId, f: F) -> F::Output {
+    CALLER.scope(caller, f).await
+}
+
+/// The caller of the A2A call being served; outside one, an error (a task
+/// is never created or listed for nobody).
+fn caller() -> Result<UserId, A2AError> {
+    CALLER.try_with(UserId::clone).map_err(|_| {
+        tracing::error!("an A2A task was created or listed outside a caller's call");
+        A2AError::internal("the task store was used without a caller")
+    })
+}
 
 /// Optimistic retries of a CancelTask racing other writes to one task.
 const CANCEL_ATTEMPTS: usize = 16;
@@ -71,12 +100,30 @@ fn a2a_user() -> UserId {
     UserId::parse(A2A_USER).expect("a valid user id")
 }
 
-/// What the A2A face needs from a store beyond the task store itself.
+/// What the A2A face needs from a store beyond the task store itself. Its
+/// `TaskStore::create` and `TaskStore::list` are [`Self::create_for`] and
+/// [`Self::list_for`] for the caller of the call being served
+/// ([`as_caller`]); `get`, `update` and `begin_cancel` are not scoped (the
+/// handler checks [`Self::owner`] first; a run's own writes have no caller).
 #[async_trait]
 pub trait A2aTasks: TaskStore {
     /// Creates session `id` for `user` unless it exists. Race-free: any
     /// number of replicas may call it at once.
     async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()>;
+
+    /// Stores the new `task`, owned by `owner`.
+    async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError>;
+
+    /// ListTasks over `owner`'s tasks.
+    async fn list_for(
+        &self,
+        owner: &UserId,
+        req: &ListTasksRequest,
+    ) -> Result<ListTasksResponse, A2AError>;
+
+    /// The owner of task `task_id`; `None` when there is no such task (or,
+    /// for a task an older release stored, no owner can be told yet).
+    async fn owner(&self, task_id: &str) -> Result<Option<UserId>, A2AError>;
 }
 
 /// Gives a store's A2A task store. A supertrait of
@@ -177,8 +224,25 @@ fn listed(mut task: Task, req: &ListTasksRequest) -> Task {
 /// same terminal state may be written again (idempotent re-emission).
 fn update_refused(task_id: &str, current: &TaskState, next: &TaskState) -> A2AError {
     A2AError::invalid_request(format!(
-        "task {task_id} is in terminal state {current:?} and cannot transition to {next:?}"
+        "{REFUSED_PREFIX}{task_id}{REFUSED_INFIX}{current:?} and cannot transition to {next:?}"
     ))
+}
+
+const REFUSED_PREFIX: &str = "task ";
+const REFUSED_INFIX: &str = " is in terminal state ";
+
+/// The task whose update was refused because it is terminal already (the
+/// run of a task another replica cancelled, writing its next update), if
+/// `e` is that refusal.
+pub fn refused_task_id(e: &A2AError) -> Option<&str> {
+    if e.code != a2a::error_code::INVALID_REQUEST {
+        return None;
+    }
+    e.message
+        .strip_prefix(REFUSED_PREFIX)?
+        .split_once(REFUSED_INFIX)
+        .map(|(id, _)| id)
+        .filter(|id| !id.is_empty())
 }
 
 macro_rules! sql_task_store {
@@ -246,11 +310,8 @@ macro_rules! sql_task_store {
             async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()> {
                 Self::ensure_session_on(&self.write, id, user).await
             }
-        }
 
-        #[async_trait]
-        impl TaskStore for $name {
-            async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+            async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError> {
                 let json = encode(&task)?;
                 // The session is the executor's to create (it knows the
                 // caller); the task is tied to it by the first update that
@@ -259,8 +320,8 @@ macro_rules! sql_task_store {
                 let now = super::to_micros(std::time::SystemTime::now());
                 let mut tx = self.write.begin().await.map_err(super::sql::db_err).map_err(a2a_err)?;
                 let done = sqlx::query(
-                    "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $8) ON CONFLICT (id) DO NOTHING",
+                    "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at, owner) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, 1, $8, $8, $9) ON CONFLICT (id) DO NOTHING",
                 )
                 .bind(&task.id)
                 .bind(&task.context_id)
@@ -270,6 +331,7 @@ macro_rules! sql_task_store {
                 .bind(status_micros(&task))
                 .bind(json)
                 .bind(now)
+                .bind(owner.as_str())
                 .execute(&mut *tx)
                 .await
                 .map_err(super::sql::db_err)
@@ -279,6 +341,103 @@ macro_rules! sql_task_store {
                 }
                 tx.commit().await.map_err(super::sql::db_err).map_err(a2a_err)?;
                 Ok(1)
+            }
+
+            async fn owner(&self, task_id: &str) -> Result<Option<UserId>, A2AError> {
+                use sqlx::Row as _;
+                // A row an older release wrote during a rolling upgrade has
+                // no owner: its session's user is.
+                let row = sqlx::query(
+                    "SELECT COALESCE(t.owner, s.user_id) AS owner FROM a2a_tasks t \
+                     LEFT JOIN sessions s ON s.id = t.session_id WHERE t.id = $1",
+                )
+                .bind(task_id)
+                .fetch_optional(&self.read)
+                .await
+                .map_err(super::sql::db_err)
+                .map_err(a2a_err)?;
+                let Some(row) = row else {
+                    return Ok(None);
+                };
+                let owner: Option<String> = row.try_get("owner").map_err(super::sql::db_err).map_err(a2a_err)?;
+                Ok(owner.and_then(|o| UserId::parse(o).ok()))
+            }
+
+            async fn list_for(&self, owner: &UserId, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+                use sqlx::Row as _;
+                let page_size = a2a_server::pagination::resolve_page_size(req.page_size);
+                let cursor = match req.page_token.as_deref().filter(|t| !t.is_empty()) {
+                    Some(t) => Some(decode_cursor(t)?),
+                    None => None,
+                };
+                let context = req.context_id.as_deref().filter(|c| !c.is_empty());
+                let state = req
+                    .status
+                    .as_ref()
+                    .filter(|s| **s != TaskState::Unspecified)
+                    .map(state_name);
+                let after = req.status_timestamp_after.map(|t| t.timestamp_micros());
+                // The owner's tasks; a row an older release wrote during a
+                // rolling upgrade has no owner, and is its session's user's.
+                const FILTER: &str = "(owner = $1 OR (owner IS NULL AND session_id IN (SELECT id FROM sessions WHERE user_id = $1))) \
+                    AND ($2 IS NULL OR context_id = $2) AND ($3 IS NULL OR state = $3) AND ($4 IS NULL OR status_at >= $4)";
+                let total: i64 = sqlx::query(&format!("SELECT COUNT(*) AS n FROM a2a_tasks WHERE {FILTER}"))
+                    .bind(owner.as_str())
+                    .bind(context)
+                    .bind(state.as_deref())
+                    .bind(after)
+                    .fetch_one(&self.read)
+                    .await
+                    .and_then(|r| r.try_get("n"))
+                    .map_err(super::sql::db_err)
+                    .map_err(a2a_err)?;
+                let rows = sqlx::query(&format!(
+                    "SELECT id, created_at, task_json FROM a2a_tasks WHERE {FILTER} \
+                     AND ($5 IS NULL OR created_at < $5 OR (created_at = $5 AND id < $6)) \
+                     ORDER BY created_at DESC, id DESC LIMIT $7"
+                ))
+                .bind(owner.as_str())
+                .bind(context)
+                .bind(state.as_deref())
+                .bind(after)
+                .bind(cursor.as_ref().map(|c| c.0))
+                .bind(cursor.as_ref().map(|c| c.1.as_str()).unwrap_or(""))
+                .bind(page_size as i64 + 1)
+                .fetch_all(&self.read)
+                .await
+                .map_err(super::sql::db_err)
+                .map_err(a2a_err)?;
+                let more = rows.len() > page_size;
+                let mut tasks = Vec::with_capacity(page_size);
+                let mut last = None;
+                for r in rows.iter().take(page_size) {
+                    let json: String = r.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let id: String = r.try_get("id").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let created: i64 = r.try_get("created_at").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    tasks.push(listed(decode(&json)?, req));
+                    last = Some((created, id));
+                }
+                let next_page_token = match (more, last) {
+                    (true, Some((c, id))) => encode_cursor(c, &id),
+                    _ => String::new(),
+                };
+                Ok(ListTasksResponse {
+                    tasks,
+                    next_page_token,
+                    page_size: page_size as i32,
+                    total_size: i32::try_from(total).unwrap_or(i32::MAX),
+                })
+            }
+        }
+
+        #[async_trait]
+        impl TaskStore for $name {
+            async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+                self.create_for(&caller()?, task).await
+            }
+
+            async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+                self.list_for(&caller()?, req).await
             }
 
             async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
@@ -328,67 +487,6 @@ macro_rules! sql_task_store {
                 }
             }
 
-            async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
-                use sqlx::Row as _;
-                let page_size = a2a_server::pagination::resolve_page_size(req.page_size);
-                let cursor = match req.page_token.as_deref().filter(|t| !t.is_empty()) {
-                    Some(t) => Some(decode_cursor(t)?),
-                    None => None,
-                };
-                let context = req.context_id.as_deref().filter(|c| !c.is_empty());
-                let state = req
-                    .status
-                    .as_ref()
-                    .filter(|s| **s != TaskState::Unspecified)
-                    .map(state_name);
-                let after = req.status_timestamp_after.map(|t| t.timestamp_micros());
-                const FILTER: &str = "($1 IS NULL OR context_id = $1) AND ($2 IS NULL OR state = $2) AND ($3 IS NULL OR status_at >= $3)";
-                let total: i64 = sqlx::query(&format!("SELECT COUNT(*) AS n FROM a2a_tasks WHERE {FILTER}"))
-                    .bind(context)
-                    .bind(state.as_deref())
-                    .bind(after)
-                    .fetch_one(&self.read)
-                    .await
-                    .and_then(|r| r.try_get("n"))
-                    .map_err(super::sql::db_err)
-                    .map_err(a2a_err)?;
-                let rows = sqlx::query(&format!(
-                    "SELECT id, created_at, task_json FROM a2a_tasks WHERE {FILTER} \
-                     AND ($4 IS NULL OR created_at < $4 OR (created_at = $4 AND id < $5)) \
-                     ORDER BY created_at DESC, id DESC LIMIT $6"
-                ))
-                .bind(context)
-                .bind(state.as_deref())
-                .bind(after)
-                .bind(cursor.as_ref().map(|c| c.0))
-                .bind(cursor.as_ref().map(|c| c.1.as_str()).unwrap_or(""))
-                .bind(page_size as i64 + 1)
-                .fetch_all(&self.read)
-                .await
-                .map_err(super::sql::db_err)
-                .map_err(a2a_err)?;
-                let more = rows.len() > page_size;
-                let mut tasks = Vec::with_capacity(page_size);
-                let mut last = None;
-                for r in rows.iter().take(page_size) {
-                    let json: String = r.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
-                    let id: String = r.try_get("id").map_err(super::sql::db_err).map_err(a2a_err)?;
-                    let created: i64 = r.try_get("created_at").map_err(super::sql::db_err).map_err(a2a_err)?;
-                    tasks.push(listed(decode(&json)?, req));
-                    last = Some((created, id));
-                }
-                let next_page_token = match (more, last) {
-                    (true, Some((c, id))) => encode_cursor(c, &id),
-                    _ => String::new(),
-                };
-                Ok(ListTasksResponse {
-                    tasks,
-                    next_page_token,
-                    page_size: page_size as i32,
-                    total_size: i32::try_from(total).unwrap_or(i32::MAX),
-                })
-            }
-
             async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
                 use sqlx::Row as _;
                 for _ in 0..CANCEL_ATTEMPTS {
@@ -436,10 +534,14 @@ macro_rules! sql_task_store {
 sql_task_store!(SqliteTasks, sqlx::Sqlite);
 sql_task_store!(PostgresTasks, sqlx::Postgres);
 
-/// The in-memory store's A2A tasks: the crate's in-memory task store, with
+/// The in-memory store's A2A tasks: one of the crate's in-memory task
+/// stores per owner (so each lists and pages its owner's tasks only), with
 /// sessions created in the memory store.
 pub struct MemoryTasks {
-    tasks: a2a_server::InMemoryTaskStore,
+    /// Each owner's tasks.
+    by_owner: Mutex<HashMap<UserId, Arc<a2a_server::InMemoryTaskStore>>>,
+    /// The owner of each task.
+    owners: Mutex<HashMap<String, UserId>>,
     ensure: Box<EnsureSession>,
 }
 
@@ -450,9 +552,30 @@ impl MemoryTasks {
     /// `ensure` creates a session in the memory store unless it exists.
     pub fn new(ensure: impl Fn(SessionId, &UserId) + Send + Sync + 'static) -> Self {
         Self {
-            tasks: a2a_server::InMemoryTaskStore::new(),
+            by_owner: Mutex::default(),
+            owners: Mutex::default(),
             ensure: Box::new(ensure),
         }
+    }
+
+    /// The store of `owner`'s tasks, created on first use when `create`.
+    fn store_of(&self, owner: &UserId, create: bool) -> Option<Arc<a2a_server::InMemoryTaskStore>> {
+        let mut by_owner = self.by_owner.lock().unwrap_or_else(|e| e.into_inner());
+        if create {
+            return Some(by_owner.entry(owner.clone()).or_default().clone());
+        }
+        by_owner.get(owner).cloned()
+    }
+
+    /// The store holding task `task_id`.
+    fn store_with(&self, task_id: &str) -> Option<Arc<a2a_server::InMemoryTaskStore>> {
+        let owner = self
+            .owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(task_id)
+            .cloned()?;
+        self.store_of(&owner, false)
     }
 }
 
@@ -462,26 +585,69 @@ impl A2aTasks for MemoryTasks {
         (self.ensure)(id, user);
         Ok(())
     }
+
+    async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError> {
+        let id = task.id.clone();
+        if self.store_with(&id).is_some() {
+            return Err(A2AError::internal("task already exists"));
+        }
+        let store = self.store_of(owner, true).expect("created");
+        let version = store.create(task).await?;
+        self.owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, owner.clone());
+        Ok(version)
+    }
+
+    async fn list_for(
+        &self,
+        owner: &UserId,
+        req: &ListTasksRequest,
+    ) -> Result<ListTasksResponse, A2AError> {
+        let store = self
+            .store_of(owner, false)
+            .unwrap_or_else(|| Arc::new(a2a_server::InMemoryTaskStore::new()));
+        let mut page = store.list(req).await?;
+        page.tasks = page.tasks.into_iter().map(|t| listed(t, req)).collect();
+        Ok(page)
+    }
+
+    async fn owner(&self, task_id: &str) -> Result<Option<UserId>, A2AError> {
+        Ok(self
+            .owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(task_id)
+            .cloned())
+    }
 }
 
 #[async_trait]
 impl TaskStore for MemoryTasks {
     async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
-        self.tasks.create(task).await
+        self.create_for(&caller()?, task).await
     }
     async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
-        self.tasks.update(task).await
+        match self.store_with(&task.id) {
+            Some(store) => store.update(task).await,
+            None => Err(A2AError::task_not_found(&task.id)),
+        }
     }
     async fn get(&self, task_id: &str) -> Result<Option<Task>, A2AError> {
-        self.tasks.get(task_id).await
+        match self.store_with(task_id) {
+            Some(store) => store.get(task_id).await,
+            None => Ok(None),
+        }
     }
     async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
-        let mut page = self.tasks.list(req).await?;
-        page.tasks = page.tasks.into_iter().map(|t| listed(t, req)).collect();
-        Ok(page)
+        self.list_for(&caller()?, req).await
     }
     async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
-        self.tasks.begin_cancel(task_id).await
+        match self.store_with(task_id) {
+            Some(store) => store.begin_cancel(task_id).await,
+            None => Err(A2AError::task_not_found(task_id)),
+        }
     }
 }
 
@@ -502,6 +668,14 @@ mod tests {
         let (ab, a) = (UserId::parse("ab").unwrap(), UserId::parse("a").unwrap());
         assert_ne!(context_session(&ab, "c"), context_session(&a, "bc"));
         assert_eq!(context_session(&alice, "c1").as_uuid().get_version_num(), 8);
+    }
+
+    #[test]
+    fn a_refused_update_names_its_task() {
+        let e = update_refused("t-1", &TaskState::Canceled, &TaskState::Working);
+        assert_eq!(refused_task_id(&e), Some("t-1"));
+        assert_eq!(refused_task_id(&A2AError::invalid_request("task x")), None);
+        assert_eq!(refused_task_id(&A2AError::task_not_found("t-1")), None);
     }
 
     #[test]

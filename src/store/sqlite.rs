@@ -1255,4 +1255,89 @@ mod tests {
             "{err}"
         );
     }
+
+    /// A2A tasks stored before tasks had owners belong, once migrated, to
+    /// the user of their session, or to the anonymous A2A user when they
+    /// never named one; each user lists only its own.
+    #[tokio::test]
+    async fn a2a_tasks_stored_before_owners_belong_to_their_sessions_user() {
+        use crate::domain::UserId;
+        use crate::store::a2a_tasks::A2A_USER;
+        let dir = tempfile::tempdir().unwrap();
+        const BEFORE_OWNERS: [&str; 6] = [
+            "0001_sessions_turns_events.sql",
+            "0002_event_batches.sql",
+            "0003_a2a_tasks.sql",
+            "0004_event_log_file.sql",
+            "0005_event_log_by_turn_number.sql",
+            "0006_claim_touches_session.sql",
+        ];
+        let (url, old, sid) = older_database(&dir, &BEFORE_OWNERS).await;
+        for (id, session) in [("t-alice", Some(sid.as_str())), ("t-refused", None)] {
+            let task = serde_json::json!({
+                "id": id, "contextId": "c", "status": {"state": "TASK_STATE_COMPLETED"}
+            });
+            sqlx::query(
+                "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at) \
+                 VALUES ($1, 'c', $2, 'TASK_STATE_COMPLETED', 1, 1, $3, 1, 1, 1)",
+            )
+            .bind(id)
+            .bind(session)
+            .bind(task.to_string())
+            .execute(&old)
+            .await
+            .unwrap();
+        }
+        old.close().await;
+        let store = SqliteStore::open(&url).await.unwrap();
+        let tasks = crate::store::a2a_tasks::A2aTaskSource::a2a_tasks(&store);
+        let (alice, anonymous) = (
+            UserId::parse("alice").unwrap(),
+            UserId::parse(A2A_USER).unwrap(),
+        );
+        assert_eq!(tasks.owner("t-alice").await.unwrap(), Some(alice.clone()));
+        assert_eq!(
+            tasks.owner("t-refused").await.unwrap(),
+            Some(anonymous.clone())
+        );
+        assert_eq!(tasks.owner("t-none").await.unwrap(), None);
+        let req = a2a::ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: None,
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        };
+        for (user, id) in [(&alice, "t-alice"), (&anonymous, "t-refused")] {
+            let page = tasks.list_for(user, &req).await.unwrap();
+            let ids: Vec<_> = page.tasks.iter().map(|t| t.id.as_str()).collect();
+            assert_eq!((ids, page.total_size), (vec![id], 1), "{user}");
+        }
+        // A row written without an owner (by an older release, during a
+        // rolling upgrade of replicas sharing a database) is its session's
+        // user's.
+        sqlx::query(
+            "INSERT INTO a2a_tasks (id, context_id, session_id, state, terminal, status_at, task_json, version, created_at, updated_at) \
+             VALUES ('t-older', 'c', $1, 'TASK_STATE_WORKING', 0, 2, $2, 1, 2, 2)",
+        )
+        .bind(&sid)
+        .bind(
+            serde_json::json!({"id": "t-older", "contextId": "c", "status": {"state": "TASK_STATE_WORKING"}})
+                .to_string(),
+        )
+        .execute(&store.write)
+        .await
+        .unwrap();
+        assert_eq!(tasks.owner("t-older").await.unwrap(), Some(alice.clone()));
+        let page = tasks.list_for(&alice, &req).await.unwrap();
+        let ids: Vec<_> = page.tasks.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["t-older", "t-alice"]);
+        assert_eq!(
+            tasks.list_for(&anonymous, &req).await.unwrap().total_size,
+            1
+        );
+    }
 }

@@ -35,12 +35,36 @@ impl A2aServer {
 
     /// `conformance`: serve the conformance agent with this resubscribe wait.
     pub async fn start_with(tool_delay: Duration, conformance: Option<Duration>) -> Self {
-        Self::start_full(tool_delay, conformance, None).await
+        Self::start_full(
+            tool_delay,
+            conformance,
+            None,
+            Arc::new(MemoryStore::new()),
+            "test",
+        )
+        .await
     }
 
     /// With authentication on: bearer tokens from `tokens_json` (the
     /// `--auth-tokens` format) on every face.
     pub async fn start_secured(tokens_json: &str) -> Self {
+        Self::start_secured_on(
+            tokens_json,
+            Arc::new(MemoryStore::new()),
+            Duration::ZERO,
+            "test",
+        )
+        .await
+    }
+
+    /// [`Self::start_secured`] on `store` as replica `replica_id`, the order
+    /// helper's tool taking `tool_delay`.
+    pub async fn start_secured_on(
+        tokens_json: &str,
+        store: Arc<dyn agentd::store::Store>,
+        tool_delay: Duration,
+        replica_id: &str,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokens.json");
         std::fs::write(&path, tokens_json).unwrap();
@@ -53,13 +77,15 @@ impl A2aServer {
                 .collect::<Vec<_>>(),
         )
         .unwrap();
-        Self::start_full(Duration::ZERO, None, Some(Arc::new(auth))).await
+        Self::start_full(tool_delay, None, Some(Arc::new(auth)), store, replica_id).await
     }
 
     async fn start_full(
         tool_delay: Duration,
         conformance: Option<Duration>,
         auth: Option<Arc<agentd::auth::Authenticator>>,
+        store: Arc<dyn agentd::store::Store>,
+        replica_id: &str,
     ) -> Self {
         let helper = OrderHelper::new(tool_delay);
         let tool = helper.stats();
@@ -67,10 +93,10 @@ impl A2aServer {
             vec![Arc::new(helper), Arc::new(Echo), Arc::new(Streamer)];
         let registry = AgentRegistry::new(agents, "order_helper").unwrap();
         let turns = Turns::new(
-            Arc::new(MemoryStore::new()),
+            store,
             registry,
             TurnConfig {
-                replica_id: "test".into(),
+                replica_id: replica_id.into(),
                 ..TurnConfig::default()
             },
         );
