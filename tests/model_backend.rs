@@ -925,7 +925,8 @@ async fn tool_server() -> String {
                 }
             }),
         )
-        .route("/big", post(|| async { "x".repeat(10_000) }));
+        .route("/big", post(|| async { "x".repeat(10_000) }))
+        .route("/text", post(|| async { "In stock: 4\n" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -944,8 +945,78 @@ description = "The whole catalog."
 url = "{tools_url}/big"
 parameters = {{ type = "object" }}
 max_response_bytes = 1000
+[tools.note]
+description = "A note in plain text."
+url = "{tools_url}/text"
+parameters = {{ type = "object" }}
 "#
     )
+}
+
+#[tokio::test]
+async fn a_tool_result_in_plain_text_goes_back_to_the_model_as_it_came() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"n","type":"function",
+        "function":{"name":"note","arguments":"{}"}}]},"finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Four."), stop(), DONE.into()]),
+    ])
+    .await;
+    let tools = tool_server().await;
+    let file = agents_file(&f.url, "")
+        .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["note"]"#)
+        + &http_tools(&tools);
+    let mut d = Agentd::start(&file).await;
+    let s = d.session("u1").await;
+    let (_, status) = d
+        .run("u1", &s, "helper", "stock?", Duration::from_secs(20))
+        .await;
+    status.unwrap();
+    let seen = f.seen.lock().unwrap().clone();
+    let tool = seen[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .cloned()
+        .unwrap();
+    assert_eq!(tool["content"], "In stock: 4\n", "not quoted as JSON");
+    d.stop().await;
+}
+
+/// What agentd holds of one answer is bounded: text, and each server-sent
+/// event (the SSE parser holds a line whole until it ends).
+#[tokio::test]
+async fn an_answer_past_agentds_bounds_is_failed_precondition_not_held_in_memory() {
+    let mib = "x".repeat(1 << 20);
+    let f = fake(vec![
+        Reply::Sse(vec![
+            text(&mib),
+            text(&mib),
+            text(&mib),
+            stop(),
+            DONE.into(),
+        ]),
+        // One event of 5 MiB whose text is short: only the event is large.
+        Reply::Sse(vec![
+            json!({"choices":[{"index":0,"delta":{"content":"y"}}],"padding":"y".repeat(5 << 20)})
+                .to_string(),
+            stop(),
+            DONE.into(),
+        ]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    for rid in ["long-text", "long-event"] {
+        let (_, status) = d
+            .run("u1", &s, "helper", rid, Duration::from_secs(30))
+            .await;
+        let st = status.unwrap_err();
+        assert_eq!(st.code(), Code::FailedPrecondition, "{rid}: {st:?}");
+        assert!(st.message().contains("max_tokens"), "{rid}: {st:?}");
+    }
+    d.stop().await;
 }
 
 #[tokio::test]

@@ -164,6 +164,9 @@ pub struct HttpTool {
     def: ToolDef,
     http: reqwest::Client,
     url: reqwest::Url,
+    /// `url` as logs show it: without credentials or query, which can carry
+    /// secrets.
+    shown_url: String,
     headers: reqwest::header::HeaderMap,
     /// How long one call may take.
     timeout: Duration,
@@ -180,10 +183,15 @@ impl HttpTool {
         timeout: Duration,
         max_response_bytes: usize,
     ) -> Self {
+        let mut shown = url.clone();
+        let _ = shown.set_username("");
+        let _ = shown.set_password(None);
+        shown.set_query(None);
         Self {
             def,
             http,
             url,
+            shown_url: shown.to_string(),
             headers,
             timeout,
             max_response_bytes,
@@ -203,8 +211,10 @@ impl HttpTool {
             .send()
             .await
             .map_err(|e| {
-                tracing::warn!(tool = %self.def.name, url = %self.url, error = %e, "HTTP tool unreachable");
-                if e.is_timeout() { "the tool timed out".to_owned() } else { "the tool is unreachable".to_owned() }
+                let timeout = e.is_timeout();
+                let e = e.without_url();
+                tracing::warn!(tool = %self.def.name, url = %self.shown_url, error = %e, "HTTP tool unreachable");
+                if timeout { "the tool timed out".to_owned() } else { "the tool is unreachable".to_owned() }
             })?;
         let status = resp.status();
         let mut body = Vec::new();
@@ -221,8 +231,10 @@ impl HttpTool {
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    let timeout = e.is_timeout();
+                    let e = e.without_url();
                     tracing::warn!(tool = %self.def.name, error = %e, "HTTP tool response broke");
-                    return Err(if e.is_timeout() {
+                    return Err(if timeout {
                         "the tool timed out"
                     } else {
                         "the tool's response broke off"

@@ -54,7 +54,18 @@ pub enum StreamError {
     Server { code: Option<u16>, detail: String },
     #[error("the stream ended before [DONE]")]
     Truncated,
+    /// Past one of agentd's bounds on what it holds of one answer.
+    #[error("the answer passed agentd's limit of {limit} {what}")]
+    TooLarge { what: &'static str, limit: usize },
 }
+
+/// The most text one answer may hold (it is kept whole, and sent whole as
+/// the final answer's event).
+pub const MAX_TEXT_BYTES: usize = 2 << 20;
+/// The most bytes of arguments one tool call may hold.
+pub const MAX_ARGUMENTS_BYTES: usize = 1 << 20;
+/// The most tool calls one answer may make (each runs, at once).
+pub const MAX_TOOL_CALLS: usize = 128;
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -133,10 +144,16 @@ impl Accumulator {
         {
             if let Some(text) = choice.delta.content.filter(|t| !t.is_empty()) {
                 self.text.push_str(&text);
+                if self.text.len() > MAX_TEXT_BYTES {
+                    return Err(StreamError::TooLarge {
+                        what: "bytes of text",
+                        limit: MAX_TEXT_BYTES,
+                    });
+                }
                 out.push(Output::Text(text));
             }
             for delta in choice.delta.tool_calls.into_iter().flatten() {
-                self.tool_delta(delta, &mut out);
+                self.tool_delta(delta, &mut out)?;
             }
             if let Some(reason) = choice.finish_reason.filter(|r| !r.is_empty()) {
                 self.finish_reason = Some(reason);
@@ -145,11 +162,17 @@ impl Accumulator {
         Ok(out)
     }
 
-    fn tool_delta(&mut self, d: ToolCallDelta, out: &mut Vec<Output>) {
+    fn tool_delta(&mut self, d: ToolCallDelta, out: &mut Vec<Output>) -> Result<(), StreamError> {
         let id = d.id.filter(|s| !s.is_empty());
         let slot = match self.find_slot(d.index, id.as_deref()) {
             Some(i) => i,
             None => {
+                if self.slots.len() == MAX_TOOL_CALLS {
+                    return Err(StreamError::TooLarge {
+                        what: "tool calls",
+                        limit: MAX_TOOL_CALLS,
+                    });
+                }
                 // A new call starts: every earlier one is complete.
                 for i in self.ready..self.slots.len() {
                     out.push(Output::ToolCallReady(i));
@@ -184,9 +207,16 @@ impl Accumulator {
                 Some(Value::Null) | None => {}
                 Some(whole) => s.arguments.push_str(&whole.to_string()),
             }
+            if s.arguments.len() > MAX_ARGUMENTS_BYTES {
+                return Err(StreamError::TooLarge {
+                    what: "bytes of arguments in one tool call",
+                    limit: MAX_ARGUMENTS_BYTES,
+                });
+            }
             s.function_extra.extend(f.extra);
         }
         s.extra.extend(d.extra);
+        Ok(())
     }
 
     /// The slot this fragment continues, or `None` for a new call.
@@ -455,6 +485,40 @@ data: [DONE]
             ("Order 1187 has shipped.", Finish::Stop)
         );
         assert!(c.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn an_answer_past_the_bounds_is_an_error() {
+        let mut acc = Accumulator::new("c");
+        let big = serde_json::json!({"choices":[{"index":0,"delta":{"content":"x".repeat(MAX_TEXT_BYTES)}}]});
+        acc.push(&big.to_string()).unwrap();
+        let one_more = r#"{"choices":[{"index":0,"delta":{"content":"x"}}]}"#;
+        assert!(matches!(
+            acc.push(one_more),
+            Err(StreamError::TooLarge { .. })
+        ));
+
+        let mut acc = Accumulator::new("c");
+        let call = |i: usize| {
+            serde_json::json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":i,"id":format!("c{i}"),
+                "function":{"name":"f","arguments":"{}"}}]}}]})
+            .to_string()
+        };
+        for i in 0..MAX_TOOL_CALLS {
+            acc.push(&call(i)).unwrap();
+        }
+        assert!(matches!(
+            acc.push(&call(MAX_TOOL_CALLS)),
+            Err(StreamError::TooLarge { .. })
+        ));
+
+        let mut acc = Accumulator::new("c");
+        let args = serde_json::json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a",
+            "function":{"name":"f","arguments":"x".repeat(MAX_ARGUMENTS_BYTES + 1)}}]}}]});
+        assert!(matches!(
+            acc.push(&args.to_string()),
+            Err(StreamError::TooLarge { .. })
+        ));
     }
 
     #[test]

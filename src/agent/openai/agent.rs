@@ -29,7 +29,9 @@ pub struct FirstCall {
     /// it to the server's default, so the model can answer.
     pub tool_choice: Option<String>,
     /// Text sent as a trailing assistant message on the first call, which
-    /// servers that support prefill (llama.cpp, vLLM) continue from.
+    /// servers that continue such a message by default (llama.cpp's
+    /// llama-server) continue from. vLLM does only when asked
+    /// (`continue_final_message`), which agentd does not send.
     pub prefill: Option<String>,
 }
 
@@ -185,7 +187,12 @@ impl Agent for ModelAgent {
                 }
                 for (c, r) in calls.iter().zip(results) {
                     let r = r.expect("every call reported");
-                    messages.push(Message::Tool { tool_call_id: c.id.clone(), content: r.result.to_string() });
+                    // Text as it came; anything else as JSON.
+                    let content = match r.result {
+                        serde_json::Value::String(text) => text,
+                        other => other.to_string(),
+                    };
+                    messages.push(Message::Tool { tool_call_id: c.id.clone(), content });
                 }
             }
         })

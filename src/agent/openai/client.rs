@@ -107,10 +107,7 @@ pub enum Step {
 }
 
 type Events = Pin<
-    Box<
-        dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>
-            + Send,
-    >,
+    Box<dyn Stream<Item = Result<eventsource_stream::Event, EventStreamError<BodyError>>> + Send>,
 >;
 
 /// A completion in progress. Dropping it closes the HTTP request.
@@ -119,7 +116,7 @@ pub struct ChatStream {
     acc: Option<Accumulator>,
     pending: std::collections::VecDeque<Output>,
     /// An item read ahead while merging text, handled by the next call.
-    lookahead: Option<Option<Result<eventsource_stream::Event, EventStreamError<reqwest::Error>>>>,
+    lookahead: Option<Option<Result<eventsource_stream::Event, EventStreamError<BodyError>>>>,
     /// A failure met while merging text, returned by the next call.
     deferred: Option<AgentError>,
     /// Whether a text step went out: the first one never waits to merge,
@@ -177,7 +174,7 @@ impl ChatClient {
             return Err(self.http_error(resp).await);
         }
         Ok(ChatStream {
-            events: Box::pin(resp.bytes_stream().eventsource()),
+            events: Box::pin(bounded_sse(resp.bytes_stream(), MAX_SSE_EVENT_BYTES).eventsource()),
             acc: Some(Accumulator::new(id_prefix)),
             pending: Default::default(),
             lookahead: None,
@@ -215,6 +212,50 @@ impl ChatClient {
     }
 }
 
+/// The most bytes one server-sent event (its lines together) may take: the
+/// SSE parser holds a line, and an event's data lines, whole until they
+/// end, with no bound of its own.
+pub const MAX_SSE_EVENT_BYTES: usize = 4 << 20;
+
+/// A model stream's body failed, or sent an event past the bound.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+    #[error("a server-sent event passed the size bound")]
+    TooLarge,
+}
+
+/// `body`, refused once a line or an event (lines up to a blank one) grows
+/// past `max` bytes. Carriage returns are not counted.
+fn bounded_sse<S>(body: S, max: usize) -> impl Stream<Item = Result<bytes::Bytes, BodyError>>
+where
+    S: Stream<Item = Result<bytes::Bytes, reqwest::Error>>,
+{
+    let (mut line, mut event) = (0usize, 0usize);
+    body.map(move |chunk| {
+        let chunk = chunk?;
+        for &b in chunk.iter() {
+            match b {
+                b'\n' if line == 0 => event = 0,
+                b'\n' => {
+                    event += line;
+                    line = 0;
+                }
+                b'\r' => {}
+                _ => line += 1,
+            }
+        }
+        if event + line > max {
+            return Err(BodyError::TooLarge);
+        }
+        Ok(chunk)
+    })
+}
+
+/// The longest pushback a model server's `Retry-After` is passed on with.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
 /// The table from a model server's HTTP status to what a caller sees.
 pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>) -> AgentError {
     let unavailable = |message: &str| AgentError::Unavailable {
@@ -222,6 +263,10 @@ pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>
         retry_after,
     };
     match status.as_u16() {
+        // OpenAI answers 429 for an account out of credit too: no retry cures it.
+        429 if is_quota_exhausted(body) => AgentError::FailedPrecondition(
+            "the model account's quota is exhausted; the server log has the details".into(),
+        ),
         429 => unavailable("the model server is rate-limiting requests; retry later"),
         408 | 504 => unavailable("the model server timed out; retry later"),
         500..=599 => unavailable("the model server failed; retry later"),
@@ -240,6 +285,18 @@ pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>
             status.as_u16()
         )),
     }
+}
+
+/// Whether an error body says the account is out of quota (OpenAI's
+/// `insufficient_quota`).
+fn is_quota_exhausted(body: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return false;
+    };
+    let e = v.get("error").unwrap_or(&v);
+    ["code", "type"]
+        .iter()
+        .any(|k| e.get(k).and_then(|c| c.as_str()) == Some("insufficient_quota"))
 }
 
 /// Whether an error body says the prompt exceeded the context window.
@@ -274,17 +331,28 @@ pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<f64>().ok())
     {
-        return (ms >= 0.0 && ms.is_finite()).then(|| Duration::from_secs_f64(ms / 1000.0));
+        return capped_secs(ms / 1000.0);
     }
     let v = h.get(RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = v.parse::<f64>() {
-        return (secs >= 0.0 && secs.is_finite()).then(|| Duration::from_secs_f64(secs));
+        return capped_secs(secs);
     }
     let at = httpdate::parse_http_date(v).ok()?;
     Some(
         at.duration_since(SystemTime::now())
-            .unwrap_or(Duration::ZERO),
+            .unwrap_or(Duration::ZERO)
+            .min(MAX_RETRY_AFTER),
     )
+}
+
+/// Seconds as a pushback of at most [`MAX_RETRY_AFTER`]; none if negative
+/// or not a number.
+fn capped_secs(secs: f64) -> Option<Duration> {
+    (secs >= 0.0 && secs.is_finite()).then(|| {
+        Duration::try_from_secs_f64(secs)
+            .unwrap_or(MAX_RETRY_AFTER)
+            .min(MAX_RETRY_AFTER)
+    })
 }
 
 /// Reads at most `cap` bytes of a body (the rest is dropped).
@@ -410,7 +478,13 @@ impl ChatStream {
                     let outs = acc.push(&ev.data).map_err(|e| self.stream_error(e))?;
                     self.pending.extend(outs);
                 }
-                Some(Err(EventStreamError::Transport(e))) => {
+                Some(Err(EventStreamError::Transport(BodyError::TooLarge))) => {
+                    return Err(self.stream_error(StreamError::TooLarge {
+                        what: "bytes in one server-sent event",
+                        limit: MAX_SSE_EVENT_BYTES,
+                    }));
+                }
+                Some(Err(EventStreamError::Transport(BodyError::Http(e)))) => {
                     tracing::warn!(agent = %self.agent, error = %error_chain(&e), "model stream broke");
                     return Err(AgentError::Unavailable {
                         message: "the connection to the model server broke mid-answer; retry later"
@@ -455,6 +529,9 @@ impl ChatStream {
             StreamError::Malformed { .. } => AgentError::Unexpected(anyhow::anyhow!(
                 "the model server sent a stream agentd cannot read"
             )),
+            StreamError::TooLarge { what, limit } => AgentError::FailedPrecondition(format!(
+                "the model's answer passed agentd's limit of {limit} {what}; bound it (max_tokens in the agent's sampling)"
+            )),
         }
     }
 }
@@ -478,6 +555,51 @@ mod tests {
         ));
         let too_long = r#"{"error":{"message":"This model's maximum context length is 8192 tokens","code":"context_length_exceeded"}}"#;
         assert!(matches!(m(400, too_long), AgentError::InvalidInput(_)));
+        let no_credit = r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#;
+        assert!(matches!(
+            m(429, no_credit),
+            AgentError::FailedPrecondition(_)
+        ));
+    }
+
+    #[test]
+    fn a_retry_after_too_large_for_a_duration_is_capped_not_a_panic() {
+        for (name, value) in [
+            ("retry-after", "99999999999999999999"),
+            ("retry-after-ms", "1e300"),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_static(value));
+            assert_eq!(retry_after(&h), Some(MAX_RETRY_AFTER), "{name}");
+        }
+    }
+
+    #[tokio::test]
+    async fn server_sent_events_are_refused_once_a_line_or_an_event_passes_the_bound() {
+        let body = |parts: &[&'static str]| {
+            futures::stream::iter(
+                parts
+                    .iter()
+                    .map(|p| Ok::<_, reqwest::Error>(bytes::Bytes::from_static(p.as_bytes())))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let passes = |parts: &'static [&'static str]| async move {
+            bounded_sse(body(parts), 10)
+                .collect::<Vec<_>>()
+                .await
+                .iter()
+                .all(|r| r.is_ok())
+        };
+        assert!(passes(&["data: 12\r\n\r\n", "data: 34\n\n", "data: 5678\n\n"]).await);
+        assert!(
+            !passes(&["data: 12", "3456"]).await,
+            "a line split across chunks"
+        );
+        assert!(
+            !passes(&["data: 1\ndata: 2\n", "data: 3\n\n"]).await,
+            "an event's lines together"
+        );
     }
 
     #[test]
