@@ -376,6 +376,114 @@ async fn delete_session_removes_it_with_its_turns_but_not_while_a_turn_runs(db: 
     s.stop().await;
 }
 
+/// A replica whose lease on a running turn lapsed (a store stall, a clock
+/// jump) and whose turn another replica marked failed stops running it at
+/// its next renewal: its caller gets the recorded UNAVAILABLE, as every
+/// replay does, instead of the run going on unseen.
+async fn a_run_whose_lease_was_lost_stops_and_ends_as_recorded(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(
+        store.clone(),
+        Opts {
+            lease: Duration::from_millis(600),
+            ..Opts::default()
+        },
+    )
+    .await;
+    let sid = s.session(ALICE).await;
+    let req = pb::RunRequest {
+        agent: "stream".into(),
+        ..run_request(ALICE, &sid, "r1", "n=2000 size=8 rate=100")
+    };
+    let mut call = s
+        .client
+        .clone()
+        .run(req, Duration::from_secs(30))
+        .await
+        .unwrap();
+    call.events.message().await.unwrap().unwrap();
+    // Another replica finds the lease expired (as by its clock).
+    let failed = store
+        .fail_expired(
+            SystemTime::now() + Duration::from_secs(3600),
+            &agentd::grpc::status::replica_stopped(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed, 1);
+    let started = std::time::Instant::now();
+    let (events, end) = collect(&mut call.events).await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("replica stopped"), "{status:?}");
+    assert!(
+        events.len() < 1000,
+        "the run stopped at its next renewal, not at its end: {} events",
+        events.len()
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (_, replayed) = s.attach(ALICE, &sid, "r1", None).await.unwrap();
+    assert_eq!(replayed.unwrap_err().code(), Code::Unavailable);
+    s.stop().await;
+}
+
+/// A run whose task dies (an agent's panic) ends INTERNAL for its caller,
+/// as it is recorded, never as a clean end of the stream.
+async fn a_run_whose_task_panics_ends_internal_not_ok(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let req = pb::RunRequest {
+        agent: "panics".into(),
+        ..run_request(ALICE, &sid, "r1", "go")
+    };
+    let (events, end) = s
+        .client
+        .clone()
+        .run_to_end(req, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 1);
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    let replayed = eventually("the outcome to be recorded", || async {
+        let (_, end) = s.attach(ALICE, &sid, "r1", None).await.ok()?;
+        end.err().filter(|st| st.code() == Code::Internal)
+    })
+    .await;
+    assert_eq!(replayed.message(), status.message(), "replayed as it ended");
+    s.stop().await;
+}
+
+/// A Run admitted just before shutdown began, still waiting for its claim,
+/// is in flight for the drain: it gets the grace and finishes, instead of
+/// the server exiting under it.
+/// (On the SQL stores, whose writes a test can hold.)
+async fn a_run_admitted_as_the_drain_begins_gets_the_grace(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let held = db.hold_writes().await;
+    let run = tokio::spawn({
+        let mut c = s.client.clone();
+        let req = run_request(ALICE, &sid, "r1", ORDER_Q);
+        async move { c.run_to_end(req, Duration::from_secs(30)).await }
+    });
+    eventually("the Run to be admitted", || async {
+        (s.turns.in_flight() == 1).then_some(())
+    })
+    .await;
+    let turns = s.turns.clone();
+    let stopping = tokio::spawn(s.stop());
+    eventually("the drain to begin", || async {
+        turns.is_draining().then_some(())
+    })
+    .await;
+    held.release().await;
+    let (events, end) = run.await.unwrap().unwrap();
+    end.unwrap();
+    assert_eq!(events.len(), 3);
+    stopping.await.unwrap();
+}
+
 async fn a_turn_whose_replica_stopped_renewing_its_lease_ends_unavailable_and_is_never_run(
     db: TestDb,
 ) {
@@ -1691,6 +1799,21 @@ mod claims_held {
     }
 }
 
+mod drain {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_admitted_as_the_drain_begins_gets_the_grace_on_sqlite() {
+        let db = super::TestDb::fresh(super::Backend::Sqlite).await.unwrap();
+        super::a_run_admitted_as_the_drain_begins_gets_the_grace(db).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_admitted_as_the_drain_begins_gets_the_grace_on_postgres() {
+        if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
+            super::a_run_admitted_as_the_drain_begins_gets_the_grace(db).await
+        }
+    }
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -1719,6 +1842,8 @@ macro_rules! per_backend {
 per_backend!(
     pruning_deletes_a_bounded_batch_of_the_oldest_ended_turns_with_their_events,
     a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_the_delete,
+    a_run_whose_lease_was_lost_stops_and_ends_as_recorded,
+    a_run_whose_task_panics_ends_internal_not_ok,
     a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,

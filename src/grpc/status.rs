@@ -157,6 +157,7 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
             Code::Internal,
             "the agent ended without a final answer".into(),
         ),
+        Failure::LeaseLost => return replica_stopped(),
         Failure::Store(StoreError::Unavailable(_)) => (
             TurnState::Failed,
             Code::Unavailable,

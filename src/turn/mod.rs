@@ -140,6 +140,11 @@ pub enum Failure {
     /// The stored outcome of a turn that ran earlier (replay).
     #[error("stored outcome {0:?}")]
     Stored(TurnOutcome),
+    /// This replica's lease on the turn lapsed and the turn was marked
+    /// failed (its replica taken for stopped): the run stops here too, so
+    /// that nothing runs on for a turn whose callers were told it ended.
+    #[error("the turn's lease was lost")]
+    LeaseLost,
     /// A follower (Attach, or a repeat that joined a running turn) stopped
     /// for a reason of its own (this server's shutdown, its call's deadline,
     /// its client): the turn goes on, or ends, where it runs, and nothing of
@@ -268,6 +273,10 @@ impl Turns {
         input: RunInput,
         client_timeout: Option<Duration>,
     ) -> Result<Started, RunError> {
+        // Counted as in flight from here, before the drain check: a Run
+        // admitted just before the drain began gets the shutdown grace too,
+        // though its pump is spawned only after the awaits below.
+        let _admitted = self.tracker.token();
         if self.draining.load(Ordering::SeqCst) {
             return Err(RunError::ShuttingDown);
         }
@@ -408,6 +417,7 @@ impl Turns {
         after: Option<u64>,
         client_timeout: Option<Duration>,
     ) -> Result<Started, RunError> {
+        let _admitted = self.tracker.token();
         if self.draining.load(Ordering::SeqCst) {
             return Err(RunError::ShuttingDown);
         }
@@ -534,6 +544,11 @@ impl Turns {
     }
 
     /// Runs, writers and followers still in flight.
+    /// Whether [`Turns::begin_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
     pub fn in_flight(&self) -> usize {
         self.tracker.len()
     }

@@ -68,11 +68,23 @@ pub(super) fn spawn(
         .insert(key.clone(), progress_rx.clone());
 
     let span = run.span;
+    let renewing = CancellationToken::new();
+    let lease_lost = CancellationToken::new();
+    turns.tracker.spawn(
+        keep_lease(
+            turns.clone(),
+            key.clone(),
+            renewing.clone(),
+            lease_lost.clone(),
+        )
+        .instrument(span.clone()),
+    );
     let writer = Writer {
         turns: turns.clone(),
         key: key.clone(),
         rx: writer_rx,
         progress: progress_tx,
+        renewing,
     };
     turns.tracker.spawn(writer.run().instrument(span.clone()));
 
@@ -93,6 +105,7 @@ pub(super) fn spawn(
         policy: turns.cfg.slow_consumer,
         stall_timeout: turns.cfg.stall_timeout,
         cut: turns.cut.clone(),
+        lease_lost,
         _permit: permit,
     };
     turns.tracker.spawn(pump.run().instrument(span));
@@ -124,6 +137,8 @@ struct Pump {
     policy: SlowConsumer,
     stall_timeout: Duration,
     cut: CancellationToken,
+    /// Fired when the turn's lease was lost ([`keep_lease`]).
+    lease_lost: CancellationToken,
     /// Held for the life of the run: the concurrency cap.
     _permit: OwnedSemaphorePermit,
 }
@@ -182,11 +197,15 @@ impl Pump {
         let cut = self.cut.clone();
         let cut = cut.cancelled();
         tokio::pin!(cut);
+        let lost = self.lease_lost.clone();
+        let lost = lost.cancelled();
+        tokio::pin!(lost);
         let mut seq = 0u64;
         loop {
             let next = tokio::select! {
                 biased;
                 _ = &mut cut => return Err(Failure::Shutdown),
+                _ = &mut lost => return Err(Failure::LeaseLost),
                 _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
                 _ = closed(self.client.as_ref()) => {
                     self.client_gone()?;
@@ -329,25 +348,61 @@ struct Writer {
     key: TurnKey,
     rx: mpsc::Receiver<ToWriter>,
     progress: watch::Sender<Progress>,
+    /// Cancelled when the writer ends: [`keep_lease`] stops.
+    renewing: CancellationToken,
+}
+
+/// Renews the turn's lease every third of it until `renewing` is
+/// cancelled, so no replica takes the turn for dead. If the lease was lost
+/// anyway (the turn was marked failed: a store stall or a clock jump longer
+/// than two thirds of the lease), fires `lost`, which stops the run.
+async fn keep_lease(
+    turns: Arc<Turns>,
+    key: TurnKey,
+    renewing: CancellationToken,
+    lost: CancellationToken,
+) {
+    let lease = turns.cfg.lease;
+    let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = renewing.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let until = std::time::SystemTime::now() + lease;
+        let renewed = tokio::select! {
+            _ = renewing.cancelled() => return,
+            r = turns.store.renew_lease(&key, &turns.cfg.replica_id, until) => r,
+        };
+        match renewed {
+            Ok(true) => {}
+            // The turn ended meanwhile: its outcome is stored.
+            Ok(false) if renewing.is_cancelled() => return,
+            Ok(false) => {
+                tracing::warn!(turn = %key, "the turn's lease was lost (it was marked failed); stopping its run");
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(turn = %key, error = %format!("{e:#}"), "could not renew the turn's lease")
+            }
+        }
+    }
 }
 
 impl Writer {
     async fn run(mut self) {
         let store: Arc<dyn Store> = self.turns.store.clone();
+        // The lease is kept beside the writer, not between its commits: a
+        // commit that waits long (a slow or stalled store) must not let it
+        // lapse. It stops when the writer does.
+        let _stop_renewing = self.renewing.clone().drop_guard();
         // Both grow with what arrives: an idle run holds no batch-sized buffer.
         let mut batch = Vec::new();
         let mut events = Vec::new();
-        let lease = self.turns.cfg.lease;
-        let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
-        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
-            let received = tokio::select! {
-                n = self.rx.recv_many(&mut batch, WRITER_BATCH) => n,
-                _ = renew.tick() => {
-                    self.renew(&*store, lease).await;
-                    continue;
-                }
-            };
+            let received = self.rx.recv_many(&mut batch, WRITER_BATCH).await;
             if received == 0 {
                 // The pump ended without an outcome: it panicked.
                 let failed = status::outcome(&Err(Failure::Agent(
@@ -429,23 +484,6 @@ impl Writer {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.key);
-    }
-
-    /// Keeps the turn ours while it runs, so no one takes it for dead.
-    async fn renew(&self, store: &dyn Store, lease: Duration) {
-        let until = std::time::SystemTime::now() + lease;
-        match store
-            .renew_lease(&self.key, &self.turns.cfg.replica_id, until)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(turn = %self.key, "the turn's lease was lost (it was marked failed elsewhere)")
-            }
-            Err(e) => {
-                tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not renew the turn's lease")
-            }
-        }
     }
 
     async fn flush(&self, store: &dyn Store, events: &mut Vec<EncodedEvent>) {

@@ -19,6 +19,9 @@ pub(super) struct End {
     failure: Mutex<Option<Failure>>,
     /// The status must overtake buffered events (slow consumer, deadline).
     urgent: AtomicBool,
+    /// `set` was called: a channel that closes without it lost its producer
+    /// (a panic), which is a failure, not the end of a turn.
+    set: AtomicBool,
 }
 
 impl End {
@@ -29,6 +32,7 @@ impl End {
             *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
             self.urgent.store(urgent, Ordering::Release);
         }
+        self.set.store(true, Ordering::Release);
     }
 
     fn take(&self) -> Option<Failure> {
@@ -36,6 +40,16 @@ impl End {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+    }
+
+    /// How a stream whose channel closed ends.
+    fn at_close(&self) -> Option<Failure> {
+        if !self.set.load(Ordering::Acquire) {
+            return Some(Failure::Agent(crate::agent::AgentError::Unexpected(
+                anyhow::anyhow!("the run task stopped unexpectedly"),
+            )));
+        }
+        self.take()
     }
 }
 
@@ -75,7 +89,7 @@ impl Stream for RunStream {
             Poll::Ready(Some(ev)) => Poll::Ready(Some(Ok(*ev))),
             Poll::Ready(None) => {
                 self.finished = true;
-                Poll::Ready(self.end.take().map(Err))
+                Poll::Ready(self.end.at_close().map(Err))
             }
             Poll::Pending => Poll::Pending,
         }

@@ -286,6 +286,27 @@ impl Agent for NulAnswer {
     }
 }
 
+/// `panics`: one partial event, then a panic, as a bug in an agent would.
+pub struct Panics;
+
+impl Agent for Panics {
+    fn name(&self) -> &str {
+        "panics"
+    }
+    fn description(&self) -> &str {
+        "Sends one event, then panics."
+    }
+    fn run(&self, _ctx: agentd::agent::RunContext, _input: String) -> agentd::agent::EventStream {
+        use futures::StreamExt as _;
+        Box::pin(futures::stream::iter([0, 1]).map(|i| {
+            if i == 1 {
+                panic!("a bug in an agent");
+            }
+            Ok(agentd::agent::Event::partial("panics", "half".into()))
+        }))
+    }
+}
+
 /// An agentd server in this process on 127.0.0.1:0.
 pub struct Server {
     pub addr: SocketAddr,
@@ -306,6 +327,7 @@ impl Server {
             Arc::new(synthetic::Echo),
             Arc::new(synthetic::Streamer),
             Arc::new(NulAnswer),
+            Arc::new(Panics),
         ];
         let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
         let cfg = TurnConfig {
