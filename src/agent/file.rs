@@ -111,7 +111,27 @@ struct ModelDoc {
     api_key_env: Option<Spanned<String>>,
     api_key_file: Option<Spanned<PathBuf>>,
     #[serde(default)]
-    headers: BTreeMap<String, Spanned<String>>,
+    headers: BTreeMap<String, Spanned<HeaderDoc>>,
+}
+
+/// A header's value: written out, or a secret read at start-up from an
+/// environment variable or a file (`{ env = "VAR" }`, `{ file = "PATH" }`),
+/// with an optional `prefix` (e.g. `"Bearer "`), so no credential need be
+/// written in the agents file.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum HeaderDoc {
+    Value(String),
+    Secret(SecretDoc),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SecretDoc {
+    env: Option<String>,
+    file: Option<PathBuf>,
+    #[serde(default)]
+    prefix: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -122,7 +142,7 @@ struct HttpToolDoc {
     url: Spanned<String>,
     parameters: Spanned<serde_json::Value>,
     #[serde(default)]
-    headers: BTreeMap<String, Spanned<String>>,
+    headers: BTreeMap<String, Spanned<HeaderDoc>>,
     timeout: Option<Spanned<String>>,
     max_response_bytes: Option<usize>,
 }
@@ -201,7 +221,7 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             .map(|d| duration(d, &at))
             .transpose()?
             .unwrap_or(DEFAULT_CALL_TIMEOUT);
-        let headers = header_map(&t.headers, &at)?;
+        let headers = header_map(&t.headers, opts, &at)?;
         let cap = t.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
         if cap == 0 {
             return Err(at(
@@ -263,7 +283,7 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             ));
         }
         let mut endpoint = Endpoint::new(m.base_url.get_ref());
-        endpoint.headers = header_map(&m.headers, &at)?;
+        endpoint.headers = header_map(&m.headers, opts, &at)?;
         endpoint.api_key = match (&m.api_key_env, &m.api_key_file) {
             (Some(_), Some(f)) => {
                 return Err(at(
@@ -609,13 +629,30 @@ fn duration(
 }
 
 fn header_map(
-    h: &BTreeMap<String, Spanned<String>>,
+    h: &BTreeMap<String, Spanned<HeaderDoc>>,
+    opts: &LoadOptions,
     at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error,
 ) -> anyhow::Result<reqwest::header::HeaderMap> {
     let mut e = Endpoint::new("");
     for (k, v) in h {
+        let value = match v.get_ref() {
+            HeaderDoc::Value(s) => s.clone(),
+            HeaderDoc::Secret(s) => {
+                let secret = match (&s.env, &s.file) {
+                    (Some(var), None) => (opts.env)(var)
+                        .filter(|x| !x.trim().is_empty())
+                        .ok_or_else(|| {
+                            format!("header {k}: environment variable {var} is not set")
+                        }),
+                    (None, Some(path)) => read_secret(path, &format!("header {k}: file")),
+                    _ => Err(format!("header {k}: give env or file (one of them)")),
+                }
+                .map_err(|r| at(Some(v.span()), &r))?;
+                format!("{}{}", s.prefix, secret.trim())
+            }
+        };
         e = e
-            .header(k, v.get_ref())
+            .header(k, &value)
             .map_err(|r| at(Some(v.span()), &r.to_string()))?;
     }
     Ok(e.headers)
@@ -717,6 +754,37 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         let e = err(&bad);
         assert!(e.starts_with("agents.toml:7:"), "{e}");
         assert!(e.contains("unknown tool \"stok\""), "{e}");
+    }
+
+    #[test]
+    fn a_header_value_may_be_read_from_an_environment_variable_or_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "from-file\n").unwrap();
+        let text = format!(
+            "h = {{ A = {{ env = \"MODEL_KEY\", prefix = \"Bearer \" }}, B = {{ file = {:?} }}, C = \"plain\" }}",
+            path.display().to_string()
+        );
+        let doc: BTreeMap<String, BTreeMap<String, Spanned<HeaderDoc>>> =
+            toml::from_str(&text).unwrap();
+        let h = header_map(&doc["h"], &opts(), &|_, r| anyhow::anyhow!("{r}")).unwrap();
+        assert_eq!(h["A"], "Bearer sk-test");
+        assert_eq!(h["B"], "from-file");
+        assert_eq!(h["C"], "plain");
+        assert!(h["A"].is_sensitive(), "kept out of debug output");
+
+        let bad = GOOD.replace(
+            "api_key_env = \"MODEL_KEY\"",
+            "headers = { X-Token = { env = \"NO_SUCH_VAR\" } }",
+        );
+        let e = err(&bad);
+        assert!(e.starts_with("agents.toml:14:"), "{e}");
+        assert!(e.contains("NO_SUCH_VAR is not set"), "{e}");
+        let both = GOOD.replace(
+            "api_key_env = \"MODEL_KEY\"",
+            "headers = { X-Token = { env = \"MODEL_KEY\", file = \"/x\" } }",
+        );
+        assert!(err(&both).contains("give env or file"), "{}", err(&both));
     }
 
     #[test]
