@@ -171,7 +171,7 @@ impl Authenticator {
         mtls: bool,
         open_services: &[String],
     ) -> anyhow::Result<Self> {
-        let (tokens, clients, listed_clients) = match tokens_file {
+        let (tokens, clients, _listed_clients) = match tokens_file {
             None => (Vec::new(), Vec::new(), false),
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -182,7 +182,10 @@ impl Authenticator {
         Ok(Self {
             tokens,
             clients,
-            trust_any_certificate: mtls && !listed_clients,
+            // Every certificate the CA signed acts for any user only when
+            // no tokens file says who may: with one, only its `clients` are
+            // trusted (none if it lists none), as README promises.
+            trust_any_certificate: mtls && tokens_file.is_none(),
             open_services: open_services
                 .iter()
                 .map(|s| s.trim().to_owned())
@@ -399,6 +402,34 @@ mod tests {
             shown.contains("billing") && !shown.contains("tok-billing"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn with_a_tokens_file_only_its_clients_are_trusted_by_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.json");
+        std::fs::write(
+            &path,
+            r#"{"tokens": [{"token": "a-long-enough-token-123", "caller": "web", "user_ids": ["alice"]}]}"#,
+        )
+        .unwrap();
+        let a = Authenticator::new(Some(&path), true, &[]).unwrap();
+        assert_eq!(
+            a.authenticate(None, Some("any.signed.client")),
+            Err(Unauthenticated::UnknownCertificate),
+            "a tokens file without clients trusts no certificate"
+        );
+        assert_eq!(
+            &*a.authenticate(Some(b"Bearer a-long-enough-token-123"), Some("any.signed.client"))
+                .unwrap()
+                .name,
+            "web"
+        );
+        let open = Authenticator::new(None, true, &[]).unwrap();
+        assert!(matches!(
+            open.authenticate(None, Some("any.signed.client")),
+            Ok(Caller { scope: Scope::AnyUser, .. })
+        ));
     }
 
     #[test]
