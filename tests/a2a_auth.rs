@@ -175,6 +175,44 @@ async fn with_a_token_both_bindings_work_and_tasks_run_as_the_caller() {
     server.stop().await;
 }
 
+/// A2A tasks run as the user the caller's name is: a caller whose user_ids
+/// do not include its own name (a token for some users only) is refused on
+/// both bindings, and nothing runs; one whose scope names itself runs.
+#[tokio::test]
+async fn a_caller_whose_scope_excludes_its_own_name_is_refused_on_both_bindings() {
+    const WEB: &str = "tok-web-frontend-000000001";
+    const ALICE: &str = "tok-alice-herself-00000001";
+    let tokens = format!(
+        r#"{{"tokens": [{{"token": "{WEB}", "caller": "web", "user_ids": ["alice", "bob"]}},
+                        {{"token": "{ALICE}", "caller": "alice", "user_ids": ["alice"]}}]}}"#
+    );
+    let server = A2aServer::start_secured(&tokens).await;
+    for binding in [Binding::Jsonrpc, Binding::Grpc] {
+        let client = A2aClient::connect_with(&server.base_url(), Some(binding), Some(WEB))
+            .await
+            .unwrap();
+        let err = client
+            .send_text("hello", echo(), &opts(), None)
+            .await
+            .unwrap_err();
+        let CallError::Refused(e) = &err else {
+            panic!("{binding:?}: {err:?}")
+        };
+        assert!(e.message.contains("user_ids"), "{binding:?}: {e:?}");
+        let client = A2aClient::connect_with(&server.base_url(), Some(binding), Some(ALICE))
+            .await
+            .unwrap();
+        let out = client
+            .send_text("hello", echo(), &opts(), None)
+            .await
+            .unwrap();
+        assert_eq!(answer(out), "hello", "{binding:?}");
+    }
+    assert_eq!(sessions_of(&server, "web").await, 0, "nothing ran as web");
+    assert_eq!(sessions_of(&server, "alice").await, 2);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn without_a_token_both_bindings_are_refused() {
     let server = A2aServer::start_secured(&tokens()).await;

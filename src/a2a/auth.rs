@@ -23,6 +23,9 @@ use crate::auth::{Authenticator, CALLER_HEADER};
 /// The JSON-RPC error code of a refused credential (an implementation-defined
 /// server error: A2A 1.0 leaves authentication to the HTTP layer, 401).
 pub const UNAUTHENTICATED_CODE: i32 = -32000;
+/// The JSON-RPC error code of an authenticated caller the A2A faces refuse
+/// (HTTP 403).
+pub const PERMISSION_DENIED_CODE: i32 = -32099;
 
 /// The path of the public agent card.
 pub const CARD_PATH: &str = a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH;
@@ -51,6 +54,14 @@ async fn check(
         .get(header::AUTHORIZATION)
         .map(|v| v.as_bytes());
     match auth.authenticate(authorization, None) {
+        Ok(caller) if !crate::auth::may_act_as_itself(&caller) => {
+            crate::telemetry::metrics::a2a_request(
+                "unknown",
+                "PERMISSION_DENIED",
+                started.elapsed(),
+            );
+            forbidden(crate::auth::A2A_SCOPE_REFUSAL)
+        }
         Ok(caller) => {
             if let Ok(v) = HeaderValue::from_str(&caller.name) {
                 req.headers_mut().insert(CALLER_HEADER, v);
@@ -65,6 +76,22 @@ async fn check(
             unauthorized(&why.to_string())
         }
     }
+}
+
+/// HTTP 403 with a JSON-RPC error body (id null: the request was not read).
+pub fn forbidden(why: &str) -> Response {
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": null,
+        "error": {"code": PERMISSION_DENIED_CODE, "message": format!("permission denied: {why}")},
+    });
+    let mut resp = Response::new(Body::from(body.to_string()));
+    *resp.status_mut() = StatusCode::FORBIDDEN;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 /// HTTP 401 with a JSON-RPC error body (id null: the request was not read).

@@ -85,6 +85,12 @@ where
         match auth.authenticate(authorization, certificate.as_deref()) {
             Ok(caller) => {
                 tracing::Span::current().record("caller", &*caller.name);
+                if service == crate::a2a::A2A_SERVICE_NAME && !super::may_act_as_itself(&caller) {
+                    return Either::Right(ready(Ok(tonic::Status::permission_denied(
+                        super::A2A_SCOPE_REFUSAL,
+                    )
+                    .into_http())));
+                }
                 if let Ok(v) = http::HeaderValue::from_str(&caller.name) {
                     req.headers_mut().insert(super::CALLER_HEADER, v);
                 }

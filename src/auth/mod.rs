@@ -89,6 +89,22 @@ pub fn authorize(caller: Option<&Caller>, user: &UserId) -> Result<(), Denied> {
     }
 }
 
+/// Whether `caller` may use the A2A faces, whose tasks run as the user the
+/// caller's name is: only if its scope includes that name (`*`, or its own
+/// name listed). A token for some users only must not act as another user
+/// who happens to share the caller's name.
+pub fn may_act_as_itself(caller: &Caller) -> bool {
+    let ok = caller.scope.allows(&caller.name);
+    if !ok {
+        tracing::info!(caller = %caller.name, "A2A call refused: the caller's user_ids do not include its own name, which A2A tasks run as");
+    }
+    ok
+}
+
+/// Why an A2A call of an authenticated caller is refused.
+pub const A2A_SCOPE_REFUSAL: &str =
+    "A2A tasks run as their caller, and this caller's user_ids do not include its own name";
+
 /// The caller may not act for the request's user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the caller may not act for this user_id")]
@@ -420,15 +436,21 @@ mod tests {
             "a tokens file without clients trusts no certificate"
         );
         assert_eq!(
-            &*a.authenticate(Some(b"Bearer a-long-enough-token-123"), Some("any.signed.client"))
-                .unwrap()
-                .name,
+            &*a.authenticate(
+                Some(b"Bearer a-long-enough-token-123"),
+                Some("any.signed.client")
+            )
+            .unwrap()
+            .name,
             "web"
         );
         let open = Authenticator::new(None, true, &[]).unwrap();
         assert!(matches!(
             open.authenticate(None, Some("any.signed.client")),
-            Ok(Caller { scope: Scope::AnyUser, .. })
+            Ok(Caller {
+                scope: Scope::AnyUser,
+                ..
+            })
         ));
     }
 
