@@ -249,9 +249,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         } as i32,
     };
     let mut call = c.run(req, args.deadline).await.map_err(status_error)?;
-    if !args.json {
-        eprintln!("request_id {} ({})", call.request_id, call.mode);
-    }
+    // On stderr with --json too: the id a dropped stream is attached to by.
+    eprintln!("request_id {} ({})", call.request_id, call.mode);
     loop {
         match call.events.message().await {
             Ok(Some(e)) => print_event(&e, args.json),

@@ -146,6 +146,11 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
     assert_eq!(events.len(), 3);
     assert_eq!(events[2]["is_final"], true);
     assert_eq!(events[0]["payload"]["order_id"], "1187");
+    assert!(
+        text(&out.stderr).contains("request_id r1 (replay)"),
+        "the id to attach by is told with --json too: {}",
+        text(&out.stderr)
+    );
 
     let out = served.cli(&["run", "--user", "mallory", "--session", &session, "hi"]);
     assert!(!out.status.success());

@@ -285,6 +285,43 @@ async fn calls_spread_across_every_replica_behind_one_name() {
     );
 }
 
+/// A name with more addresses than the balancer takes before its first
+/// call (it reads its queue only when a call comes) connects, and an idle
+/// client refreshes; before, the first resolve waited on the full queue
+/// forever.
+#[tokio::test]
+async fn a_name_with_more_addresses_than_the_balancer_queue_connects_and_refreshes() {
+    let store = Arc::new(MemoryStore::new());
+    let replicas = cluster(1, &store).await;
+    for extra in [200usize, 1500] {
+        // One live replica among many addresses nothing listens on.
+        let mut listed = addrs(&replicas);
+        listed.extend((0..extra).map(|i| SocketAddr::from(([127, 0, 0, 1], 1 + i as u16))));
+        let resolver = StaticResolver::new(listed.clone());
+        let cfg = ClientConfig {
+            health_check: false,
+            ..client_config()
+        };
+        let client = tokio::time::timeout(
+            Duration::from_secs(10),
+            AgentClient::balanced(NAME, 50051, Arc::new(resolver.clone()), cfg),
+        )
+        .await
+        .expect("connecting did not wait on the balancer")
+        .unwrap();
+        let seen = client.endpoints().unwrap().borrow().clone();
+        assert!(
+            !seen.is_empty() && seen.len() <= listed.len(),
+            "{}",
+            seen.len()
+        );
+        // Refreshing an idle client whose balancer queue may be full returns.
+        tokio::time::timeout(Duration::from_secs(10), client.refresh())
+            .await
+            .expect("a refresh did not wait on the balancer");
+    }
+}
+
 #[tokio::test]
 async fn a_draining_replica_gets_no_new_calls() {
     let store = Arc::new(MemoryStore::new());

@@ -48,6 +48,24 @@ async fn a_plaintext_client_gets_no_answer_from_a_tls_port() {
     server.stop().await;
 }
 
+/// TLS settings with an http:// address are refused before connecting: the
+/// connection would be plaintext, and the token would travel in clear.
+#[tokio::test]
+async fn tls_settings_with_an_http_address_are_refused_not_sent_in_clear() {
+    let ca = Ca::new("test ca");
+    let result = AgentClient::connect_with(
+        "http://127.0.0.1:9",
+        &ClientSecurity {
+            tls: Some(ClientSecurity::tls_from_pem(ca.pem.as_bytes(), None)),
+            token: Some("a-token-not-for-plaintext".into()),
+        },
+    )
+    .await;
+    let err = format!("{:#}", result.err().expect("refused"));
+    assert!(err.contains("https://"), "{err}");
+    assert!(!err.contains("a-token"), "{err}");
+}
+
 #[tokio::test]
 async fn a_client_that_does_not_trust_the_servers_ca_cannot_connect() {
     let server = SecureServer::start(Ca::new("test ca"), Secure::default()).await;

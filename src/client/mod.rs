@@ -222,6 +222,13 @@ impl AgentClient {
             .map_err(|e| anyhow::anyhow!("bad server address {target:?}: {e}"))?
         {
             Target::Direct(uri) => {
+                // TLS is applied to https:// only: with TLS settings, an
+                // http:// address would send the token in clear.
+                if cfg.security.tls.is_some() && uri.scheme_str() != Some("https") {
+                    anyhow::bail!(
+                        "{target}: TLS settings (a CA, a client certificate) need an https:// server address"
+                    );
+                }
                 let channel = cfg
                     .endpoint(uri, None)?
                     .connect()
@@ -243,13 +250,18 @@ impl AgentClient {
         resolver: Arc<dyn Resolve>,
         cfg: ClientConfig,
     ) -> anyhow::Result<Self> {
+        /// Address changes the balancer takes before it reads them, which
+        /// it does only when a call comes: the first answer (a headless
+        /// service of that many pods) fits at once; past it, the resolver
+        /// leaves the rest for its next round rather than wait.
+        const BALANCER_CHANGES: usize = 1024;
         if cfg.resolve_interval.is_zero() {
             anyhow::bail!("the resolve interval must be more than 0s");
         }
         if let Some(token) = &cfg.security.token {
             bearer(token)?;
         }
-        let (channel, changes) = Channel::balance_channel::<SocketAddr>(64);
+        let (channel, changes) = Channel::balance_channel::<SocketAddr>(BALANCER_CHANGES);
         let (refresh, refresh_rx) = mpsc::channel(8);
         let (health_tx, health_rx) = mpsc::channel(64);
         let (published, endpoints) = watch::channel(BTreeSet::new());

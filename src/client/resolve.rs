@@ -173,27 +173,38 @@ impl Task {
         Ok(self.state.current.len())
     }
 
-    /// Brings the balancer to [`State::wanted`].
+    /// Brings the balancer to [`State::wanted`], as far as its queue takes:
+    /// the balancer reads its changes only when a call comes, so an idle
+    /// client's queue can be full. What does not fit is left for the next
+    /// round (the difference is worked out again), never waited for: a
+    /// wait would hold resolution, and a first connect, until a call.
     async fn apply(&mut self) {
         let (insert, remove) = diff(&self.state.current, &self.state.wanted());
-        for addr in insert {
-            tracing::debug!(%addr, host = %self.host, "balancing over an address");
-            if self
-                .changes
-                .send(Change::Insert(addr, (self.endpoint)(addr)))
-                .await
-                .is_err()
-            {
-                return;
+        let changes = insert
+            .into_iter()
+            .map(|addr| (addr, true))
+            .chain(remove.into_iter().map(|addr| (addr, false)));
+        for (addr, add) in changes {
+            let change = if add {
+                Change::Insert(addr, (self.endpoint)(addr))
+            } else {
+                Change::Remove(addr)
+            };
+            match self.changes.try_send(change) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    tracing::debug!(host = %self.host, "the balancer's queue is full; the other changes wait for the next round");
+                    break;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
             }
-            self.state.current.insert(addr);
-        }
-        for addr in remove {
-            tracing::debug!(%addr, host = %self.host, "no longer balancing over an address");
-            if self.changes.send(Change::Remove(addr)).await.is_err() {
-                return;
+            if add {
+                tracing::debug!(%addr, host = %self.host, "balancing over an address");
+                self.state.current.insert(addr);
+            } else {
+                tracing::debug!(%addr, host = %self.host, "no longer balancing over an address");
+                self.state.current.remove(&addr);
             }
-            self.state.current.remove(&addr);
         }
         self.published.send_replace(self.state.current.clone());
     }
