@@ -1799,6 +1799,40 @@ mod claims_held {
     }
 }
 
+/// A store that stops taking writes fills the run's queue to its writer:
+/// waiting for room there, the run still ends at its deadline (not when the
+/// store gives up, up to its group timeout later).
+async fn a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let req = pb::RunRequest {
+        agent: "stream".into(),
+        ..run_request(ALICE, &sid, "r1", "n=1000000 size=8")
+    };
+    // The raw client: tonic times only the response headers, so the
+    // status that ends the stream is the server's.
+    let mut r = Request::new(req);
+    r.set_timeout(Duration::from_millis(1500));
+    let mut events = s.raw().run(r).await.unwrap().into_inner();
+    events.message().await.unwrap().unwrap();
+    let held = db.hold_writes().await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), collect(&mut events)).await;
+    held.release().await;
+    let (_, end) = ended.expect("the run ended while the store was stalled");
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    s.stop().await;
+}
+
+mod slow_store {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline_on_postgres() {
+        if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
+            super::a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline(db).await
+        }
+    }
+}
+
 mod drain {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_run_admitted_as_the_drain_begins_gets_the_grace_on_sqlite() {

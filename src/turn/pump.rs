@@ -34,8 +34,11 @@ enum ToWriter {
     Event(EncodedEvent),
     /// How the turn ended, and its final answer if it gave one. Boxed: the
     /// channel's slots are allocated up front, for idle runs too.
-    Finish(Box<(TurnOutcome, Option<String>)>),
+    Finish(Box<Finish>),
 }
+
+/// How a turn ended, and its final answer if it gave one.
+type Finish = (TurnOutcome, Option<String>);
 
 /// An agent's run, made before the pump that drives it: `events` may have
 /// been polled already, up to its first event (held), while the turn was
@@ -60,6 +63,7 @@ pub(super) fn spawn(
     let end = Arc::new(End::default());
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
     let (writer_tx, writer_rx) = mpsc::channel(WRITER_QUEUE);
+    let (finish_tx, finish_rx) = tokio::sync::oneshot::channel();
     let key = input.key.clone();
     turns
         .live
@@ -85,6 +89,7 @@ pub(super) fn spawn(
         rx: writer_rx,
         progress: progress_tx,
         renewing,
+        finish_late: finish_rx,
     };
     turns.tracker.spawn(writer.run().instrument(span.clone()));
 
@@ -96,7 +101,8 @@ pub(super) fn spawn(
         client: Some(tx),
         on_disconnect: input.on_disconnect,
         stored: progress_rx,
-        writer: writer_tx,
+        writer: Some(writer_tx),
+        finish_late: Some(finish_tx),
         encoded: bytes::BytesMut::new(),
         kinds: turns.store.kind_encoding(),
         answer: None,
@@ -125,7 +131,12 @@ struct Pump {
     /// The writer's progress: the final status goes out once the outcome is
     /// stored, so a caller that saw it finds the turn ended on any replica.
     stored: watch::Receiver<Progress>,
-    writer: mpsc::Sender<ToWriter>,
+    /// The writer's queue; taken (closed) once the outcome is handed over.
+    writer: Option<mpsc::Sender<ToWriter>>,
+    /// Where the outcome goes when the writer's queue is full (a slow
+    /// store): the run ends without waiting for room, and the writer takes
+    /// the outcome once it has drained the queue.
+    finish_late: Option<tokio::sync::oneshot::Sender<Box<Finish>>>,
     /// Where events are encoded for the store, a block at a time.
     encoded: bytes::BytesMut,
     /// How the store writes an event's kind.
@@ -158,7 +169,19 @@ impl Pump {
 
         let outcome = status::outcome(&result);
         let finish = Box::new((outcome, self.answer.take()));
-        if self.writer.send(ToWriter::Finish(finish)).await.is_err() {
+        // Handed over without waiting: behind the last events in the
+        // writer's queue, or beside it when the queue is full.
+        let writer = self.writer.take().expect("the outcome is handed over once");
+        let handed = match writer.try_send(ToWriter::Finish(finish)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(ToWriter::Finish(finish))) => self
+                .finish_late
+                .take()
+                .is_some_and(|late| late.send(finish).is_ok()),
+            Err(_) => false,
+        };
+        drop(writer);
+        if !handed {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
         } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done))
             .await
@@ -238,7 +261,18 @@ impl Pump {
                     "events of the turn could not be stored"
                 ))));
             }
-            if self.writer.send(ToWriter::Event(stored)).await.is_err() {
+            // A slow store fills the writer's queue: waiting for room, the
+            // run still ends at its deadline, a shutdown's cut or a lost
+            // lease.
+            let writer = self.writer.as_ref().expect("held until the outcome");
+            let queued = tokio::select! {
+                biased;
+                _ = &mut cut => return Err(Failure::Shutdown),
+                _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
+                _ = &mut lost => return Err(Failure::LeaseLost),
+                r = writer.send(ToWriter::Event(stored)) => r,
+            };
+            if queued.is_err() {
                 return Err(Failure::Store(
                     anyhow::anyhow!("turn writer stopped").into(),
                 ));
@@ -350,6 +384,8 @@ struct Writer {
     progress: watch::Sender<Progress>,
     /// Cancelled when the writer ends: [`keep_lease`] stops.
     renewing: CancellationToken,
+    /// The outcome, when the pump found the queue full.
+    finish_late: tokio::sync::oneshot::Receiver<Box<Finish>>,
 }
 
 /// Renews the turn's lease every third of it until `renewing` is
@@ -404,6 +440,9 @@ impl Writer {
         let outcome = loop {
             let received = self.rx.recv_many(&mut batch, WRITER_BATCH).await;
             if received == 0 {
+                if let Ok(finish) = self.finish_late.try_recv() {
+                    break *finish;
+                }
                 // The pump ended without an outcome: it panicked.
                 let failed = status::outcome(&Err(Failure::Agent(
                     anyhow::anyhow!("the run task stopped unexpectedly").into(),
@@ -418,6 +457,10 @@ impl Writer {
                     ToWriter::Event(e) => events.push(e),
                     ToWriter::Finish(f) => finish = Some(*f),
                 }
+            }
+            // The queue's last events, with the outcome handed over beside it.
+            if finish.is_none() && self.rx.is_closed() && self.rx.is_empty() {
+                finish = self.finish_late.try_recv().ok().map(|f| *f);
             }
             match finish {
                 // The last events and the outcome go to the store together.
