@@ -8,8 +8,16 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::turn::{SlowConsumer, TurnConfig};
 
+/// The longest duration any flag takes: a time that far ahead still fits
+/// the clock's arithmetic (a larger one made deadlines overflow and panic).
+const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (use e.g. 500ms, 30s, 5m)"))
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (use e.g. 500ms, 30s, 5m)"))?;
+    if d > MAX_DURATION {
+        return Err("must be at most 10 years".into());
+    }
+    Ok(d)
 }
 
 #[derive(Debug, Parser)]

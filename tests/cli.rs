@@ -259,6 +259,28 @@ fn a_bad_configuration_fails_at_start_up_with_one_clear_line() {
     );
 
     let out = Command::new(BIN)
+        .args([
+            "run",
+            "--user",
+            "u",
+            "--session",
+            "s",
+            "--deadline",
+            "300000000000y",
+            "hi",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("--deadline")
+            && stderr.contains("at most 10 years")
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+
+    let out = Command::new(BIN)
         .args(["serve", "--stall-timeout", "soon"])
         .output()
         .unwrap();

@@ -45,7 +45,10 @@ impl RetryPolicy {
             .multiplier
             .max(1.0)
             .powi(failed.saturating_sub(1).min(30) as i32);
-        let full = self.initial_backoff.mul_f64(exp).min(self.max_backoff);
+        // In seconds: a large multiplier overflows a Duration's own product.
+        let full = Duration::try_from_secs_f64(self.initial_backoff.as_secs_f64() * exp)
+            .unwrap_or(self.max_backoff)
+            .min(self.max_backoff);
         full.mul_f64(0.5 + fastrand::f64() / 2.0)
     }
 }
@@ -131,6 +134,12 @@ mod tests {
             );
             assert!(p.backoff(40) <= Duration::from_millis(1000));
         }
+        // A multiplier whose product overflows a Duration is capped, not a panic.
+        let steep = RetryPolicy {
+            multiplier: 1000.0,
+            ..p
+        };
+        assert!(steep.backoff(9) <= Duration::from_millis(1000));
     }
 
     #[test]
