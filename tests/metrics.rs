@@ -236,6 +236,26 @@ async fn repeated_request_ids_are_counted_as_replays_and_attaches() {
         2,
         "two turns ran; the repeats ran nothing"
     );
+    // An Attach names its turn: it is no repeated request id.
+    let attach = agentd::pb::AttachRequest {
+        user_id: "alice".into(),
+        session_id: session.clone(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    let mut attached = c.raw().attach(attach).await.unwrap().into_inner();
+    while attached.message().await.unwrap().is_some() {}
+    let after_attach = server.metrics().await;
+    assert_eq!(
+        delta(
+            &after_attach,
+            &m,
+            "agentd_dedup_total",
+            &[("mode", "replay")]
+        ),
+        0.0,
+        "an Attach is not counted as a repeat"
+    );
     assert!(
         delta(
             &m,

@@ -38,7 +38,6 @@ pub(super) fn spawn(
         cut: turns.cut.clone(),
     };
     let end2 = end.clone();
-    crate::telemetry::metrics::dedup(mode);
     let span = crate::telemetry::trace::run_span(
         mode.as_str(),
         agent,

@@ -522,6 +522,9 @@ impl Turns {
         } else {
             Mode::Attach
         };
+        // A repeated request id answered without running the agent (an
+        // Attach call, which names its turn, is not a repeat).
+        crate::telemetry::metrics::dedup(mode);
         let stream = follow::spawn(
             self,
             existing.key.clone(),
