@@ -100,6 +100,9 @@ struct RemoteDoc {
     ca_file: Option<Spanned<PathBuf>>,
 }
 
+/// Names the file's agents may not take.
+const BUILT_IN_AGENTS: &[&str] = &["order_helper", "echo", "stream"];
+
 /// The kinds of agent a file may declare.
 const KINDS: &[&str] = &["openai", "remote_a2a"];
 
@@ -240,6 +243,14 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         let span = a.span();
         let a = a.get_ref();
         check_name(name).map_err(|r| at(Some(span.clone()), &format!("agent {name:?}: {r}")))?;
+        // The built-in agents' names are taken (`stream` too, served with
+        // --stream-agent).
+        if BUILT_IN_AGENTS.contains(&name.as_str()) {
+            return Err(at(
+                Some(span),
+                &format!("agent {name:?}: the name of a built-in agent; choose another"),
+            ));
+        }
         let kind = a.kind.as_ref().map_or("openai", |k| k.get_ref().as_str());
         if !KINDS.contains(&kind) {
             let k = a.kind.as_ref().expect("a kind was given");
@@ -746,6 +757,16 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
             "[agents.a]\ndescription = \"x\"\nmodel = { base_url = \"http://x\", model = \"m\" \n",
         );
         assert!(e.starts_with("agents.toml:3:"), "{e}");
+    }
+
+    #[test]
+    fn an_agent_named_like_a_built_in_one_is_refused_on_its_line() {
+        let e = err(&GOOD
+            .replace("[agents.support]", "[agents.echo]")
+            .replace("[agents.support.", "[agents.echo.")
+            .replace("default = \"support\"", "default = \"echo\""));
+        assert!(e.starts_with("agents.toml:4:"), "{e}");
+        assert!(e.contains("built-in agent"), "{e}");
     }
 
     #[test]
