@@ -373,7 +373,20 @@ async fn health(args: HealthArgs) -> anyhow::Result<()> {
 
 async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
     use agentd::client::a2a::{A2aClient, CallError, CallOptions, Control, Outcome, parts_text};
-    let client = A2aClient::connect_with(&args.url, args.binding, args.token.as_deref()).await?;
+    // The deadline covers fetching the card and connecting too: a server
+    // that accepts the connection and never answers must not hang the call.
+    let client = tokio::time::timeout(
+        args.deadline,
+        A2aClient::connect_with(&args.url, args.binding, args.token.as_deref()),
+    )
+    .await
+    .map_err(|_| {
+        anyhow::anyhow!(
+            "{}: no agent card within the deadline ({:?})",
+            args.url,
+            args.deadline
+        )
+    })??;
     let opts = CallOptions {
         idle_timeout: args.idle_timeout,
         deadline: args.deadline,

@@ -128,3 +128,44 @@ fn the_a2a_command_calls_our_server_over_both_bindings_and_fails_loudly_past_its
     );
     assert!(served.terminate().success());
 }
+
+/// A server that accepts the connection and never answers: the deadline
+/// covers fetching its card, and the call fails instead of hanging.
+#[test]
+fn the_deadline_covers_fetching_the_card_of_a_server_that_never_answers() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().take(8) {
+            held.push(conn);
+        }
+    });
+    let mut child = Command::new(BIN)
+        .args(["a2a", "--url", &url, "--deadline", "500ms", "hi"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("agentd a2a hung past its deadline");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    use std::io::Read as _;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(stderr.contains("deadline"), "{stderr}");
+}
