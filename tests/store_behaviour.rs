@@ -1799,6 +1799,106 @@ mod claims_held {
     }
 }
 
+/// A prune that takes a full batch, then one that finds nothing more: the
+/// history a Run reads has none of the pruned turns (SQLite's cache of
+/// sessions let go of them too).
+async fn a_turn_pruned_by_a_full_batch_leaves_the_history_a_run_reads(db: TestDb) {
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let key = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    store
+        .claim_turn(&new_turn(&key, "replica-a"))
+        .await
+        .unwrap();
+    end_turn(&*store, &key, Some("done")).await;
+    let later = SystemTime::now() + Duration::from_secs(3600);
+    assert_eq!(store.prune(later, 1).await.unwrap(), 1, "a full batch");
+    assert_eq!(store.prune(later, 1).await.unwrap(), 0, "nothing more");
+    let (_, history) = store
+        .session_with_history(session.id, 5)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(history.is_empty(), "{history:?}");
+}
+
+/// SQLite: the two files commit one after the other, so a delete cut
+/// between them leaves events of a turn that is gone. A new turn never takes
+/// that turn's number (it would read those events as its own), and the next
+/// start drops them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_events_left_by_a_cut_delete_are_never_read_by_a_new_turn_and_are_dropped_at_start()
+ {
+    use sqlx::Connection as _;
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let key = |r: &str| TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    store
+        .claim_turn(&new_turn(&key("r1"), "replica-a"))
+        .await
+        .unwrap();
+    end_turn(&*store, &key("r1"), Some("one")).await;
+    // As if turn 2 had been deleted from the main file and not the event log.
+    let path = db.url.trim_start_matches("sqlite://").to_owned() + "-events";
+    let mut ev = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO event_log SELECT turn_no + 1, first_seq, last_seq, events FROM event_log",
+    )
+    .execute(&mut ev)
+    .await
+    .unwrap();
+    store
+        .claim_turn(&new_turn(&key("r2"), "replica-a"))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .events_after(&key("r2"), None, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a new turn reads no events it did not write"
+    );
+    end_turn(&*store, &key("r2"), Some("two")).await;
+    assert_eq!(
+        store
+            .events_after(&key("r2"), None, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    drop(store);
+    let store = db.open().await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM event_log")
+        .fetch_one(&mut ev)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows, 2,
+        "the orphan row was dropped at start, the turns' rows kept"
+    );
+    assert_eq!(
+        store
+            .events_after(&key("r1"), None, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
 /// A store that stops taking writes fills the run's queue to its writer:
 /// waiting for room there, the run still ends at its deadline (not when the
 /// store gives up, up to its group timeout later).
@@ -1878,6 +1978,7 @@ per_backend!(
     a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_the_delete,
     a_run_whose_lease_was_lost_stops_and_ends_as_recorded,
     a_run_whose_task_panics_ends_internal_not_ok,
+    a_turn_pruned_by_a_full_batch_leaves_the_history_a_run_reads,
     a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,

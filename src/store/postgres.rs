@@ -380,8 +380,13 @@ impl PostgresStore {
         pool: &PgPool,
         claims: &[super::sql::PendingClaim],
     ) -> Result<Vec<bool>, sqlx::Error> {
+        // Rows are locked in the order they are bound (the turns' keys, the
+        // sessions' rows): every group binds in key order, so two groups
+        // sharing sessions never wait for each other in a cycle.
+        let mut order: Vec<&super::sql::PendingClaim> = claims.iter().collect();
+        order.sort_by(|a, b| (&a.sid, &a.rid).cmp(&(&b.sid, &b.rid)));
         let col = |f: fn(&super::sql::PendingClaim) -> &str| -> Vec<&str> {
-            claims.iter().map(f).collect()
+            order.iter().map(|c| f(c)).collect()
         };
         let rows = sqlx::query(
             "WITH claimed AS ( \
@@ -401,8 +406,8 @@ impl PostgresStore {
         .bind(col(|c| &c.user_text))
         .bind(col(|c| &c.agent))
         .bind(col(|c| &c.owner))
-        .bind(claims.iter().map(|c| c.lease_until).collect::<Vec<_>>())
-        .bind(claims.iter().map(|c| c.at).collect::<Vec<_>>())
+        .bind(order.iter().map(|c| c.lease_until).collect::<Vec<_>>())
+        .bind(order.iter().map(|c| c.at).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
         super::sql::stored_claims(claims, &rows)

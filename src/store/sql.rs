@@ -947,14 +947,17 @@ macro_rules! sql_store {
                     .await
                     .map_err(db_err)?;
                 tx.commit().await.map_err(db_err)?;
-                if let Some(cache) = &self.sessions
-                    && let Some(&last) = ended.iter().max()
-                {
+                if let Some(cache) = &self.sessions {
                     // A batch cut short by `limit` may leave turns that
                     // ended at `last` itself: the cache lets go of the turns
-                    // ended before it, which are all gone.
+                    // ended before it, which are all gone. A batch that is
+                    // not full (an empty one too) took every turn ended
+                    // before `before`.
                     let full = ended.len() as i64 == limit;
-                    cache.pruned(if full { last } else { to_micros(before) });
+                    match ended.iter().max() {
+                        Some(&last) if full => cache.pruned(last),
+                        _ => cache.pruned(to_micros(before)),
+                    }
                 }
                 Ok(ended.len() as u64)
             }

@@ -259,6 +259,22 @@ impl SqliteStore {
                 "turns interrupted by the previous process were marked failed (UNAVAILABLE)"
             );
         }
+        // The two files commit one after the other: a delete or prune cut
+        // between them (an I/O error, a kill) leaves events of turns that
+        // are gone. Numbers are never reused (claims count the event log's
+        // too), so nothing reads them; they are dropped here.
+        let dropped = sqlx::query(
+            "DELETE FROM event_log WHERE turn_no NOT IN (SELECT turn_no FROM turns WHERE turn_no IS NOT NULL)",
+        )
+        .execute(&store.write)
+        .await?
+        .rows_affected();
+        if dropped > 0 {
+            tracing::warn!(
+                rows = dropped,
+                "event log rows of turns deleted by an interrupted commit were dropped"
+            );
+        }
         let tasks = store.a2a.fail_unfinished(&outcome.message).await?;
         if tasks > 0 {
             tracing::warn!(
@@ -502,7 +518,8 @@ impl SqliteStore {
             "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
              created_at, updated_at, turn_no) \
              SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, v.column6, v.column7, v.column7, \
-             (SELECT IFNULL(MAX(turn_no), 0) FROM turns) + ROW_NUMBER() OVER () FROM (",
+             MAX(IFNULL((SELECT MAX(turn_no) FROM turns), 0), IFNULL((SELECT MAX(turn_no) FROM event_log), 0)) \
+             + ROW_NUMBER() OVER () FROM (",
         );
         q.push_values(claims, |mut b, c| {
             b.push_bind(c.sid.as_str())
