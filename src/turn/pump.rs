@@ -74,12 +74,17 @@ pub(super) fn spawn(
     let span = run.span;
     let renewing = CancellationToken::new();
     let lease_lost = CancellationToken::new();
+    // What stops the run from outside: the shutdown's cut, or a lost lease
+    // (which also sets `lease_lost`, to tell the two apart). One token, so
+    // the pump watches one thing per event.
+    let stop = turns.cut.child_token();
     turns.tracker.spawn(
         keep_lease(
             turns.clone(),
             key.clone(),
             renewing.clone(),
             lease_lost.clone(),
+            stop.clone(),
         )
         .instrument(span.clone()),
     );
@@ -110,7 +115,7 @@ pub(super) fn spawn(
         deadline,
         policy: turns.cfg.slow_consumer,
         stall_timeout: turns.cfg.stall_timeout,
-        cut: turns.cut.clone(),
+        cut: stop,
         lease_lost,
         _permit: permit,
     };
@@ -147,8 +152,9 @@ struct Pump {
     deadline: Deadline,
     policy: SlowConsumer,
     stall_timeout: Duration,
+    /// The shutdown's cut, or this run's lost lease ([`keep_lease`]).
     cut: CancellationToken,
-    /// Fired when the turn's lease was lost ([`keep_lease`]).
+    /// Set when the turn's lease was lost.
     lease_lost: CancellationToken,
     /// Held for the life of the run: the concurrency cap.
     _permit: OwnedSemaphorePermit,
@@ -213,6 +219,15 @@ impl Pump {
         }
     }
 
+    /// Why `cut` fired: a lost lease, or the shutdown's cut.
+    fn stopped(&self) -> Failure {
+        if self.lease_lost.is_cancelled() {
+            Failure::LeaseLost
+        } else {
+            Failure::Shutdown
+        }
+    }
+
     /// Moves events until the final one, or until something ends the run.
     async fn forward(&mut self, sent: &mut u64) -> Result<(), Failure> {
         let deadline = tokio::time::sleep_until(self.deadline.at);
@@ -220,15 +235,11 @@ impl Pump {
         let cut = self.cut.clone();
         let cut = cut.cancelled();
         tokio::pin!(cut);
-        let lost = self.lease_lost.clone();
-        let lost = lost.cancelled();
-        tokio::pin!(lost);
         let mut seq = 0u64;
         loop {
             let next = tokio::select! {
                 biased;
-                _ = &mut cut => return Err(Failure::Shutdown),
-                _ = &mut lost => return Err(Failure::LeaseLost),
+                _ = &mut cut => return Err(self.stopped()),
                 _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
                 _ = closed(self.client.as_ref()) => {
                     self.client_gone()?;
@@ -265,12 +276,15 @@ impl Pump {
             // run still ends at its deadline, a shutdown's cut or a lost
             // lease.
             let writer = self.writer.as_ref().expect("held until the outcome");
-            let queued = tokio::select! {
-                biased;
-                _ = &mut cut => return Err(Failure::Shutdown),
-                _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
-                _ = &mut lost => return Err(Failure::LeaseLost),
-                r = writer.send(ToWriter::Event(stored)) => r,
+            let queued = match writer.try_send(ToWriter::Event(stored)) {
+                Ok(()) => Ok(()),
+                Err(mpsc::error::TrySendError::Full(event)) => tokio::select! {
+                    biased;
+                    _ = &mut cut => return Err(self.stopped()),
+                    _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
+                    r = writer.send(event) => r.map_err(drop),
+                },
+                Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
             };
             if queued.is_err() {
                 return Err(Failure::Store(
@@ -288,6 +302,7 @@ impl Pump {
                 Ok(true) => *sent += 1,
                 Ok(false) => {}
                 Err(Failure::ClientGone) => self.client_gone()?,
+                Err(Failure::Shutdown) => return Err(self.stopped()),
                 Err(e) => return Err(e),
             }
             if is_final {
@@ -397,6 +412,7 @@ async fn keep_lease(
     key: TurnKey,
     renewing: CancellationToken,
     lost: CancellationToken,
+    stop: CancellationToken,
 ) {
     let lease = turns.cfg.lease;
     let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
@@ -418,6 +434,7 @@ async fn keep_lease(
             Ok(false) => {
                 tracing::warn!(turn = %key, "the turn's lease was lost (it was marked failed); stopping its run");
                 lost.cancel();
+                stop.cancel();
                 return;
             }
             Err(e) => {
