@@ -65,8 +65,12 @@ impl PostgresStore {
     /// The event log is keyed by (session_id, request_id, first_seq), and
     /// its foreign key deletes a turn's events with it.
     const SQL: super::sql::Dialect = super::sql::Dialect {
-        events_after: "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 AND last_seq > $3 \
-             ORDER BY first_seq LIMIT $4",
+        // From the batch that holds seq $3 on, found on the key (see the
+        // SQLite store's).
+        events_after: "SELECT events FROM event_batches WHERE session_id = $1 AND request_id = $2 \
+             AND first_seq >= COALESCE((SELECT MAX(first_seq) FROM event_batches \
+                 WHERE session_id = $1 AND request_id = $2 AND first_seq <= $3), 0) \
+             AND last_seq > $3 ORDER BY first_seq LIMIT $4",
         delete_session_events: None,
         lock_session: Some("SELECT 1 FROM sessions WHERE id = $1 FOR UPDATE"),
         prune_events: None,
