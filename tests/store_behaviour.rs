@@ -1924,6 +1924,44 @@ async fn a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline(db: TestDb)
     s.stop().await;
 }
 
+/// PostgreSQL: claims of several replicas commit in any order, so a claim
+/// never moves its session's `updated_at` back (as one made earlier but
+/// committed later would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_claim_never_moves_its_sessions_update_time_back() {
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    let later = session.updated_at + Duration::from_secs(3600);
+    let later_micros = later
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("UPDATE sessions SET updated_at = $1 WHERE id = $2")
+        .bind(later_micros)
+        .bind(session.id.to_string())
+        .execute(&mut c)
+        .await
+        .unwrap();
+    let key = TurnKey {
+        session_id: session.id,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    store
+        .claim_turn(&new_turn(&key, "replica-a"))
+        .await
+        .unwrap();
+    let now = store.get_session(session.id).await.unwrap().unwrap();
+    assert_eq!(now.updated_at, later, "not moved back by the claim");
+}
+
 mod slow_store {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline_on_postgres() {

@@ -401,7 +401,7 @@ impl PostgresStore {
                ON CONFLICT (session_id, request_id) DO NOTHING \
                RETURNING session_id, request_id, created_at \
              ), touched AS ( \
-               UPDATE sessions s SET updated_at = c.created_at FROM claimed c WHERE s.id = c.session_id \
+               UPDATE sessions s SET updated_at = GREATEST(s.updated_at, c.created_at) FROM claimed c WHERE s.id = c.session_id \
              ) \
              SELECT session_id, request_id FROM claimed",
         )
