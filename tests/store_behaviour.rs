@@ -872,6 +872,23 @@ async fn appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone(
     }
 }
 
+/// Waits (bounded) until a statement of this database waits for a lock.
+async fn a_statement_waits_for_a_lock(watcher: &sqlx::PgPool, what: &str) {
+    eventually(what, || {
+        let watcher = watcher.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        }
+    })
+    .await;
+}
+
 /// The store never deletes a session under a running turn: checked in the
 /// delete's own transaction, so on PostgreSQL a claim in flight when the
 /// delete starts (inserted by another replica, not yet committed) is waited
@@ -927,19 +944,7 @@ async fn a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_t
         async move { store.delete_session(other.id).await }
     });
     let watcher = sqlx::PgPool::connect(&db.url).await.unwrap();
-    eventually("the delete waits for the claim's lock", || {
-        let watcher = watcher.clone();
-        async move {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&watcher)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        }
-    })
-    .await;
+    a_statement_waits_for_a_lock(&watcher, "the delete waits for the claim's lock").await;
     claim.commit().await.unwrap();
     assert_eq!(delete.await.unwrap().unwrap(), Deletion::Busy);
     assert!(store.get_session(other.id).await.unwrap().is_some());
@@ -960,19 +965,7 @@ async fn a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_t
         let req = run_request(ALICE, &sid, "r3", ORDER_Q);
         async move { c.run_to_end(req, Duration::from_secs(30)).await }
     });
-    eventually("the claim waits for the delete's lock", || {
-        let watcher = watcher.clone();
-        async move {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&watcher)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        }
-    })
-    .await;
+    a_statement_waits_for_a_lock(&watcher, "the claim waits for the delete's lock").await;
     deleting.commit().await.unwrap();
     let status = match run.await.unwrap() {
         Err(status) | Ok((_, Err(status))) => status,
