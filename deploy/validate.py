@@ -58,9 +58,10 @@ OVERLAYS = ["overlays/postgres", "overlays/sqlite"]
 PLAIN_FILES = ["examples/secrets.yaml"]
 
 # After SIGTERM: drain delay, then the shutdown grace, then up to 5 s for cut
-# runs to record their outcome and 5 s for connections to close
-# (CUT_FLUSH and CONNECTIONS_CLOSE in src/server.rs).
-SERVER_FLUSH_SECONDS = 10
+# runs to record their outcome, 5 s each for the gRPC and the A2A connections
+# to close (CUT_FLUSH and CONNECTIONS_CLOSE in src/server.rs) and 5 s for the
+# session store to close (STORE_CLOSE_TIMEOUT in src/main.rs).
+SERVER_FLUSH_SECONDS = 20
 
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
@@ -438,7 +439,7 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("a wrong type", pg, "replicas: 'three' is not of type 'integer'", lambda d: find(d, "Deployment")["spec"].update(replicas="three")),
         ("an unknown field in a PodMonitor", mon, "'podMetricEndpoints' was unexpected", lambda d: find(d, "PodMonitor")["spec"].update(podMetricEndpoints=[])),
         ("an unknown field in an alert rule", mon, "'fro' was unexpected", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(fro="5m")),
-        ("a grace period too short for the drain", pg, "terminationGracePeriodSeconds 140 must exceed", lambda d: find(d, "Deployment")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=140)),
+        ("a grace period too short for the drain", pg, "terminationGracePeriodSeconds 160 must exceed", lambda d: find(d, "Deployment")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=160)),
         ("a longer shutdown grace without a longer grace period", sq, "shutdown grace 180s", lambda d: env(d, "AGENTD_SHUTDOWN_GRACE", "3m", "StatefulSet")),
         ("a run longer than the shutdown grace", pg, "AGENTD_MAX_RUN_DURATION (600s) must be shorter", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "10m")),
         ("a misspelt AGENTD_ variable", pg, "AGENTD_DRAIN_DELEY is not a flag", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_DRAIN_DELEY="5s")),

@@ -23,6 +23,10 @@ use agentd::turn::Turns;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// How long a stopping agentd waits for its session store to close (part
+/// of the shutdown arithmetic deploy/validate.py checks).
+const STORE_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -141,7 +145,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (!args.store_timeout.is_zero()).then_some(args.store_timeout),
     )
     .await?;
-    let turns = Turns::new(store, registry, args.turn_config());
+    let turns = Turns::new(store.clone(), registry, args.turn_config());
     let mut opts = args.server_options();
     opts.security = args.security()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -173,6 +177,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(listen = %grpc_addr, a2a_listen = %a2a_listen, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
     let result =
         agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
+    // Every run has ended (or been cut): the store's connections close
+    // cleanly, SQLite's WALs copied into their files.
+    if tokio::time::timeout(STORE_CLOSE_TIMEOUT, store.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!(timeout = ?STORE_CLOSE_TIMEOUT, "the session store did not close in time; stopping without it");
+    } else {
+        tracing::info!("session store closed");
+    }
     if let Some((stop, task)) = admin {
         let _ = stop.send(());
         let _ = task.await;

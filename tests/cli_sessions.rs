@@ -124,3 +124,41 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
     assert!(err.contains("NotFound"), "{err}");
     server.kill9().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopped_by_sigterm_leaves_its_sqlite_files_without_wals() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let path = std::path::PathBuf::from(db.url.strip_prefix("sqlite://").unwrap());
+    let events = agentd::store::sqlite::event_log_path(&path);
+    let wal = |f: &std::path::Path| {
+        let mut name = f.as_os_str().to_owned();
+        name.push("-wal");
+        std::path::PathBuf::from(name)
+    };
+    let server = Child::serve(&["--store", &db.url]).await;
+    let sid = server
+        .client
+        .clone()
+        .create_session("alice")
+        .await
+        .unwrap()
+        .session_id;
+    let (events_seen, end) =
+        run_on(&server.client, "alice", &sid, "r1", "Where is order 1187?").await;
+    assert!(end.is_ok(), "{end:?}");
+    assert_eq!(events_seen.len(), 3);
+    // Running, the WALs hold what was written since the last checkpoint.
+    assert!(wal(&path).exists() && wal(&events).exists());
+
+    let status = server.terminate().await;
+    assert!(status.success(), "{status}");
+    for f in [wal(&path), wal(&events)] {
+        assert!(!f.exists(), "{} is left after a clean stop", f.display());
+    }
+    // Everything is in the files themselves.
+    let store = db.open().await;
+    let id = agentd::domain::SessionId::parse(&sid).unwrap();
+    let turns = store.list_turns(id).await.unwrap();
+    assert_eq!(turns.len(), 1);
+    assert_eq!(turns[0].state, agentd::store::TurnState::Completed);
+}

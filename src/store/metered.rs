@@ -258,4 +258,8 @@ impl Store for Metered {
     async fn ping(&self) -> StoreResult<()> {
         self.timed(Op::Ping, self.inner.ping()).await
     }
+
+    async fn close(&self) {
+        self.inner.close().await
+    }
 }

@@ -455,6 +455,10 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64>;
     /// Cheap round trip: is the backend reachable now?
     async fn ping(&self) -> StoreResult<()>;
+    /// Closes the store's connections at shutdown, once no run uses it:
+    /// SQLite then copies its WALs into the files and removes them, and
+    /// PostgreSQL sees its sessions end rather than drop. Later calls fail.
+    async fn close(&self) {}
 }
 
 #[cfg(test)]

@@ -89,6 +89,10 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
+    async fn close_pools(&self) {
+        self.write.close().await;
+    }
+
     /// Connects to `url` and runs the migrations (concurrent replicas wait on
     /// the migrator's advisory lock).
     pub async fn connect(url: &str) -> anyhow::Result<Self> {

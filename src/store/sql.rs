@@ -966,6 +966,10 @@ macro_rules! sql_store {
                 sqlx::query("SELECT 1").execute(&self.read).await.map_err(db_err)?;
                 Ok(())
             }
+
+            async fn close(&self) {
+                self.close_pools().await;
+            }
         }
 
         impl $store {

@@ -86,6 +86,8 @@ pub struct SqliteStore {
     /// The sessions created since start-up, with their history: a Run
     /// reads them without a database read ([`super::session_cache`]).
     sessions: Option<Arc<super::session_cache::SessionCache>>,
+    /// The checkpointer's connection (closed by [`Store::close`]).
+    checkpoints: SqlitePool,
     /// Held while the store lives; the checkpointer stops when it goes.
     _alive: Arc<()>,
 }
@@ -228,10 +230,11 @@ impl SqliteStore {
         let commits = Self::spawn_committer(write.clone(), 1, Some(sessions.clone()));
         let claims = Self::spawn_claimer(write.clone(), 1, Some(sessions.clone()));
         let alive = Arc::new(());
-        spawn_checkpointer(checkpoints, Arc::downgrade(&alive));
+        spawn_checkpointer(checkpoints.clone(), Arc::downgrade(&alive));
         let store = Self {
             read,
             write,
+            checkpoints,
             a2a,
             commits,
             claims,
@@ -390,6 +393,15 @@ impl SqliteStore {
         turn: Option<&str>,
     ) -> super::StoreResult<Option<super::RunRead>> {
         self.read_session_with_history(id, limit, turn).await
+    }
+
+    /// Readers first, the writer last: the last connection to close copies
+    /// the WALs into their files and removes them, which a read-only one
+    /// cannot do.
+    async fn close_pools(&self) {
+        self.read.close().await;
+        self.checkpoints.close().await;
+        self.write.close().await;
     }
 }
 

@@ -695,4 +695,20 @@ impl Child {
     pub async fn kill9(mut self) {
         self.child.kill().await.expect("kill -9");
     }
+
+    /// SIGTERM, as the kubelet sends, and the exit status once the process
+    /// has shut down by itself (within 60 s).
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("still running").to_string();
+        let sent = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .expect("run kill");
+        assert!(sent.success(), "kill -TERM {pid}");
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .expect("agentd stops within 60 s of SIGTERM")
+            .expect("wait for agentd")
+    }
 }
