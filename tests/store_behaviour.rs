@@ -1979,6 +1979,164 @@ mod drain {
     }
 }
 
+fn text_event(seq: u64, text: &str) -> agentd::store::SeqEvent {
+    agentd::store::SeqEvent {
+        seq,
+        event: agentd::agent::Event {
+            kind: agentd::agent::EventKind::PartialText,
+            author: "echo".into(),
+            text: text.into(),
+            tool_name: String::new(),
+            tool_call_id: String::new(),
+            payload_json: String::new(),
+            created_unix_nanos: seq as i64,
+        },
+    }
+}
+
+/// A turn failed under its writer (its lease ran out and a sweep ended it)
+/// takes neither more events nor another outcome: its followers saw it end
+/// there, and a replay shows the same. The writer is told its outcome was
+/// not recorded; a running turn's is.
+async fn a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with(db: TestDb) {
+    use agentd::store::{EncodedEvent, TurnOutcome, TurnState};
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = |rid: &str| TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse(rid).unwrap(),
+    };
+    let lapsing = NewTurn {
+        lease: Duration::ZERO,
+        ..new_turn(&key("r1"), "replica-a")
+    };
+    store.claim_turn(&lapsing).await.unwrap();
+    store
+        .append_events(&key("r1"), vec![text_event(0, "before")])
+        .await
+        .unwrap();
+    let stopped = agentd::grpc::status::replica_stopped();
+    let swept = store
+        .fail_expired(SystemTime::now() + Duration::from_secs(1), &stopped)
+        .await
+        .unwrap();
+    assert_eq!(swept, 1);
+
+    let ok = TurnOutcome {
+        state: TurnState::Completed,
+        code: 0,
+        message: String::new(),
+    };
+    store
+        .append_events(&key("r1"), vec![text_event(1, "during")])
+        .await
+        .unwrap();
+    let late = vec![EncodedEvent::of(&text_event(2, "after"))];
+    let recorded = store
+        .append_and_finish(&key("r1"), late, &ok, Some("answer"))
+        .await
+        .unwrap();
+    assert!(!recorded, "the writer hears its outcome was not recorded");
+    assert!(!store.finish_turn(&key("r1"), &ok, None).await.unwrap());
+    let turn = store.get_turn(&key("r1")).await.unwrap().unwrap();
+    assert_eq!(turn.state, TurnState::Failed);
+    assert_eq!(turn.outcome, Some(stopped));
+    let texts: Vec<String> = store
+        .events_after(&key("r1"), None, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.event.text)
+        .collect();
+    assert_eq!(texts, ["before"], "no event lands after the turn ended");
+
+    store
+        .claim_turn(&new_turn(&key("r2"), "replica-a"))
+        .await
+        .unwrap();
+    let last = vec![EncodedEvent::of(&text_event(0, "only"))];
+    assert!(
+        store
+            .append_and_finish(&key("r2"), last, &ok, Some("answer"))
+            .await
+            .unwrap()
+    );
+    let turn = store.get_turn(&key("r2")).await.unwrap().unwrap();
+    assert_eq!(turn.state, TurnState::Completed);
+    assert_eq!(
+        store
+            .events_after(&key("r2"), None, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+/// A run whose turn was failed by another replica's sweep (its lease ran
+/// out, say while its renewals waited) and which finishes before its next
+/// renewal would notice ends as the turn was recorded, UNAVAILABLE, not
+/// OK: its caller and a replay agree.
+async fn a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(
+        store.clone(),
+        Opts {
+            // The first renewal is 20 s away; the tool takes 1 s.
+            lease: Duration::from_secs(60),
+            tool_delay: Duration::from_secs(1),
+            ..Opts::default()
+        },
+    )
+    .await;
+    let sid = s.session(ALICE).await;
+    let mut call = s
+        .client
+        .clone()
+        .run(
+            run_request(ALICE, &sid, "r1", ORDER_Q),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let first = call.events.message().await.unwrap().unwrap();
+    assert_eq!(first.seq, 0);
+    let key = TurnKey {
+        session_id: SessionId::parse(&sid).unwrap(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    eventually("the tool call is stored", || {
+        let (store, key) = (store.clone(), key.clone());
+        async move { (store.events_after(&key, None, 10).await.unwrap().len() == 1).then_some(()) }
+    })
+    .await;
+    // Another replica finds the lease expired (as by its clock).
+    let swept = store
+        .fail_expired(
+            SystemTime::now() + Duration::from_secs(3600),
+            &agentd::grpc::status::replica_stopped(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(swept, 1);
+    let (_, end) = collect(&mut call.events).await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("replica stopped"), "{status:?}");
+    let (replayed, again) = s.attach(ALICE, &sid, "r1", None).await.unwrap();
+    assert_eq!(again.unwrap_err().code(), Code::Unavailable);
+    assert_eq!(
+        seqs(&replayed),
+        [0],
+        "the log ends where the turn was failed"
+    );
+    s.stop().await;
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -2032,4 +2190,100 @@ per_backend!(
     bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing,
     the_turn_claim_is_exclusive_and_leases_belong_to_their_owner,
     the_event_log_reads_back_in_seq_order_across_commits_of_any_size,
+    a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with,
+    a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
+);
+
+/// A claim that waited for the database longer than its lease is stored
+/// with a live lease: counted from its commit, not from its call.
+async fn a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live(db: TestDb) {
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    let held = db.hold_writes().await;
+    let claim = tokio::spawn({
+        let (store, turn) = (
+            store.clone(),
+            NewTurn {
+                lease: Duration::from_secs(1),
+                ..new_turn(&key, "replica-a")
+            },
+        );
+        async move { store.claim_turn(&turn).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    held.release().await;
+    assert_eq!(claim.await.unwrap().unwrap(), agentd::store::Claim::New);
+    let swept = store
+        .fail_expired(SystemTime::now(), &agentd::grpc::status::replica_stopped())
+        .await
+        .unwrap();
+    assert_eq!(swept, 0, "the new turn's lease is live");
+}
+
+/// A database a later release migrated (a rollback, or an older replica
+/// started during a rollout) is served, its extra migrations left alone.
+async fn a_database_migrated_by_a_later_release_is_served(db: TestDb) {
+    use sqlx::Connection as _;
+    drop(db.open().await);
+    let insert = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+                  VALUES (99990001, 'a later release', true, $1, 1)";
+    let checksum = vec![7u8; 48];
+    match db.backend {
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+            sqlx::query(insert)
+                .bind(checksum)
+                .execute(&mut c)
+                .await
+                .unwrap();
+        }
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            sqlx::query(insert)
+                .bind(checksum)
+                .execute(&mut c)
+                .await
+                .unwrap();
+        }
+        Backend::Memory => unreachable!("no migrations"),
+    }
+    let store = agentd::store::open(&db.url)
+        .await
+        .expect("the store opens on a database a later release migrated");
+    store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+}
+
+macro_rules! durable_backends {
+    ($($name:ident),* $(,)?) => {
+        mod durable_sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                super::$name(super::TestDb::fresh(super::Backend::Sqlite).await.unwrap()).await
+            })*
+        }
+        mod durable_postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
+                    super::$name(db).await
+                }
+            })*
+        }
+    };
+}
+
+durable_backends!(
+    a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
+    a_database_migrated_by_a_later_release_is_served,
 );

@@ -149,6 +149,7 @@ async fn finish(
     store
         .append_and_finish(key, vec![EncodedEvent::of(&event)], &outcome, Some("x"))
         .await
+        .map(drop)
 }
 
 /// With the database no longer answering, the claims, session reads and

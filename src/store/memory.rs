@@ -170,7 +170,14 @@ impl Store for MemoryStore {
             .turns
             .get_mut(key)
             .ok_or_else(|| anyhow::anyhow!("append to an unclaimed turn {key}"))?;
-        turn.events.extend(events);
+        // A turn failed under its writer (its lease ran out) takes no more.
+        if turn
+            .record
+            .as_ref()
+            .is_none_or(|r| r.state == TurnState::Running)
+        {
+            turn.events.extend(events);
+        }
         Ok(())
     }
 
@@ -179,7 +186,7 @@ impl Store for MemoryStore {
         key: &TurnKey,
         outcome: &TurnOutcome,
         answer: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<bool> {
         let mut inner = self.lock();
         let turn = inner
             .turns
@@ -192,8 +199,9 @@ impl Store for MemoryStore {
             rec.outcome = Some(outcome.clone());
             rec.updated_at = SystemTime::now();
             turn.answer = answer.map(str::to_owned);
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     async fn events_after(

@@ -154,7 +154,7 @@ impl Store for Metered {
         key: &TurnKey,
         outcome: &TurnOutcome,
         answer: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<bool> {
         self.timed(Op::FinishTurn, self.inner.finish_turn(key, outcome, answer))
             .await
     }
@@ -165,7 +165,7 @@ impl Store for Metered {
         events: Vec<EncodedEvent>,
         outcome: &TurnOutcome,
         answer: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<bool> {
         self.timed(
             Op::AppendAndFinish,
             self.inner.append_and_finish(key, events, outcome, answer),

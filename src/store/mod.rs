@@ -310,6 +310,16 @@ pub async fn open_bounded(
     )))
 }
 
+/// A store's migrations as they run at start-up. Migrations a later release
+/// applied are left alone: that release's schema is a superset this one
+/// runs on (each release adds only what the one before can ignore), so a
+/// rollback, or an older replica started during a rollout, serves as before
+/// instead of refusing to start.
+fn migrator(mut m: sqlx::migrate::Migrator) -> sqlx::migrate::Migrator {
+    m.set_ignore_missing(true);
+    m
+}
+
 /// sqlx errors already name their cause; keep just that, once.
 fn one_line(e: anyhow::Error) -> anyhow::Error {
     anyhow::anyhow!("{e}")
@@ -350,25 +360,28 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
             .await
     }
     /// Records the outcome of a running turn, with its final answer (the
-    /// text later turns get as history). A turn that is no longer running
-    /// (its lease expired and someone failed it) keeps its outcome.
+    /// text later turns get as history): true. A turn that is no longer
+    /// running (its lease expired and someone failed it) keeps its outcome:
+    /// false, and its caller must not report another one.
     async fn finish_turn(
         &self,
         key: &TurnKey,
         outcome: &TurnOutcome,
         answer: Option<&str>,
-    ) -> StoreResult<()>;
+    ) -> StoreResult<bool>;
     /// A turn's last events and its outcome: [`Store::append_encoded`], then
     /// [`Store::finish_turn`] once the events are stored; when the events
     /// fail, the outcome is not recorded. The SQL stores write both in their
-    /// committer's next group, beside other turns' writes.
+    /// committer's next group, beside other turns' writes. False as
+    /// [`Store::finish_turn`]'s; events of a turn no longer running may be
+    /// dropped (the SQL stores drop them: they would follow its outcome).
     async fn append_and_finish(
         &self,
         key: &TurnKey,
         events: Vec<EncodedEvent>,
         outcome: &TurnOutcome,
         answer: Option<&str>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<bool> {
         self.append_encoded(key, events).await?;
         self.finish_turn(key, outcome, answer).await
     }

@@ -120,7 +120,9 @@ impl PostgresStore {
             })
             .connect_with(opts)
             .await?;
-        sqlx::migrate!("migrations/postgres").run(&pool).await?;
+        super::migrator(sqlx::migrate!("migrations/postgres"))
+            .run(&pool)
+            .await?;
         let store = Self {
             commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
             claims: Self::spawn_claimer(pool.clone(), COMMITTERS, None),
@@ -147,10 +149,16 @@ impl PostgresStore {
     /// turns that end with it, recorded in the same statement (and so
     /// atomically with the events). One round trip and one commit for the
     /// group, whatever its size.
+    ///
+    /// Only turns still running take events and an outcome: one failed
+    /// under its writer (its lease ran out) keeps the log and the outcome
+    /// its followers saw. Events of a turn that is not there fail the
+    /// statement on the foreign key. Returns, per batch, whether its
+    /// outcome (if any) was recorded.
     async fn write_group(
         pool: &PgPool,
         group: &[super::sql::PendingBatch],
-    ) -> Result<(), super::sql::GroupError> {
+    ) -> Result<Vec<bool>, super::sql::GroupError> {
         // A batch is one row unless it holds over a megabyte of events.
         let n = group.len();
         let (mut sid, mut rid) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -173,7 +181,10 @@ impl PostgresStore {
             .filter_map(|p| Some((p, p.outcome.as_ref()?)))
             .collect();
         const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
-             SELECT * FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[])";
+             SELECT b.* FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[]) \
+             AS b(session_id, request_id, first_seq, last_seq, events) \
+             WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = b.session_id \
+                 AND t.request_id = b.request_id AND t.state <> 'running')";
         if outcomes.is_empty() {
             sqlx::query(INSERT)
                 .bind(&sid)
@@ -183,7 +194,7 @@ impl PostgresStore {
                 .bind(&blob)
                 .execute(pool)
                 .await?;
-            return Ok(());
+            return Ok(vec![true; group.len()]);
         }
         let m = outcomes.len();
         let (mut o_sid, mut o_rid, mut state, mut code) = (
@@ -207,14 +218,17 @@ impl PostgresStore {
             at.push(o.at);
         }
         // The insert runs whole before the update's rows are visible to
-        // anyone: both commit together, or neither does.
-        sqlx::query(&format!(
+        // anyone: both commit together, or neither does. Both see the turns
+        // as they were before the statement: a turn's last events go in
+        // with its outcome.
+        let recorded: Vec<(String, String)> = sqlx::query_as(&format!(
             "WITH stored AS ({INSERT}) \
              UPDATE turns t SET state = o.state, status_code = o.code, status_message = o.message, \
              answer = o.answer, updated_at = o.at \
              FROM UNNEST($6::text[], $7::text[], $8::text[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
              AS o(session_id, request_id, state, code, message, answer, at) \
-             WHERE t.session_id = o.session_id AND t.request_id = o.request_id AND t.state = 'running'"
+             WHERE t.session_id = o.session_id AND t.request_id = o.request_id AND t.state = 'running' \
+             RETURNING t.session_id, t.request_id"
         ))
         .bind(&sid)
         .bind(&rid)
@@ -228,9 +242,9 @@ impl PostgresStore {
         .bind(&message)
         .bind(&answer)
         .bind(&at)
-        .execute(pool)
+        .fetch_all(pool)
         .await?;
-        Ok(())
+        Ok(super::sql::outcomes_recorded(group, &recorded))
     }
 }
 
@@ -399,7 +413,8 @@ impl PostgresStore {
         let rows = sqlx::query(
             "WITH claimed AS ( \
                INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
-               SELECT c.session_id, c.request_id, c.user_text, c.agent, 'running', c.owner, c.lease, c.at, c.at \
+               SELECT c.session_id, c.request_id, c.user_text, c.agent, 'running', c.owner, \
+                 (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8 + c.lease, c.at, c.at \
                FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[], $7::int8[]) \
                AS c(session_id, request_id, user_text, agent, owner, lease, at) \
                ON CONFLICT (session_id, request_id) DO NOTHING \
@@ -414,7 +429,7 @@ impl PostgresStore {
         .bind(col(|c| &c.user_text))
         .bind(col(|c| &c.agent))
         .bind(col(|c| &c.owner))
-        .bind(order.iter().map(|c| c.lease_until).collect::<Vec<_>>())
+        .bind(order.iter().map(|c| c.lease_micros()).collect::<Vec<_>>())
         .bind(order.iter().map(|c| c.at).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;

@@ -199,7 +199,9 @@ pub(super) struct PendingBatch {
     /// every turn that ends at about the same moment, share the commits of
     /// one group instead of taking one commit each.
     pub outcome: Option<PendingOutcome>,
-    pub done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
+    /// Whether the outcome was recorded: true without one; false when the
+    /// turn was no longer running (its lease ran out and it was failed).
+    pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
 }
 
 /// A turn's outcome as the committer writes it (`finish_turn`'s binds).
@@ -229,7 +231,7 @@ impl PendingBatch {
     pub fn new(
         key: &crate::domain::TurnKey,
         events: Vec<super::EncodedEvent>,
-        done: tokio::sync::oneshot::Sender<Result<(), Failed>>,
+        done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
     ) -> Self {
         Self {
             sid: key.session_id.to_string(),
@@ -259,11 +261,22 @@ pub(super) struct PendingClaim {
     pub user_text: String,
     pub agent: String,
     pub owner: String,
-    /// The lease's expiry and the claim's time, in microseconds.
-    pub lease_until: i64,
+    /// How long the lease lasts from the claim's write: the statement adds
+    /// it to the database's clock as it inserts the row (after any wait for
+    /// a lock), so a claim that waited longer than its lease, queued or
+    /// locked out, is not stored expired.
+    pub lease: std::time::Duration,
+    /// The claim's time, in microseconds.
     pub at: i64,
     /// Whether this claim stored the turn; false when the turn was there.
     pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
+}
+
+impl PendingClaim {
+    /// The lease, in microseconds (the claim statements' bind).
+    pub fn lease_micros(&self) -> i64 {
+        i64::try_from(self.lease.as_micros()).unwrap_or(i64::MAX)
+    }
 }
 
 /// Which of `claims` stored their turn, from the (session_id, request_id)
@@ -285,6 +298,19 @@ where
         .iter()
         .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
         .collect())
+}
+
+/// Per batch of `group`, whether its outcome was recorded (true for one
+/// without), given the (session_id, request_id) of the turns whose outcome
+/// the statement recorded.
+pub(super) fn outcomes_recorded(
+    group: &[PendingBatch],
+    recorded: &[(String, String)],
+) -> Vec<bool> {
+    group
+        .iter()
+        .map(|p| p.outcome.is_none() || recorded.iter().any(|(s, r)| *s == p.sid && *r == p.rid))
+        .collect()
 }
 
 /// Claims the claimer writes in one statement at most.
@@ -568,13 +594,14 @@ macro_rules! sql_store {
             }
 
             /// Queues a turn's events and outcome for the committer and
-            /// waits until they are committed.
+            /// waits until they are committed; false when the outcome was
+            /// not recorded, the turn no longer running.
             async fn commit(
                 &self,
                 key: &TurnKey,
                 events: Vec<EncodedEvent>,
                 outcome: Option<$crate::store::sql::PendingOutcome>,
-            ) -> StoreResult<()> {
+            ) -> StoreResult<bool> {
                 let (done, committed) = tokio::sync::oneshot::channel();
                 let mut batch = $crate::store::sql::PendingBatch::new(key, events, done);
                 batch.outcome = outcome;
@@ -618,10 +645,12 @@ macro_rules! sql_store {
                         let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
                         $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
                         match written {
-                            Ok(()) => {
-                                for p in group.drain(..) {
-                                    ended(&p);
-                                    let _ = p.done.send(Ok(()));
+                            Ok(recorded) => {
+                                for (p, recorded) in group.drain(..).zip(recorded) {
+                                    if recorded {
+                                        ended(&p);
+                                    }
+                                    let _ = p.done.send(Ok(recorded));
                                 }
                             }
                             // One batch at a time, so that only a bad one fails
@@ -632,8 +661,10 @@ macro_rules! sql_store {
                                     if e.events_stored {
                                         p.events.clear();
                                     }
-                                    let r = $crate::store::sql::bounded(Self::write_group(&pool, std::slice::from_ref(&p))).await;
-                                    if r.is_ok() {
+                                    let r = $crate::store::sql::bounded(Self::write_group(&pool, std::slice::from_ref(&p)))
+                                        .await
+                                        .map(|recorded| recorded.first().copied().unwrap_or(true));
+                                    if r.as_ref().is_ok_and(|recorded| *recorded) {
                                         ended(&p);
                                     }
                                     let _ = p.done.send(r.map_err(|e| db_err(e.error).into()));
@@ -689,7 +720,7 @@ macro_rules! sql_store {
                     user_text: t.user_text.clone(),
                     agent: t.agent.clone(),
                     owner: t.owner.clone(),
-                    lease_until: to_micros(now + t.lease),
+                    lease: t.lease,
                     at: to_micros(now),
                     done,
                 };
@@ -729,10 +760,10 @@ macro_rules! sql_store {
                 if events.is_empty() {
                     return Ok(());
                 }
-                self.commit(key, events, None).await
+                self.commit(key, events, None).await.map(drop)
             }
 
-            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<()> {
+            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<bool> {
                 self.append_and_finish(key, Vec::new(), outcome, answer).await
             }
 
@@ -742,7 +773,7 @@ macro_rules! sql_store {
                 events: Vec<EncodedEvent>,
                 outcome: &TurnOutcome,
                 answer: Option<&str>,
-            ) -> StoreResult<()> {
+            ) -> StoreResult<bool> {
                 self.commit(key, events, Some($crate::store::sql::PendingOutcome::new(outcome, answer))).await
             }
 

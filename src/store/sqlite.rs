@@ -180,7 +180,10 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         Self::check_event_log_is_ours(&write, &events).await?;
-        if let Err(e) = sqlx::migrate!("migrations/sqlite").run(&write).await {
+        if let Err(e) = super::migrator(sqlx::migrate!("migrations/sqlite"))
+            .run(&write)
+            .await
+        {
             // Two processes opening a new file at once both migrate it, and
             // the later fails on the earlier's tables.
             let hint = if e.to_string().contains("already exists") {
@@ -311,14 +314,17 @@ fn group_rows(group: &[super::sql::PendingBatch]) -> Vec<GroupRow<'_>> {
 /// The row takes its turn's number from the turn's row: the event log is
 /// in another file, beyond a foreign key's reach, and a turn that was never
 /// claimed (or was deleted) leaves the number NULL, which fails the
-/// statement, whole, on the column's NOT NULL, as a foreign key would.
+/// statement, whole, on the column's NOT NULL, as a foreign key would. A
+/// turn no longer running (failed under its writer when its lease ran out)
+/// takes no more events: they would follow the outcome its followers saw.
 fn insert_row(
     (p, first, last, blob): GroupRow<'_>,
 ) -> sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'_>> {
     sqlx::query(
         "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
          SELECT t.turn_no, $3, $4, $5 \
-         FROM (SELECT 1) LEFT JOIN turns t ON t.session_id = $1 AND t.request_id = $2",
+         FROM (SELECT 1) LEFT JOIN turns t ON t.session_id = $1 AND t.request_id = $2 \
+         WHERE t.turn_no IS NULL OR t.state = 'running'",
     )
     .bind(p.sid.as_str())
     .bind(p.rid.as_str())
@@ -348,7 +354,10 @@ fn insert_rows<'q>(
             .push_bind(last)
             .push_bind(blob);
     });
-    q.push(") AS v LEFT JOIN turns t ON t.session_id = v.column1 AND t.request_id = v.column2");
+    q.push(
+        ") AS v LEFT JOIN turns t ON t.session_id = v.column1 AND t.request_id = v.column2 \
+         WHERE t.turn_no IS NULL OR t.state = 'running'",
+    );
     q
 }
 
@@ -378,7 +387,7 @@ fn update_outcomes<'q>(
     });
     q.push(
         ") AS v WHERE turns.session_id = v.column1 AND turns.request_id = v.column2 \
-         AND turns.state = 'running'",
+         AND turns.state = 'running' RETURNING turns.session_id, turns.request_id",
     );
     q
 }
@@ -416,33 +425,37 @@ impl SqliteStore {
     /// two would keep an outcome whose last events are gone. In this order
     /// it can only keep events of a turn still `running`, which the next
     /// start fails with UNAVAILABLE.
+    /// Returns, per batch, whether its outcome (if any) was recorded: a
+    /// turn no longer running keeps the one it has.
     async fn write_group(
         pool: &SqlitePool,
         group: &[super::sql::PendingBatch],
-    ) -> Result<(), super::sql::GroupError> {
+    ) -> Result<Vec<bool>, super::sql::GroupError> {
         Self::write_events(pool, group).await?;
         let outcomes: Vec<_> = group
             .iter()
             .filter_map(|p| Some((p, p.outcome.as_ref()?)))
             .collect();
         if outcomes.is_empty() {
-            return Ok(());
+            return Ok(vec![true; group.len()]);
         }
         let mut stored = 0;
+        let mut recorded = Vec::with_capacity(outcomes.len());
         while stored < outcomes.len() {
             let chunk = &outcomes[stored..outcomes.len().min(stored + ROWS_PER_STATEMENT)];
-            update_outcomes(chunk)
-                .build()
+            let rows: Vec<(String, String)> = update_outcomes(chunk)
+                .build_query_as()
                 .persistent(chunk.len() <= KEEP_PREPARED_UP_TO)
-                .execute(pool)
+                .fetch_all(pool)
                 .await
                 .map_err(|error| super::sql::GroupError {
                     error,
                     events_stored: true,
                 })?;
+            recorded.extend(rows);
             stored += chunk.len();
         }
-        Ok(())
+        Ok(super::sql::outcomes_recorded(group, &recorded))
     }
 
     /// Writes a group's events, as one statement when it fits in one:
@@ -529,7 +542,8 @@ impl SqliteStore {
         let mut q = sqlx::QueryBuilder::new(
             "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
              created_at, updated_at, turn_no) \
-             SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, v.column6, v.column7, v.column7, \
+             SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, \
+             CAST(unixepoch('subsec') * 1000000 AS INTEGER) + v.column6, v.column7, v.column7, \
              MAX(IFNULL((SELECT MAX(turn_no) FROM turns), 0), IFNULL((SELECT MAX(turn_no) FROM event_log), 0)) \
              + ROW_NUMBER() OVER () FROM (",
         );
@@ -539,7 +553,7 @@ impl SqliteStore {
                 .push_bind(c.user_text.as_str())
                 .push_bind(c.agent.as_str())
                 .push_bind(c.owner.as_str())
-                .push_bind(c.lease_until)
+                .push_bind(c.lease_micros())
                 .push_bind(c.at);
         });
         // `WHERE true`: without it SQLite would read ON CONFLICT as a join's.

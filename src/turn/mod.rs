@@ -213,6 +213,9 @@ struct Progress {
     /// A batch of events could not be stored: the log has a hole, so the
     /// run must end (UNAVAILABLE) rather than go on unrecorded.
     store_failed: bool,
+    /// The outcome was not recorded: the turn had been failed under its
+    /// writer (its lease ran out), and that outcome stands.
+    superseded: bool,
 }
 
 /// The turn engine one server owns.

@@ -196,6 +196,12 @@ impl Pump {
             tracing::warn!(turn = %self.key, "the turn's outcome is taking long to store; ending the stream anyway");
         }
         let result = match result {
+            // The turn was failed under this run (its lease ran out before
+            // the outcome was stored): the caller gets what was recorded.
+            _ if self.stored.borrow().superseded => {
+                tracing::warn!(turn = %self.key, "the turn's lease ran out before its outcome was stored; it ends as recorded (replica stopped)");
+                Err(Failure::LeaseLost)
+            }
             Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
@@ -494,9 +500,10 @@ impl Writer {
                         )
                         .await
                     {
-                        Ok(()) => {
+                        Ok(recorded) => {
                             self.progress.send_modify(|p| {
                                 p.stored_through = last;
+                                p.superseded = !recorded;
                                 p.done = true;
                             });
                             self.forget();
@@ -527,13 +534,20 @@ impl Writer {
             } else {
                 outcome
             };
-        if let Err(e) = store
+        let superseded = match store
             .finish_turn(&self.key, &outcome, answer.as_deref())
             .await
         {
-            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
-        }
-        self.progress.send_modify(|p| p.done = true);
+            Ok(recorded) => !recorded,
+            Err(e) => {
+                tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
+                false
+            }
+        };
+        self.progress.send_modify(|p| {
+            p.superseded = superseded;
+            p.done = true;
+        });
         self.forget();
     }
 
