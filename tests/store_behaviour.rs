@@ -1917,6 +1917,50 @@ async fn a_run_blocked_on_a_stalled_store_still_ends_at_its_deadline(db: TestDb)
     s.stop().await;
 }
 
+/// PostgreSQL: a run whose end cannot be committed in time (its turn's row
+/// locked by another transaction) ends UNAVAILABLE, not OK, and not marked
+/// recorded: a follow-up would not find the turn in its history yet. Once
+/// the outcome commits, a retry with the same request id replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_run_whose_outcome_is_not_stored_in_time_ends_unavailable_not_ok() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_millis(500),
+            ..Opts::default()
+        },
+    )
+    .await;
+    let sid = s.session(ALICE).await;
+    let mut r = Request::new(run_request(ALICE, &sid, "r1", ORDER_Q));
+    r.set_timeout(Duration::from_secs(2));
+    let mut events = s.raw().run(r).await.unwrap().into_inner();
+    events.message().await.unwrap().unwrap();
+    let held = db.hold_writes().await;
+    let ended = tokio::time::timeout(Duration::from_secs(30), collect(&mut events)).await;
+    let (seen, end) = ended.expect("the run ended while its outcome could not be stored");
+    assert_eq!(
+        seen.last().map(|e| e.kind),
+        Some(pb::EventKind::FinalAnswer as i32)
+    );
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.metadata().get("agentd-turn-outcome").is_none(),
+        "not the turn's recorded outcome"
+    );
+    held.release().await;
+    eventually("the retry replays the stored turn", || async {
+        let (events, end) = s.attach(ALICE, &sid, "r1", None).await.ok()?;
+        (end.is_ok() && events.len() == 3).then_some(())
+    })
+    .await;
+    s.stop().await;
+}
+
 /// PostgreSQL: claims of several replicas commit in any order, so a claim
 /// never moves its session's `updated_at` back (as one made earlier but
 /// committed later would).

@@ -26,7 +26,10 @@ const WRITER_QUEUE: usize = 2 * WRITER_BATCH;
 /// quarter of the event log file was empty space, every byte of it written
 /// twice (WAL, then checkpoint).
 const WRITER_BATCH: usize = 2048;
-/// How long the final status waits for the outcome to be stored.
+/// How long the final status waits for the outcome to be stored, at least:
+/// up to the run's deadline if that is later. A run whose outcome is not
+/// stored by then ends UNAVAILABLE (not OK): a follow-up could otherwise
+/// miss the turn in its history, and the outcome may yet fail to commit.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
 enum ToWriter {
@@ -187,14 +190,24 @@ impl Pump {
             Err(_) => false,
         };
         drop(writer);
-        if !handed {
+        let confirmed = if !handed {
             tracing::error!(turn = %self.key, "turn writer stopped before the outcome was recorded");
-        } else if tokio::time::timeout(OUTCOME_WAIT, self.stored.wait_for(|p| p.done))
-            .await
-            .is_err()
-        {
-            tracing::warn!(turn = %self.key, "the turn's outcome is taking long to store; ending the stream anyway");
-        }
+            false
+        } else {
+            let until = self.deadline.at.max(Instant::now() + OUTCOME_WAIT);
+            let cut = self.cut.clone();
+            let mut progress = self.stored.clone();
+            tokio::select! {
+                r = tokio::time::timeout_at(until, progress.wait_for(|p| p.done)) => drop(r),
+                // The shutdown's cut (or the lease lost) does not wait.
+                _ = cut.cancelled() => {}
+            }
+            let stored = self.stored.borrow().done;
+            if !stored {
+                tracing::warn!(turn = %self.key, "the turn's outcome was not stored in time; ending the stream UNAVAILABLE");
+            }
+            stored
+        };
         let result = match result {
             // The turn was failed under this run (its lease ran out before
             // the outcome was stored): the caller gets what was recorded.
@@ -205,6 +218,11 @@ impl Pump {
             Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
+            // Its end is not in the store yet: retrying with the same
+            // request id replays it once it is (or its lease ends it).
+            Ok(()) if !confirmed => Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
+                "the turn's outcome could not be stored in time"
+            )))),
             r => r,
         };
         let code = tonic::Code::from(status::outcome(&result).code);
