@@ -216,7 +216,7 @@ where
         let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.secured());
         tokio::spawn(crate::a2a::serve_http(
             h.listener,
-            a2a.http_router(card),
+            a2a.http_router(card, opts.max_message_bytes),
             async {
                 let _ = stop_a2a_rx.await;
             },

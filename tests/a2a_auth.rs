@@ -113,6 +113,44 @@ async fn the_card_is_public_and_declares_the_bearer_scheme() {
     open.stop().await;
 }
 
+/// A JSON-RPC request body over `--max-message-bytes` is refused with 413
+/// before it is parsed (parsing costs many times its size); one under it
+/// reaches the handler.
+#[tokio::test]
+async fn a_json_rpc_body_over_the_message_limit_is_413_and_runs_nothing() {
+    let server = A2aServer::start(Duration::ZERO).await;
+    let http = agentd::agent::openai::http_client().unwrap();
+    let limit = agentd::server::ServerOptions::default().max_message_bytes;
+    let body = |text_bytes: usize| {
+        serde_json::json!({
+            "jsonrpc": "2.0", "id": 1, "method": "SendMessage",
+            "params": {"message": {"messageId": "m1", "role": "ROLE_USER",
+                "parts": [{"text": "x".repeat(text_bytes)}]}}
+        })
+        .to_string()
+    };
+    let post = |body: String| {
+        http.post(server.base_url())
+            .header("A2A-Version", "1.0")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let resp = post(body(limit + 1)).await.unwrap();
+    assert_eq!(resp.status(), 413);
+    assert_eq!(server.turns.in_flight(), 0);
+    // Under the limit (over --max-input-bytes): parsed, and answered with
+    // the handler's own refusal.
+    let resp = post(body(limit / 2)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let doc: serde_json::Value = resp.json().await.unwrap();
+    assert!(
+        doc.get("error").is_some() || doc.get("result").is_some(),
+        "{doc}"
+    );
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn json_rpc_without_a_good_token_is_401_with_a_json_rpc_error_and_runs_nothing() {
     let server = A2aServer::start_secured(&tokens()).await;

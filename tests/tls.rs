@@ -48,6 +48,26 @@ async fn a_plaintext_client_gets_no_answer_from_a_tls_port() {
     server.stop().await;
 }
 
+/// A peer that connects and never starts the handshake is dropped after
+/// the handshake timeout, not held (a socket and a task) for ever.
+#[tokio::test]
+async fn a_connection_that_never_completes_the_handshake_is_closed() {
+    use tokio::io::AsyncReadExt as _;
+    let server = SecureServer::start(Ca::new("test ca"), Secure::default()).await;
+    let mut idle = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(
+        agentd::auth::tls::TLS_HANDSHAKE_TIMEOUT * 3,
+        idle.read(&mut buf),
+    )
+    .await
+    .expect("the server closes the connection");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert!(started.elapsed() >= agentd::auth::tls::TLS_HANDSHAKE_TIMEOUT / 2);
+    server.stop().await;
+}
+
 /// TLS settings with an http:// address are refused before connecting: the
 /// connection would be plaintext, and the token would travel in clear.
 #[tokio::test]

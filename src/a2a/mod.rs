@@ -103,10 +103,15 @@ impl A2a {
 
     /// JSON-RPC (with SSE streaming) at `/` and the card at
     /// `/.well-known/agent-card.json`; with authentication on, everything
-    /// but the card needs credentials (see [`auth`]).
-    pub fn http_router(&self, card: AgentCard) -> axum::Router {
+    /// but the card needs credentials (see [`auth`]). A request body over
+    /// `max_body_bytes` (`--max-message-bytes`, as on the gRPC port) is
+    /// refused with 413 before it is parsed.
+    pub fn http_router(&self, card: AgentCard, max_body_bytes: usize) -> axum::Router {
         let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
             .layer(axum::middleware::from_fn(follow::count_refusals))
+            .layer(tower_http::limit::RequestBodyLimitLayer::new(
+                max_body_bytes,
+            ))
             .merge(a2a_server::agent_card::agent_card_router(Arc::new(
                 StaticAgentCard::new(card),
             )));

@@ -8,6 +8,9 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
+/// How long a client gets to complete the TLS handshake after connecting.
+pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The PEM files of the gRPC port's TLS, read at start-up.
 #[derive(Clone)]
 pub struct TlsFiles {
@@ -66,7 +69,11 @@ impl TlsFiles {
     /// tonic's rustls configuration: client certificates are required when a
     /// client CA is given.
     pub fn server_config(&self) -> anyhow::Result<ServerTlsConfig> {
-        let mut cfg = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
+        // A peer that opens a connection and never completes the handshake
+        // holds a socket and a task: it is dropped after this long.
+        let mut cfg = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert, &self.key))
+            .timeout(TLS_HANDSHAKE_TIMEOUT);
         if let Some(ca) = &self.client_ca {
             cfg = cfg
                 .client_ca_root(Certificate::from_pem(ca))
