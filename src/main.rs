@@ -60,16 +60,30 @@ fn main() -> ExitCode {
                 session,
             }) => {
                 let c = client.connect().await?;
-                let req = pb::GetSessionRequest {
-                    user_id: user,
-                    session_id: session,
-                };
-                let s = c
-                    .raw()
-                    .get_session(with_timeout(&c, req))
-                    .await
-                    .map_err(status_error)?
-                    .into_inner();
+                // Every turn: the pages one after another.
+                let mut s = pb::SessionInfo::default();
+                let mut token = String::new();
+                loop {
+                    let req = pb::GetSessionRequest {
+                        user_id: user.clone(),
+                        session_id: session.clone(),
+                        turn_page_size: 0,
+                        turn_page_token: token,
+                    };
+                    let page = c
+                        .raw()
+                        .get_session(with_timeout(&c, req))
+                        .await
+                        .map_err(status_error)?
+                        .into_inner();
+                    let mut turns = std::mem::take(&mut s.turns);
+                    turns.extend(page.turns.iter().cloned());
+                    s = pb::SessionInfo { turns, ..page };
+                    token = std::mem::take(&mut s.next_turn_page_token);
+                    if token.is_empty() {
+                        break;
+                    }
+                }
                 println!("{}", session_json(&s));
                 Ok(())
             }

@@ -532,6 +532,7 @@ async fn a_task_cancelled_through_another_replica_ends_canceled_on_every_stream_
                 .get_session(agentd::pb::GetSessionRequest {
                     user_id: agentd::store::a2a_tasks::A2A_USER.into(),
                     session_id: session,
+                    ..Default::default()
                 })
                 .await
                 .ok()?

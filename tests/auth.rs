@@ -220,6 +220,7 @@ async fn every_method_checks_the_user_id_against_the_token() {
             pb::GetSessionRequest {
                 user_id: "bob".into(),
                 session_id: bobs.clone(),
+                ..Default::default()
             },
             t,
         ))

@@ -158,7 +158,7 @@ async fn a_server_stopped_by_sigterm_leaves_its_sqlite_files_without_wals() {
     // Everything is in the files themselves.
     let store = db.open().await;
     let id = agentd::domain::SessionId::parse(&sid).unwrap();
-    let turns = store.list_turns(id).await.unwrap();
+    let turns = store.list_turns(id, None, 10).await.unwrap();
     assert_eq!(turns.len(), 1);
     assert_eq!(turns[0].state, agentd::store::TurnState::Completed);
 }

@@ -617,7 +617,10 @@ async fn a_model_backed_run_calls_its_model_while_its_turn_is_being_claimed() {
         .list_sessions(&agentd::domain::UserId::parse("u1").unwrap(), 10, None)
         .await
         .unwrap();
-    let turns = store.list_turns(sessions.sessions[0].id).await.unwrap();
+    let turns = store
+        .list_turns(sessions.sessions[0].id, None, 10)
+        .await
+        .unwrap();
     assert_eq!(turns.len(), 1);
     assert_eq!(turns[0].state, agentd::store::TurnState::Completed);
     d.stop().await;

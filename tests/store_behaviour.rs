@@ -63,6 +63,63 @@ async fn sessions_are_listed_per_user_oldest_first_a_page_at_a_time(db: TestDb) 
     s.stop().await;
 }
 
+/// GetSession returns a session's turns a page at a time, oldest first: the
+/// pages together hold every turn once; a malformed page token is
+/// INVALID_ARGUMENT. Listing does not read the questions.
+async fn get_session_pages_through_every_turn_oldest_first(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(store.clone(), Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let rids: Vec<String> = (0..5).map(|i| format!("r{i}")).collect();
+    for rid in &rids {
+        let (_, end) = s.run(ALICE, &sid, rid, "hello").await;
+        end.unwrap();
+    }
+    let page = |token: String, size: u32| {
+        let mut c = s.raw();
+        let sid = sid.clone();
+        async move {
+            c.get_session(pb::GetSessionRequest {
+                user_id: ALICE.into(),
+                session_id: sid,
+                turn_page_size: size,
+                turn_page_token: token,
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+    let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
+    loop {
+        let info = page(token, 2).await.unwrap();
+        assert!(info.turns.len() <= 2);
+        seen.extend(info.turns.iter().map(|t| t.request_id.clone()));
+        pages += 1;
+        token = info.next_turn_page_token;
+        if token.is_empty() {
+            break;
+        }
+        assert!(pages < 10, "the pages end");
+    }
+    assert_eq!(seen, rids);
+    assert_eq!(pages, 3);
+    // The default page holds them all.
+    let all = page(String::new(), 0).await.unwrap();
+    assert_eq!(all.turns.len(), 5);
+    assert!(all.next_turn_page_token.is_empty());
+    let bad = page("not-a-token".into(), 2).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert!(bad.message().contains("turn_page_token"), "{bad:?}");
+
+    let listed = store
+        .list_turns(SessionId::parse(&sid).unwrap(), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 5);
+    assert!(listed.iter().all(|t| t.user_text.is_empty()));
+    s.stop().await;
+}
+
 async fn get_session_lists_each_turn_with_its_final_status(db: TestDb) {
     let s = Server::start(
         db.open().await,
@@ -1060,7 +1117,7 @@ async fn claims_made_together_each_win_once_and_a_bad_one_fails_alone(db: TestDb
             now.updated_at > s.updated_at,
             "a claim marks its session updated"
         );
-        assert_eq!(store.list_turns(s.id).await.unwrap().len(), 12);
+        assert_eq!(store.list_turns(s.id, None, 100).await.unwrap().len(), 12);
     }
 }
 
@@ -1515,7 +1572,7 @@ async fn pruning_deletes_a_bounded_batch_of_the_oldest_ended_turns_with_their_ev
 
     let left = || async {
         let mut ids: Vec<String> = store
-            .list_turns(s)
+            .list_turns(s, None, 100)
             .await
             .unwrap()
             .into_iter()
@@ -2236,6 +2293,7 @@ per_backend!(
     the_event_log_reads_back_in_seq_order_across_commits_of_any_size,
     a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with,
     a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
+    get_session_pages_through_every_turn_oldest_first,
 );
 
 /// A claim that waited for the database longer than its lease is stored

@@ -304,7 +304,7 @@ async fn every_store_call_on_a_database_that_stopped_answering_fails_within_the_
             async { store.events_after(k, None, 10).await.map(drop) },
             async { store.history(s, 5).await.map(drop) },
             async { store.list_sessions(&alice, 10, None).await.map(drop) },
-            async { store.list_turns(s).await.map(drop) },
+            async { store.list_turns(s, None, 10).await.map(drop) },
             async { store.renew_lease(k, "a", now).await.map(drop) },
             async { store.fail_expired(now, &failed).await.map(drop) },
             async { store.prune(now, 10).await.map(drop) },
@@ -441,6 +441,7 @@ async fn after_a_kill_9_and_a_restart_a_sqlite_server_has_every_turn_and_a_defin
         .get_session(pb::GetSessionRequest {
             user_id: ALICE.into(),
             session_id: sid.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()

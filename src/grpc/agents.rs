@@ -12,7 +12,7 @@ use crate::domain::{
     InvalidInput, OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText,
 };
 use crate::pb;
-use crate::store::{PageCursor, Session, TurnRecord, TurnState, to_micros};
+use crate::store::{PageCursor, Session, TurnCursor, TurnRecord, TurnState, to_micros};
 use crate::turn::{self, Failure, Turns};
 
 pub use pb::agent_service_server::AgentServiceServer;
@@ -92,6 +92,8 @@ pub fn parse_run(req: pb::RunRequest, limits: &Limits) -> Result<RunInput, Inval
 /// Default and largest `ListSessionsRequest.page_size`.
 pub const DEFAULT_PAGE_SIZE: usize = 50;
 pub const MAX_PAGE_SIZE: usize = 1000;
+/// GetSession's turns per page: its default and its most.
+pub const MAX_TURN_PAGE_SIZE: usize = 1000;
 
 fn state_to_wire(s: TurnState) -> pb::TurnState {
     match s {
@@ -127,6 +129,7 @@ fn session_to_wire(s: &Session, turns: &[TurnRecord]) -> pb::SessionInfo {
         created_unix_micros: to_micros(s.created_at),
         updated_unix_micros: to_micros(s.updated_at),
         turns: turns.iter().map(turn_to_wire).collect(),
+        next_turn_page_token: String::new(),
     }
 }
 
@@ -167,19 +170,36 @@ impl pb::agent_service_server::AgentService for AgentsService {
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        let limit = match req.turn_page_size as usize {
+            0 => MAX_TURN_PAGE_SIZE,
+            n => n.min(MAX_TURN_PAGE_SIZE),
+        };
+        let after = match req.turn_page_token.as_str() {
+            "" => None,
+            t => Some(TurnCursor::decode(t).ok_or_else(status::bad_turn_page_token)?),
+        };
         let run_error = |e| status::run_error(e, self.turns.agents());
         let session = self
             .turns
             .owned_session(id, &user_id)
             .await
             .map_err(run_error)?;
-        let turns = self
+        // One more than the page: whether there is a next one.
+        let mut turns = self
             .turns
             .store()
-            .list_turns(id)
+            .list_turns(id, after.as_ref(), limit + 1)
             .await
             .map_err(status::store)?;
-        Ok(Response::new(session_to_wire(&session, &turns)))
+        let next = if turns.len() > limit {
+            turns.truncate(limit);
+            turns.last().map(|t| TurnCursor::after(t).encode())
+        } else {
+            None
+        };
+        let mut info = session_to_wire(&session, &turns);
+        info.next_turn_page_token = next.unwrap_or_default();
+        Ok(Response::new(info))
     }
 
     async fn list_sessions(

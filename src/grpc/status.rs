@@ -91,6 +91,12 @@ pub fn bad_page_token() -> Status {
     )
 }
 
+pub fn bad_turn_page_token() -> Status {
+    Status::invalid_argument(
+        "turn_page_token is malformed; pass the next_turn_page_token of the previous page",
+    )
+}
+
 /// How a turn that ended with `result` is recorded (and so replayed).
 pub fn outcome(result: &Result<(), Failure>) -> TurnOutcome {
     match result {

@@ -297,12 +297,35 @@ impl Store for MemoryStore {
         Ok(Deletion::Deleted)
     }
 
-    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
+    async fn list_turns(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnRecord>> {
         let inner = self.lock();
-        Ok(inner
+        let mut turns: Vec<TurnRecord> = inner
             .session_turns(session)
             .filter_map(|t| t.record.clone())
-            .collect())
+            .filter(|r| {
+                // At the cursor's precision (microseconds, as stored by
+                // the SQL stores).
+                after.is_none_or(|c| {
+                    (to_micros(r.created_at), r.key.request_id.as_str())
+                        > (to_micros(c.created_at), c.request_id.as_str())
+                })
+            })
+            .map(|r| TurnRecord {
+                user_text: String::new(),
+                ..r
+            })
+            .collect();
+        turns.sort_by(|a, b| {
+            (to_micros(a.created_at), a.key.request_id.as_str())
+                .cmp(&(to_micros(b.created_at), b.key.request_id.as_str()))
+        });
+        turns.truncate(limit);
+        Ok(turns)
     }
 
     async fn renew_lease(

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
 use super::{
     Claim, Deletion, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
-    SessionPage, Store, StoreError, StoreResult, TurnOutcome, TurnRecord,
+    SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -231,8 +231,13 @@ impl Store for Metered {
             .await
     }
 
-    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
-        self.timed(Op::ListTurns, self.inner.list_turns(session))
+    async fn list_turns(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnRecord>> {
+        self.timed(Op::ListTurns, self.inner.list_turns(session, after, limit))
             .await
     }
 

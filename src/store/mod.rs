@@ -238,6 +238,48 @@ impl PageCursor {
     }
 }
 
+/// Where a page of a session's turns starts: after this turn, in
+/// (created_at, request_id) order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnCursor {
+    pub created_at: SystemTime,
+    pub request_id: RequestId,
+}
+
+impl TurnCursor {
+    /// The cursor after `turn`.
+    pub fn after(turn: &TurnRecord) -> Self {
+        Self {
+            created_at: turn.created_at,
+            request_id: turn.key.request_id.clone(),
+        }
+    }
+
+    /// The opaque `turn_page_token` a caller sends back.
+    pub fn encode(&self) -> String {
+        format!(
+            "{}.{}",
+            to_micros(self.created_at),
+            self.request_id.as_str()
+        )
+    }
+
+    pub fn decode(token: &str) -> Option<Self> {
+        let (micros, request_id) = token.split_once('.')?;
+        Some(Self {
+            created_at: from_micros(micros.parse().ok()?),
+            request_id: RequestId::parse(request_id).ok()?,
+        })
+    }
+
+    /// (created_at in microseconds, request_id): the SQL stores' binds.
+    pub(crate) fn key(after: Option<&TurnCursor>) -> (i64, &str) {
+        after.map_or((i64::MIN, ""), |c| {
+            (to_micros(c.created_at), c.request_id.as_str())
+        })
+    }
+}
+
 /// One page of a user's sessions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionPage {
@@ -452,8 +494,15 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// claimed while the delete runs is either seen (`Busy`) or refused by
     /// the session's absence, never deleted under its run.
     async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion>;
-    /// Every turn of a session, oldest first.
-    async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>>;
+    /// A session's turns after `after` (from its first with `None`), oldest
+    /// first by (created_at, request_id), at most `limit`. Their `user_text`
+    /// is not read (left empty): a listing does not carry every question.
+    async fn list_turns(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnRecord>>;
     /// Extends the lease of a turn `owner` runs; false when the turn is no
     /// longer running under that owner.
     async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime)

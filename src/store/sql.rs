@@ -391,13 +391,18 @@ pub(super) struct Dialect {
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
 
+/// [`TURN_COLUMNS`] without the question (up to `--max-input-bytes` each),
+/// for listings.
+pub(super) const TURN_INFO_COLUMNS: &str = "session_id, request_id, '' AS user_text, agent, state, owner, lease_expires_at, \
+     status_code, status_message, created_at, updated_at";
+
 macro_rules! sql_store {
     ($store:ty, $db:ty) => {
         use sqlx::Row as _;
 
         use $crate::agent::{Event, EventKind, PriorTurn};
         use $crate::domain::{RequestId, SessionId, TurnKey, UserId};
-        use $crate::store::sql::{TURN_COLUMNS, bad_row, db_err};
+        use $crate::store::sql::{TURN_COLUMNS, TURN_INFO_COLUMNS, bad_row, db_err};
         use $crate::store::*;
 
         type DbRow = <$db as sqlx::Database>::Row;
@@ -914,11 +919,22 @@ macro_rules! sql_store {
                 Ok(if done.rows_affected() > 0 { Deletion::Deleted } else { Deletion::NotFound })
             }
 
-            async fn list_turns(&self, session: SessionId) -> StoreResult<Vec<TurnRecord>> {
+            async fn list_turns(
+                &self,
+                session: SessionId,
+                after: Option<&$crate::store::TurnCursor>,
+                limit: usize,
+            ) -> StoreResult<Vec<TurnRecord>> {
+                let (at, rid) = $crate::store::TurnCursor::key(after);
                 let rows = sqlx::query(&format!(
-                    "SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 ORDER BY created_at, request_id"
+                    "SELECT {TURN_INFO_COLUMNS} FROM turns WHERE session_id = $1 \
+                     AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
+                     ORDER BY created_at, request_id LIMIT $4"
                 ))
                 .bind(session.to_string())
+                .bind(at)
+                .bind(rid)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                 .fetch_all(&self.read)
                 .await
                 .map_err(db_err)?;

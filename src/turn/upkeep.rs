@@ -161,7 +161,7 @@ mod tests {
         }
         let later = SystemTime::now() + Duration::from_secs(1);
         assert_eq!(prune_all(&store, later, 2).await.0, 5);
-        let left = store.list_turns(session.id).await.unwrap();
+        let left = store.list_turns(session.id, None, 100).await.unwrap();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].key, key("running"));
         assert_eq!(prune_all(&store, later, 2).await.0, 0);

@@ -407,6 +407,7 @@ impl Server {
         let req = pb::GetSessionRequest {
             user_id: user.into(),
             session_id: session.into(),
+            ..Default::default()
         };
         self.raw().get_session(req).await.map(|r| r.into_inner())
     }
