@@ -19,30 +19,35 @@ async fn a_short_client_deadline_ends_with_deadline_exceeded_and_cancels_the_too
     let mut server = TestServer::tcp(slow_tool()).await;
     let s = server.session("alice").await;
     let started = tokio::time::Instant::now();
-    let (events, end) = server
+    let (events, end) = match server
         .client
         .run_to_end(
             run_request("alice", &s, "r1", "Where is order 1187?"),
-            Duration::from_millis(300),
+            Duration::from_secs(2),
         )
         .await
-        .unwrap();
+    {
+        Ok(r) => r,
+        // On a loaded machine the deadline may pass before the headers.
+        Err(status) => (Vec::new(), Err(status)),
+    };
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(
-        started.elapsed() < Duration::from_secs(10),
+        started.elapsed() < Duration::from_secs(20),
         "ended by the deadline, not the tool"
     );
     assert!(
         events.len() <= 1,
         "at most the tool call arrived: {events:?}"
     );
-    assert_eq!(server.tool.started(), 1);
-    assert_eq!(
-        server.tool.cancelled(),
-        1,
-        "the slow tool observed the cancellation"
-    );
+    // The client stops at its deadline; the server's cancel lands moments
+    // later.
+    let tool = server.tool.clone();
+    eventually("the slow tool observed the cancellation", || {
+        tool.started() == 1 && tool.cancelled() == 1
+    })
+    .await;
     assert_eq!(server.tool.completed(), 0);
     let t = server.ended_turn(&s, "r1").await;
     assert_eq!(t.state, TurnState::DeadlineExceeded);

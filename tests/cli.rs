@@ -89,6 +89,16 @@ impl Served {
     }
 }
 
+/// A test that fails leaves no server behind (a clean stop has reaped it).
+impl Drop for Served {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

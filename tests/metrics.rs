@@ -31,7 +31,7 @@ fn delta(after: &Metrics, before: &Metrics, name: &str, labels: &[(&str, &str)])
 
 #[tokio::test]
 async fn calls_are_counted_by_method_and_final_status_and_a_stream_by_its_trailer() {
-    let server = SecureServer::start(Ca::new("ca"), slow_tool(Duration::from_millis(400))).await;
+    let server = SecureServer::start(Ca::new("ca"), slow_tool(Duration::from_secs(2))).await;
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
@@ -45,7 +45,7 @@ async fn calls_are_counted_by_method_and_final_status_and_a_stream_by_its_traile
     end.unwrap();
 
     // The headers go out OK at once; the deadline ends the stream later.
-    let short = Duration::from_millis(150);
+    let short = Duration::from_secs(1);
     let mut call = c
         .run(
             run_request("alice", &session, "late", "Where is order 1042?"),
@@ -191,7 +191,7 @@ async fn a_client_that_drops_the_stream_is_counted_as_a_client_cancellation() {
 
 #[tokio::test]
 async fn repeated_request_ids_are_counted_as_replays_and_attaches() {
-    let server = SecureServer::start(Ca::new("ca"), slow_tool(Duration::from_millis(300))).await;
+    let server = SecureServer::start(Ca::new("ca"), slow_tool(Duration::from_secs(2))).await;
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;

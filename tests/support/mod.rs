@@ -203,8 +203,9 @@ impl PgDatabase {
         };
         let addr = tokio::net::lookup_host((host, opts.get_port()))
             .await
-            .ok()?
-            .next()?;
+            .expect("resolve the PostgreSQL host")
+            .next()
+            .expect("an address for the PostgreSQL host");
         let base = admin.split('?').next().unwrap_or(&admin);
         let url = format!(
             "{}/{name}",
