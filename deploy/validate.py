@@ -15,8 +15,10 @@
   every workload, the maximum run duration is below the shutdown grace,
   each workload names its store (SQLite on a volume with one replica,
   PostgreSQL from a Secret),
-  every AGENTD_* variable is a flag the binary knows, the listen addresses,
-  the probes (gRPC startup and readiness, HTTP liveness), the rollout strategy, the headless Service, the PDB, and
+  every AGENTD_* variable is a flag the binary knows, the listen addresses
+  and ports (gRPC, admin, A2A), the host the A2A agent card advertises (the
+  Service's DNS name), the probes (gRPC startup and readiness, HTTP
+  liveness), the rollout strategy, the headless Service, the PDB, and
   the Dockerfile's shape.
 - With --self-test, breaks the manifests in memory in each of those ways and
   fails unless every break is caught.
@@ -67,6 +69,11 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "schemas/prometheusrule.json",
 }
+# The agentd container's ports, and the Service's: name -> (port, appProtocol).
+# The A2A HTTP face speaks HTTP/1.1; gRPC is HTTP/2 without TLS.
+CONTAINER_PORTS = {"grpc": 50051, "admin": 9090, "a2a": 8080}
+SERVICE_PORTS = {"grpc": (50051, "kubernetes.io/h2c"), "a2a": (8080, "http")}
+
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume", "StorageClass"}
 WORKLOADS = {"Deployment", "StatefulSet"}
 
@@ -229,6 +236,29 @@ def effective_env(container: dict, docs: list[dict], errors: list[str], what: st
     return env
 
 
+def expanded_env(container: dict, docs: list[dict], namespace: str | None) -> dict[str, str | None]:
+    """The container's variables as the kubelet sets them: envFrom ConfigMaps,
+    then env in order, each `$(NAME)` replaced when NAME was defined before it
+    (as Kubernetes does; an unknown one stays as written). A field reference
+    to metadata.namespace is `namespace`; other Secret or field values are None."""
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d.get("kind") == "ConfigMap"}
+    env: dict[str, str | None] = {}
+    for src in container.get("envFrom", []):
+        env.update(configmaps.get(src.get("configMapRef", {}).get("name"), {}))
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            field = e["valueFrom"].get("fieldRef", {}).get("fieldPath")
+            env[e["name"]] = namespace if field == "metadata.namespace" else None
+            continue
+        known = dict(env)
+        env[e["name"]] = re.sub(
+            r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+            lambda m: known[m.group(1)] if known.get(m.group(1)) is not None else m.group(0),
+            e.get("value", ""),
+        )
+    return env
+
+
 def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) -> list[str]:
     what = f"{doc['kind']}/{doc['metadata']['name']}"
     errors: list[str] = []
@@ -274,7 +304,7 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     if not max_run < grace:
         errors.append(f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) must be shorter than AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise")
 
-    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090")]:
+    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090"), ("AGENTD_A2A_LISTEN", "0.0.0.0:8080")]:
         if env.get(name) != want:
             errors.append(f"{what}: {name} must be {want} in a container (is {env.get(name)!r})")
 
@@ -294,8 +324,8 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
         errors.append(f"{what}: a PostgreSQL URL carries a password: take AGENTD_STORE from a Secret")
 
     ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
-    if ports.get("grpc") != 50051 or ports.get("admin") != 9090:
-        errors.append(f"{what}: container ports must be grpc=50051 and admin=9090 (are {ports})")
+    if ports != CONTAINER_PORTS:
+        errors.append(f"{what}: container ports must be {CONTAINER_PORTS} (are {ports})")
     for probe in ["startupProbe", "readinessProbe"]:
         grpc = c.get(probe, {}).get("grpc")
         if not grpc or grpc.get("port") != 50051:
@@ -332,9 +362,30 @@ def check_overlay(name: str, docs: list[dict], flags: dict[str, str | None]) -> 
     for s in services:
         if s["spec"].get("clusterIP") != "None":
             errors.append(f"{name}: Service/{s['metadata']['name']} must be headless (clusterIP: None) for per-call balancing")
-        for p in s["spec"].get("ports", []):
-            if p.get("appProtocol") != "kubernetes.io/h2c":
-                errors.append(f"{name}: Service port {p.get('name')} must declare appProtocol kubernetes.io/h2c")
+        ports = {p.get("name"): p for p in s["spec"].get("ports", [])}
+        if set(ports) != set(SERVICE_PORTS):
+            errors.append(f"{name}: Service/{s['metadata']['name']} must have the ports {sorted(SERVICE_PORTS)} (has {sorted(ports)})")
+        for port_name, (number, protocol) in SERVICE_PORTS.items():
+            p = ports.get(port_name)
+            if p is None:
+                continue
+            if p.get("port") != number or p.get("targetPort") != port_name:
+                errors.append(f"{name}: Service port {port_name} must be {number} with targetPort {port_name}")
+            if p.get("appProtocol") != protocol:
+                errors.append(f"{name}: Service port {port_name} must declare appProtocol {protocol}")
+    # The agent card must name an address A2A clients can reach: the
+    # Service's DNS name in the pod's namespace (a pod's own host name is
+    # not in DNS).
+    for w in workloads:
+        ns = w["metadata"].get("namespace")
+        for s in services:
+            want = f"{s['metadata']['name']}.{ns}.svc.cluster.local"
+            for c in (pod_spec(w) or {}).get("containers", []):
+                if c.get("name") != "agentd":
+                    continue
+                host = expanded_env(c, docs, ns).get("AGENTD_A2A_ADVERTISE_HOST")
+                if host != want:
+                    errors.append(f"{name}: AGENTD_A2A_ADVERTISE_HOST must expand to {want}, the Service's name (is {host!r})")
     for w in workloads:
         labels = w["spec"]["template"]["metadata"].get("labels", {})
         pdbs = [
@@ -449,6 +500,11 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
         ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
         ("a Service port without h2c", pg, "appProtocol kubernetes.io/h2c", lambda d: find(d, "Service")["spec"]["ports"][0].pop("appProtocol")),
+        ("the A2A port on loopback", sq, "AGENTD_A2A_LISTEN must be 0.0.0.0:8080", lambda d: env(d, "AGENTD_A2A_LISTEN", "127.0.0.1:8080", "StatefulSet")),
+        ("no A2A container port", pg, "container ports must be", lambda d: container(d)["ports"].pop()),
+        ("a Service without the A2A port", pg, "must have the ports ['a2a', 'grpc']", lambda d: find(d, "Service")["spec"]["ports"].pop()),
+        ("the pod's host name on the agent card", sq, "AGENTD_A2A_ADVERTISE_HOST must expand to agentd.agentd.svc.cluster.local", lambda d: container(d, "StatefulSet")["env"].pop(next(i for i, e in enumerate(container(d, "StatefulSet")["env"]) if e["name"] == "AGENTD_A2A_ADVERTISE_HOST"))),
+        ("the namespace defined after its use", pg, "(is 'agentd.$(POD_NAMESPACE).svc.cluster.local')", lambda d: container(d)["env"].append(container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "POD_NAMESPACE")))),
         ("no store named", pg, "AGENTD_STORE is not set", lambda d: container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "AGENTD_STORE"))),
         ("SQLite off its volume", sq, "must be on a mounted volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
         ("SQLite with two replicas", sq, "exactly one replica", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2)),
