@@ -13,8 +13,9 @@
 - Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
   preStop + drain delay + shutdown grace + the server's own flush time in
   every workload, the maximum run duration is below the shutdown grace,
-  each workload names its store (SQLite on a volume with one replica,
-  PostgreSQL from a Secret),
+  each workload names its store (SQLite on a persistent volume with one
+  replica, PostgreSQL from a Secret), a read-only root has a bounded
+  emptyDir at /tmp, a persistent volume is not chowned at every start,
   every AGENTD_* variable is a flag the binary knows, the listen addresses
   and ports (gRPC, admin, A2A), the host the A2A agent card advertises (the
   Service's DNS name), the probes (gRPC startup and readiness, HTTP
@@ -315,9 +316,13 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     store = env.get("AGENTD_STORE") or ""
     if store.startswith("sqlite://"):
         directory = str(Path(store[len("sqlite://"):]).parent)
-        mounts = {m.get("mountPath") for m in c.get("volumeMounts", [])}
-        if directory not in mounts:
-            errors.append(f"{what}: the SQLite file {store} must be on a mounted volume (mounts: {sorted(mounts)})")
+        # A claim of the StatefulSet's or a PersistentVolumeClaim volume: an
+        # emptyDir (/tmp) goes with the pod.
+        persistent = {t.get("metadata", {}).get("name") for t in doc["spec"].get("volumeClaimTemplates", [])}
+        persistent |= {v.get("name") for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts", [])}
+        if mounts.get(directory) not in persistent:
+            errors.append(f"{what}: the SQLite file {store} must be on a persistent volume (persistent mounts: {sorted(p for p, n in mounts.items() if n in persistent)})")
         if doc["spec"].get("replicas", 1) != 1:
             errors.append(f"{what}: a SQLite store serves exactly one replica")
     if store.startswith("postgres"):
@@ -341,6 +346,20 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
             errors.append(f"{what}: resources.{kind} must set cpu and memory")
     if not spec.get("securityContext", {}).get("runAsNonRoot"):
         errors.append(f"{what}: the pod must run as non-root (securityContext.runAsNonRoot)")
+    # A read-only root leaves nowhere for temporary files (SQLite's sorts
+    # that spill, an index a migration builds) unless /tmp is a volume.
+    if c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+        tmp = next((m for m in c.get("volumeMounts", []) if m.get("mountPath") == "/tmp"), None)
+        volumes = {v.get("name"): v for v in spec.get("volumes", [])}
+        if tmp is None or tmp.get("readOnly"):
+            errors.append(f"{what}: a read-only root file system needs a writable /tmp (an emptyDir mounted there) for temporary files")
+        elif "sizeLimit" not in (volumes.get(tmp.get("name"), {}).get("emptyDir") or {}):
+            errors.append(f"{what}: /tmp must be an emptyDir with a sizeLimit (unbounded, it could fill the node's disk)")
+    # fsGroup with the default policy chowns every file of the volume at
+    # every start: minutes for a large one, before the container starts.
+    pod_security = spec.get("securityContext", {})
+    if doc["spec"].get("volumeClaimTemplates") and "fsGroup" in pod_security and pod_security.get("fsGroupChangePolicy") != "OnRootMismatch":
+        errors.append(f"{what}: with fsGroup on a persistent volume, securityContext.fsGroupChangePolicy must be OnRootMismatch (Always chowns the whole volume at every start)")
 
     if doc["kind"] == "Deployment":
         rolling = doc["spec"].get("strategy", {}).get("rollingUpdate", {})
@@ -506,8 +525,11 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("the pod's host name on the agent card", sq, "AGENTD_A2A_ADVERTISE_HOST must expand to agentd.agentd.svc.cluster.local", lambda d: container(d, "StatefulSet")["env"].pop(next(i for i, e in enumerate(container(d, "StatefulSet")["env"]) if e["name"] == "AGENTD_A2A_ADVERTISE_HOST"))),
         ("the namespace defined after its use", pg, "(is 'agentd.$(POD_NAMESPACE).svc.cluster.local')", lambda d: container(d)["env"].append(container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "POD_NAMESPACE")))),
         ("no store named", pg, "AGENTD_STORE is not set", lambda d: container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "AGENTD_STORE"))),
-        ("SQLite off its volume", sq, "must be on a mounted volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
+        ("SQLite off its volume", sq, "must be on a persistent volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
         ("SQLite with two replicas", sq, "exactly one replica", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2)),
+        ("no writable /tmp on a read-only root", sq, "needs a writable /tmp", lambda d: container(d, "StatefulSet")["volumeMounts"].pop(next(i for i, m in enumerate(container(d, "StatefulSet")["volumeMounts"]) if m["mountPath"] == "/tmp"))),
+        ("an unbounded /tmp", pg, "/tmp must be an emptyDir with a sizeLimit", lambda d: next(v for v in find(d, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"].pop("sizeLimit")),
+        ("a volume chowned at every start", sq, "fsGroupChangePolicy must be OnRootMismatch", lambda d: find(d, "StatefulSet")["spec"]["template"]["spec"]["securityContext"].pop("fsGroupChangePolicy")),
         ("no PodDisruptionBudget", pg, "no PodDisruptionBudget", lambda d: d.remove(find(d, "PodDisruptionBudget"))),
         ("broken PromQL", mon, "promtool check rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="sum(rate(x[5m])")),
         ("an alert its unit test disagrees with", mon, "promtool test rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="vector(0) > 1")),
