@@ -9,7 +9,9 @@
   a pinned Kubernetes version (unknown fields fail), the Prometheus Operator
   objects against the schemas in deploy/schemas (same strictness), and the
   alert rules with `promtool check rules` and the unit tests in
-  monitoring/alerts.test.yaml (`promtool test rules`).
+  monitoring/alerts.test.yaml (`promtool test rules`), and runs the
+  relabelling of monitoring/scrape-config.yaml (the scrape job without the
+  operator) on the rendered pods.
 - Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
   preStop + drain delay + shutdown grace + the server's own flush time in
   every workload, the maximum run duration is below the shutdown grace,
@@ -59,6 +61,8 @@ KUSTOMIZATIONS = ["base", "overlays/postgres", "overlays/sqlite", "monitoring"]
 # Overlays are what gets applied: each must be complete.
 OVERLAYS = ["overlays/postgres", "overlays/sqlite"]
 PLAIN_FILES = ["examples/secrets.yaml"]
+# A Prometheus scrape job for a Prometheus without the operator.
+SCRAPE_CONFIG = "monitoring/scrape-config.yaml"
 
 # After SIGTERM: drain delay, then the shutdown grace, then up to 5 s for cut
 # runs to record their outcome, 5 s each for the gRPC and the A2A connections
@@ -443,6 +447,95 @@ def check_rules(docs: list[dict]) -> list[str]:
     return errors
 
 
+def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str] | None:
+    """Prometheus's relabelling of one target, for the actions the scrape
+    config uses (replace, keep, drop); None when the target is dropped."""
+    fields = {"source_labels", "separator", "regex", "target_label", "replacement", "action"}
+    for r in rules:
+        action = r.get("action", "replace")
+        if set(r) - fields or action not in ("replace", "keep", "drop"):
+            raise ValueError(f"relabel rule {r}: only replace, keep and drop with {sorted(fields)} are simulated here")
+        value = r.get("separator", ";").join(labels.get(name, "") for name in r.get("source_labels", []))
+        m = re.fullmatch(str(r.get("regex", "(.*)")), value)
+        if action == "keep" and not m or action == "drop" and m:
+            return None
+        if action == "replace" and m:
+            new = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "", r.get("replacement", "$1"))
+            if new:
+                labels[r["target_label"]] = new
+            else:
+                labels.pop(r["target_label"], None)
+    return labels
+
+
+def pod_targets(namespace: str, name: str, template: dict) -> list[dict[str, str]]:
+    """The targets Kubernetes pod discovery makes of a pod: one per container
+    port, with its __meta_kubernetes_* labels."""
+    def clean(k: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", k)
+
+    meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": name}
+    meta |= {f"__meta_kubernetes_pod_label_{clean(k)}": str(v) for k, v in template["metadata"].get("labels", {}).items()}
+    meta |= {f"__meta_kubernetes_pod_annotation_{clean(k)}": str(v) for k, v in template["metadata"].get("annotations", {}).items()}
+    return [
+        meta | {
+            "__address__": f"10.0.0.7:{p['containerPort']}",
+            "__meta_kubernetes_pod_container_name": c["name"],
+            "__meta_kubernetes_pod_container_port_name": p.get("name", ""),
+            "__meta_kubernetes_pod_container_port_number": str(p["containerPort"]),
+        }
+        for c in template["spec"]["containers"]
+        for p in c.get("ports", [])
+    ]
+
+
+def scraped(job: dict, target: dict[str, str]) -> dict[str, str] | None:
+    labels = relabel({"job": job.get("job_name", ""), "__metrics_path__": job.get("metrics_path", "/metrics")} | target, job.get("relabel_configs", []))
+    if labels is not None:
+        labels.setdefault("instance", labels["__address__"])
+    return labels
+
+
+def check_scrape_config(config: dict, rendered: dict[str, list[dict]]) -> list[str]:
+    """monitoring/scrape-config.yaml, run on the rendered pods: each agentd pod
+    is scraped once, on its admin port and path, with the labels the alert
+    rules need (job="agentd", namespace, pod); another annotated pod is not."""
+    what = SCRAPE_CONFIG
+    jobs = config.get("scrape_configs", [])
+    if len(jobs) != 1:
+        return [f"{what}: expected one scrape job"]
+    job = jobs[0]
+    errors: list[str] = []
+    if job.get("job_name") != "agentd":
+        errors.append(f"{what}: job_name must be agentd (is {job.get('job_name')!r}): the alert rules select job=\"agentd\"")
+    try:
+        for name in OVERLAYS:
+            for w in (d for d in rendered[name] if d.get("kind") in WORKLOADS):
+                ns, pod = w["metadata"].get("namespace", "default"), f"{w['metadata']['name']}-0"
+                template = w["spec"]["template"]
+                kept = [t for t in (scraped(job, t) for t in pod_targets(ns, pod, template)) if t is not None]
+                if len(kept) != 1:
+                    errors.append(f"{what}: {name}: a pod must be one target, not {len(kept)}")
+                    continue
+                t = kept[0]
+                annotations = template["metadata"].get("annotations", {})
+                if annotations.get("prometheus.io/port") != str(CONTAINER_PORTS["admin"]):
+                    errors.append(f"{what}: {name}: the annotation prometheus.io/port must name the admin port {CONTAINER_PORTS['admin']}")
+                path = annotations.get("prometheus.io/path", "/metrics")
+                if not t["__address__"].endswith(f":{CONTAINER_PORTS['admin']}") or t["__metrics_path__"] != path:
+                    errors.append(f"{what}: {name}: must scrape the admin port {CONTAINER_PORTS['admin']} at {path} (scrapes {t['__address__']}{t['__metrics_path__']})")
+                for label, want in [("job", "agentd"), ("namespace", ns), ("pod", pod)]:
+                    if t.get(label) != want:
+                        errors.append(f"{what}: {name}: the series need {label}={want!r} (the alert rules select or group by it), get {t.get(label)!r}")
+        other = {"metadata": {"labels": {"app.kubernetes.io/name": "other"}, "annotations": {"prometheus.io/scrape": "true"}},
+                 "spec": {"containers": [{"name": "other", "ports": [{"name": "admin", "containerPort": 9090}]}]}}
+        if any(scraped(job, t) is not None for t in pod_targets("agentd", "other-0", other)):
+            errors.append(f"{what}: scrapes pods that are not agentd's")
+    except (ValueError, KeyError, re.error) as e:
+        errors.append(f"{what}: {e}")
+    return errors
+
+
 def check_dockerfile(path: Path) -> list[str]:
     try:
         cmds = dockerfile.parse_file(str(path))
@@ -468,8 +561,9 @@ def check_dockerfile(path: Path) -> list[str]:
 # --- driver ----------------------------------------------------------------------
 
 
-def validate(rendered: dict[str, list[dict]], plain: dict[str, list[dict]], dockerfile_path: Path) -> list[str]:
+def validate(rendered: dict[str, list[dict]], plain: dict[str, list[dict]], dockerfile_path: Path, scrape: dict | None = None) -> list[str]:
     errors: list[str] = []
+    errors += check_scrape_config(scrape if scrape is not None else yaml.safe_load((DEPLOY / SCRAPE_CONFIG).read_text()), rendered)
     flags = known_flags()
     for name, docs in {**rendered, **plain}.items():
         for d in docs:
@@ -539,6 +633,32 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         broken = copy.deepcopy(rendered)
         mutate(broken[name])
         errors = validate(broken, plain, DEPLOY / "Dockerfile")
+        if not any(expected in e for e in errors):
+            missed.append(f"{what} (errors: {errors})")
+        else:
+            print(f"self-test: caught {what}")
+    # The scrape job for a Prometheus without the operator.
+    config = yaml.safe_load((DEPLOY / SCRAPE_CONFIG).read_text())
+
+    def keep_rule(c: dict) -> dict:
+        return next(r for r in c["scrape_configs"][0]["relabel_configs"] if r.get("action") == "keep")
+
+    def without_target(c: dict, label: str) -> None:
+        rules = c["scrape_configs"][0]["relabel_configs"]
+        rules.remove(next(r for r in rules if r.get("target_label") == label))
+
+    scrape_breaks: list[tuple[str, str, Callable[[dict], None]]] = [
+        ("a scrape job named otherwise", "job_name must be agentd", lambda c: c["scrape_configs"][0].update(job_name="kubernetes-pods")),
+        ("series without a namespace", "the series need namespace='agentd'", lambda c: without_target(c, "namespace")),
+        ("series without a pod", "the series need pod='agentd-0'", lambda c: without_target(c, "pod")),
+        ("every port of a pod scraped", "a pod must be one target, not 3", lambda c: keep_rule(c).update(regex="agentd;true;.*")),
+        ("the annotation's path ignored", "at /metrics", lambda c: without_target(c, "__metrics_path__") or c["scrape_configs"][0].update(metrics_path="/")),
+        ("every annotated pod scraped", "scrapes pods that are not agentd's", lambda c: keep_rule(c).update(regex=".*;true;admin")),
+    ]
+    for what, expected, mutate in scrape_breaks:
+        broken = copy.deepcopy(config)
+        mutate(broken)
+        errors = validate(rendered, plain, DEPLOY / "Dockerfile", broken)
         if not any(expected in e for e in errors):
             missed.append(f"{what} (errors: {errors})")
         else:
