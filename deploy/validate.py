@@ -212,9 +212,12 @@ def duration_seconds(s: str) -> float:
 
 
 def known_flags() -> dict[str, str | None]:
-    """AGENTD_* variables in src/config.rs, with their defaults."""
+    """AGENTD_* variables in src/config.rs, with their defaults, and
+    AGENTD_LOG, which src/telemetry.rs reads."""
     text = (ROOT / "src/config.rs").read_text()
     flags: dict[str, str | None] = {}
+    if '"AGENTD_LOG"' in (ROOT / "src/telemetry.rs").read_text():
+        flags["AGENTD_LOG"] = None
     for attr in re.findall(r"#\[arg\((.*?)\)\]", text, re.S):
         env = re.search(r'env\s*=\s*"(AGENTD_[A-Z0-9_]+)"', attr)
         if env:

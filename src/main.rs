@@ -40,10 +40,17 @@ fn main() -> ExitCode {
         }
     };
     // Inside the runtime: the OTLP exporter's channel lives there. Dropped
-    // (flushing spans) before the runtime.
+    // (flushing spans) before the runtime. A log filter that does not parse
+    // stops every command here.
     let _telemetry = {
         let _rt = rt.enter();
-        agentd::telemetry::init(cli.log_format)
+        match agentd::telemetry::init(cli.log_format) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
     };
     let result = rt.block_on(async {
         match cli.command {
