@@ -9,14 +9,19 @@
   a pinned Kubernetes version (unknown fields fail), the Prometheus Operator
   objects against the schemas in deploy/schemas (same strictness), and the
   alert rules with `promtool check rules` and the unit tests in
-  monitoring/alerts.test.yaml (`promtool test rules`).
+  monitoring/alerts.test.yaml (`promtool test rules`), and runs the
+  relabelling of monitoring/scrape-config.yaml (the scrape job without the
+  operator) on the rendered pods.
 - Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
   preStop + drain delay + shutdown grace + the server's own flush time in
   every workload, the maximum run duration is below the shutdown grace,
-  each workload names its store (SQLite on a volume with one replica,
-  PostgreSQL from a Secret),
-  every AGENTD_* variable is a flag the binary knows, the listen addresses,
-  the probes (gRPC startup and readiness, HTTP liveness), the rollout strategy, the headless Service, the PDB, and
+  each workload names its store (SQLite on a persistent volume with one
+  replica, PostgreSQL from a Secret), a read-only root has a bounded
+  emptyDir at /tmp, a persistent volume is not chowned at every start,
+  every AGENTD_* variable is a flag the binary knows, the listen addresses
+  and ports (gRPC, admin, A2A), the host the A2A agent card advertises (the
+  Service's DNS name), the probes (gRPC startup and readiness, HTTP
+  liveness), the rollout strategy, the headless Service, the PDB, and
   the Dockerfile's shape.
 - With --self-test, breaks the manifests in memory in each of those ways and
   fails unless every break is caught.
@@ -56,6 +61,8 @@ KUSTOMIZATIONS = ["base", "overlays/postgres", "overlays/sqlite", "monitoring"]
 # Overlays are what gets applied: each must be complete.
 OVERLAYS = ["overlays/postgres", "overlays/sqlite"]
 PLAIN_FILES = ["examples/secrets.yaml"]
+# A Prometheus scrape job for a Prometheus without the operator.
+SCRAPE_CONFIG = "monitoring/scrape-config.yaml"
 
 # After SIGTERM: drain delay, then the shutdown grace, then up to 5 s for cut
 # runs to record their outcome, 5 s each for the gRPC and the A2A connections
@@ -67,6 +74,11 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "schemas/prometheusrule.json",
 }
+# The agentd container's ports, and the Service's: name -> (port, appProtocol).
+# The A2A HTTP face speaks HTTP/1.1; gRPC is HTTP/2 without TLS.
+CONTAINER_PORTS = {"grpc": 50051, "admin": 9090, "a2a": 8080}
+SERVICE_PORTS = {"grpc": (50051, "kubernetes.io/h2c"), "a2a": (8080, "http")}
+
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume", "StorageClass"}
 WORKLOADS = {"Deployment", "StatefulSet"}
 
@@ -200,9 +212,12 @@ def duration_seconds(s: str) -> float:
 
 
 def known_flags() -> dict[str, str | None]:
-    """AGENTD_* variables in src/config.rs, with their defaults."""
+    """AGENTD_* variables in src/config.rs, with their defaults, and
+    AGENTD_LOG, which src/telemetry.rs reads."""
     text = (ROOT / "src/config.rs").read_text()
     flags: dict[str, str | None] = {}
+    if '"AGENTD_LOG"' in (ROOT / "src/telemetry.rs").read_text():
+        flags["AGENTD_LOG"] = None
     for attr in re.findall(r"#\[arg\((.*?)\)\]", text, re.S):
         env = re.search(r'env\s*=\s*"(AGENTD_[A-Z0-9_]+)"', attr)
         if env:
@@ -226,6 +241,29 @@ def effective_env(container: dict, docs: list[dict], errors: list[str], what: st
             env.update(configmaps[ref["name"]])
     for e in container.get("env", []):
         env[e["name"]] = e.get("value") if "valueFrom" not in e else None
+    return env
+
+
+def expanded_env(container: dict, docs: list[dict], namespace: str | None) -> dict[str, str | None]:
+    """The container's variables as the kubelet sets them: envFrom ConfigMaps,
+    then env in order, each `$(NAME)` replaced when NAME was defined before it
+    (as Kubernetes does; an unknown one stays as written). A field reference
+    to metadata.namespace is `namespace`; other Secret or field values are None."""
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d.get("kind") == "ConfigMap"}
+    env: dict[str, str | None] = {}
+    for src in container.get("envFrom", []):
+        env.update(configmaps.get(src.get("configMapRef", {}).get("name"), {}))
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            field = e["valueFrom"].get("fieldRef", {}).get("fieldPath")
+            env[e["name"]] = namespace if field == "metadata.namespace" else None
+            continue
+        known = dict(env)
+        env[e["name"]] = re.sub(
+            r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+            lambda m: known[m.group(1)] if known.get(m.group(1)) is not None else m.group(0),
+            e.get("value", ""),
+        )
     return env
 
 
@@ -274,7 +312,7 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     if not max_run < grace:
         errors.append(f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) must be shorter than AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise")
 
-    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090")]:
+    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090"), ("AGENTD_A2A_LISTEN", "0.0.0.0:8080")]:
         if env.get(name) != want:
             errors.append(f"{what}: {name} must be {want} in a container (is {env.get(name)!r})")
 
@@ -285,17 +323,21 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     store = env.get("AGENTD_STORE") or ""
     if store.startswith("sqlite://"):
         directory = str(Path(store[len("sqlite://"):]).parent)
-        mounts = {m.get("mountPath") for m in c.get("volumeMounts", [])}
-        if directory not in mounts:
-            errors.append(f"{what}: the SQLite file {store} must be on a mounted volume (mounts: {sorted(mounts)})")
+        # A claim of the StatefulSet's or a PersistentVolumeClaim volume: an
+        # emptyDir (/tmp) goes with the pod.
+        persistent = {t.get("metadata", {}).get("name") for t in doc["spec"].get("volumeClaimTemplates", [])}
+        persistent |= {v.get("name") for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts", [])}
+        if mounts.get(directory) not in persistent:
+            errors.append(f"{what}: the SQLite file {store} must be on a persistent volume (persistent mounts: {sorted(p for p, n in mounts.items() if n in persistent)})")
         if doc["spec"].get("replicas", 1) != 1:
             errors.append(f"{what}: a SQLite store serves exactly one replica")
     if store.startswith("postgres"):
         errors.append(f"{what}: a PostgreSQL URL carries a password: take AGENTD_STORE from a Secret")
 
     ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
-    if ports.get("grpc") != 50051 or ports.get("admin") != 9090:
-        errors.append(f"{what}: container ports must be grpc=50051 and admin=9090 (are {ports})")
+    if ports != CONTAINER_PORTS:
+        errors.append(f"{what}: container ports must be {CONTAINER_PORTS} (are {ports})")
     for probe in ["startupProbe", "readinessProbe"]:
         grpc = c.get(probe, {}).get("grpc")
         if not grpc or grpc.get("port") != 50051:
@@ -311,6 +353,20 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
             errors.append(f"{what}: resources.{kind} must set cpu and memory")
     if not spec.get("securityContext", {}).get("runAsNonRoot"):
         errors.append(f"{what}: the pod must run as non-root (securityContext.runAsNonRoot)")
+    # A read-only root leaves nowhere for temporary files (SQLite's sorts
+    # that spill, an index a migration builds) unless /tmp is a volume.
+    if c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+        tmp = next((m for m in c.get("volumeMounts", []) if m.get("mountPath") == "/tmp"), None)
+        volumes = {v.get("name"): v for v in spec.get("volumes", [])}
+        if tmp is None or tmp.get("readOnly"):
+            errors.append(f"{what}: a read-only root file system needs a writable /tmp (an emptyDir mounted there) for temporary files")
+        elif "sizeLimit" not in (volumes.get(tmp.get("name"), {}).get("emptyDir") or {}):
+            errors.append(f"{what}: /tmp must be an emptyDir with a sizeLimit (unbounded, it could fill the node's disk)")
+    # fsGroup with the default policy chowns every file of the volume at
+    # every start: minutes for a large one, before the container starts.
+    pod_security = spec.get("securityContext", {})
+    if doc["spec"].get("volumeClaimTemplates") and "fsGroup" in pod_security and pod_security.get("fsGroupChangePolicy") != "OnRootMismatch":
+        errors.append(f"{what}: with fsGroup on a persistent volume, securityContext.fsGroupChangePolicy must be OnRootMismatch (Always chowns the whole volume at every start)")
 
     if doc["kind"] == "Deployment":
         rolling = doc["spec"].get("strategy", {}).get("rollingUpdate", {})
@@ -332,9 +388,30 @@ def check_overlay(name: str, docs: list[dict], flags: dict[str, str | None]) -> 
     for s in services:
         if s["spec"].get("clusterIP") != "None":
             errors.append(f"{name}: Service/{s['metadata']['name']} must be headless (clusterIP: None) for per-call balancing")
-        for p in s["spec"].get("ports", []):
-            if p.get("appProtocol") != "kubernetes.io/h2c":
-                errors.append(f"{name}: Service port {p.get('name')} must declare appProtocol kubernetes.io/h2c")
+        ports = {p.get("name"): p for p in s["spec"].get("ports", [])}
+        if set(ports) != set(SERVICE_PORTS):
+            errors.append(f"{name}: Service/{s['metadata']['name']} must have the ports {sorted(SERVICE_PORTS)} (has {sorted(ports)})")
+        for port_name, (number, protocol) in SERVICE_PORTS.items():
+            p = ports.get(port_name)
+            if p is None:
+                continue
+            if p.get("port") != number or p.get("targetPort") != port_name:
+                errors.append(f"{name}: Service port {port_name} must be {number} with targetPort {port_name}")
+            if p.get("appProtocol") != protocol:
+                errors.append(f"{name}: Service port {port_name} must declare appProtocol {protocol}")
+    # The agent card must name an address A2A clients can reach: the
+    # Service's DNS name in the pod's namespace (a pod's own host name is
+    # not in DNS).
+    for w in workloads:
+        ns = w["metadata"].get("namespace")
+        for s in services:
+            want = f"{s['metadata']['name']}.{ns}.svc.cluster.local"
+            for c in (pod_spec(w) or {}).get("containers", []):
+                if c.get("name") != "agentd":
+                    continue
+                host = expanded_env(c, docs, ns).get("AGENTD_A2A_ADVERTISE_HOST")
+                if host != want:
+                    errors.append(f"{name}: AGENTD_A2A_ADVERTISE_HOST must expand to {want}, the Service's name (is {host!r})")
     for w in workloads:
         labels = w["spec"]["template"]["metadata"].get("labels", {})
         pdbs = [
@@ -373,6 +450,95 @@ def check_rules(docs: list[dict]) -> list[str]:
     return errors
 
 
+def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str] | None:
+    """Prometheus's relabelling of one target, for the actions the scrape
+    config uses (replace, keep, drop); None when the target is dropped."""
+    fields = {"source_labels", "separator", "regex", "target_label", "replacement", "action"}
+    for r in rules:
+        action = r.get("action", "replace")
+        if set(r) - fields or action not in ("replace", "keep", "drop"):
+            raise ValueError(f"relabel rule {r}: only replace, keep and drop with {sorted(fields)} are simulated here")
+        value = r.get("separator", ";").join(labels.get(name, "") for name in r.get("source_labels", []))
+        m = re.fullmatch(str(r.get("regex", "(.*)")), value)
+        if action == "keep" and not m or action == "drop" and m:
+            return None
+        if action == "replace" and m:
+            new = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "", r.get("replacement", "$1"))
+            if new:
+                labels[r["target_label"]] = new
+            else:
+                labels.pop(r["target_label"], None)
+    return labels
+
+
+def pod_targets(namespace: str, name: str, template: dict) -> list[dict[str, str]]:
+    """The targets Kubernetes pod discovery makes of a pod: one per container
+    port, with its __meta_kubernetes_* labels."""
+    def clean(k: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", k)
+
+    meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": name}
+    meta |= {f"__meta_kubernetes_pod_label_{clean(k)}": str(v) for k, v in template["metadata"].get("labels", {}).items()}
+    meta |= {f"__meta_kubernetes_pod_annotation_{clean(k)}": str(v) for k, v in template["metadata"].get("annotations", {}).items()}
+    return [
+        meta | {
+            "__address__": f"10.0.0.7:{p['containerPort']}",
+            "__meta_kubernetes_pod_container_name": c["name"],
+            "__meta_kubernetes_pod_container_port_name": p.get("name", ""),
+            "__meta_kubernetes_pod_container_port_number": str(p["containerPort"]),
+        }
+        for c in template["spec"]["containers"]
+        for p in c.get("ports", [])
+    ]
+
+
+def scraped(job: dict, target: dict[str, str]) -> dict[str, str] | None:
+    labels = relabel({"job": job.get("job_name", ""), "__metrics_path__": job.get("metrics_path", "/metrics")} | target, job.get("relabel_configs", []))
+    if labels is not None:
+        labels.setdefault("instance", labels["__address__"])
+    return labels
+
+
+def check_scrape_config(config: dict, rendered: dict[str, list[dict]]) -> list[str]:
+    """monitoring/scrape-config.yaml, run on the rendered pods: each agentd pod
+    is scraped once, on its admin port and path, with the labels the alert
+    rules need (job="agentd", namespace, pod); another annotated pod is not."""
+    what = SCRAPE_CONFIG
+    jobs = config.get("scrape_configs", [])
+    if len(jobs) != 1:
+        return [f"{what}: expected one scrape job"]
+    job = jobs[0]
+    errors: list[str] = []
+    if job.get("job_name") != "agentd":
+        errors.append(f"{what}: job_name must be agentd (is {job.get('job_name')!r}): the alert rules select job=\"agentd\"")
+    try:
+        for name in OVERLAYS:
+            for w in (d for d in rendered[name] if d.get("kind") in WORKLOADS):
+                ns, pod = w["metadata"].get("namespace", "default"), f"{w['metadata']['name']}-0"
+                template = w["spec"]["template"]
+                kept = [t for t in (scraped(job, t) for t in pod_targets(ns, pod, template)) if t is not None]
+                if len(kept) != 1:
+                    errors.append(f"{what}: {name}: a pod must be one target, not {len(kept)}")
+                    continue
+                t = kept[0]
+                annotations = template["metadata"].get("annotations", {})
+                if annotations.get("prometheus.io/port") != str(CONTAINER_PORTS["admin"]):
+                    errors.append(f"{what}: {name}: the annotation prometheus.io/port must name the admin port {CONTAINER_PORTS['admin']}")
+                path = annotations.get("prometheus.io/path", "/metrics")
+                if not t["__address__"].endswith(f":{CONTAINER_PORTS['admin']}") or t["__metrics_path__"] != path:
+                    errors.append(f"{what}: {name}: must scrape the admin port {CONTAINER_PORTS['admin']} at {path} (scrapes {t['__address__']}{t['__metrics_path__']})")
+                for label, want in [("job", "agentd"), ("namespace", ns), ("pod", pod)]:
+                    if t.get(label) != want:
+                        errors.append(f"{what}: {name}: the series need {label}={want!r} (the alert rules select or group by it), get {t.get(label)!r}")
+        other = {"metadata": {"labels": {"app.kubernetes.io/name": "other"}, "annotations": {"prometheus.io/scrape": "true"}},
+                 "spec": {"containers": [{"name": "other", "ports": [{"name": "admin", "containerPort": 9090}]}]}}
+        if any(scraped(job, t) is not None for t in pod_targets("agentd", "other-0", other)):
+            errors.append(f"{what}: scrapes pods that are not agentd's")
+    except (ValueError, KeyError, re.error) as e:
+        errors.append(f"{what}: {e}")
+    return errors
+
+
 def check_dockerfile(path: Path) -> list[str]:
     try:
         cmds = dockerfile.parse_file(str(path))
@@ -398,8 +564,9 @@ def check_dockerfile(path: Path) -> list[str]:
 # --- driver ----------------------------------------------------------------------
 
 
-def validate(rendered: dict[str, list[dict]], plain: dict[str, list[dict]], dockerfile_path: Path) -> list[str]:
+def validate(rendered: dict[str, list[dict]], plain: dict[str, list[dict]], dockerfile_path: Path, scrape: dict | None = None) -> list[str]:
     errors: list[str] = []
+    errors += check_scrape_config(scrape if scrape is not None else yaml.safe_load((DEPLOY / SCRAPE_CONFIG).read_text()), rendered)
     flags = known_flags()
     for name, docs in {**rendered, **plain}.items():
         for d in docs:
@@ -449,9 +616,17 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
         ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
         ("a Service port without h2c", pg, "appProtocol kubernetes.io/h2c", lambda d: find(d, "Service")["spec"]["ports"][0].pop("appProtocol")),
+        ("the A2A port on loopback", sq, "AGENTD_A2A_LISTEN must be 0.0.0.0:8080", lambda d: env(d, "AGENTD_A2A_LISTEN", "127.0.0.1:8080", "StatefulSet")),
+        ("no A2A container port", pg, "container ports must be", lambda d: container(d)["ports"].pop()),
+        ("a Service without the A2A port", pg, "must have the ports ['a2a', 'grpc']", lambda d: find(d, "Service")["spec"]["ports"].pop()),
+        ("the pod's host name on the agent card", sq, "AGENTD_A2A_ADVERTISE_HOST must expand to agentd.agentd.svc.cluster.local", lambda d: container(d, "StatefulSet")["env"].pop(next(i for i, e in enumerate(container(d, "StatefulSet")["env"]) if e["name"] == "AGENTD_A2A_ADVERTISE_HOST"))),
+        ("the namespace defined after its use", pg, "(is 'agentd.$(POD_NAMESPACE).svc.cluster.local')", lambda d: container(d)["env"].append(container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "POD_NAMESPACE")))),
         ("no store named", pg, "AGENTD_STORE is not set", lambda d: container(d)["env"].pop(next(i for i, e in enumerate(container(d)["env"]) if e["name"] == "AGENTD_STORE"))),
-        ("SQLite off its volume", sq, "must be on a mounted volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
+        ("SQLite off its volume", sq, "must be on a persistent volume", lambda d: env(d, "AGENTD_STORE", "sqlite:///tmp/agentd.db", "StatefulSet")),
         ("SQLite with two replicas", sq, "exactly one replica", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2)),
+        ("no writable /tmp on a read-only root", sq, "needs a writable /tmp", lambda d: container(d, "StatefulSet")["volumeMounts"].pop(next(i for i, m in enumerate(container(d, "StatefulSet")["volumeMounts"]) if m["mountPath"] == "/tmp"))),
+        ("an unbounded /tmp", pg, "/tmp must be an emptyDir with a sizeLimit", lambda d: next(v for v in find(d, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"].pop("sizeLimit")),
+        ("a volume chowned at every start", sq, "fsGroupChangePolicy must be OnRootMismatch", lambda d: find(d, "StatefulSet")["spec"]["template"]["spec"]["securityContext"].pop("fsGroupChangePolicy")),
         ("no PodDisruptionBudget", pg, "no PodDisruptionBudget", lambda d: d.remove(find(d, "PodDisruptionBudget"))),
         ("broken PromQL", mon, "promtool check rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="sum(rate(x[5m])")),
         ("an alert its unit test disagrees with", mon, "promtool test rules failed", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(expr="vector(0) > 1")),
@@ -461,6 +636,32 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         broken = copy.deepcopy(rendered)
         mutate(broken[name])
         errors = validate(broken, plain, DEPLOY / "Dockerfile")
+        if not any(expected in e for e in errors):
+            missed.append(f"{what} (errors: {errors})")
+        else:
+            print(f"self-test: caught {what}")
+    # The scrape job for a Prometheus without the operator.
+    config = yaml.safe_load((DEPLOY / SCRAPE_CONFIG).read_text())
+
+    def keep_rule(c: dict) -> dict:
+        return next(r for r in c["scrape_configs"][0]["relabel_configs"] if r.get("action") == "keep")
+
+    def without_target(c: dict, label: str) -> None:
+        rules = c["scrape_configs"][0]["relabel_configs"]
+        rules.remove(next(r for r in rules if r.get("target_label") == label))
+
+    scrape_breaks: list[tuple[str, str, Callable[[dict], None]]] = [
+        ("a scrape job named otherwise", "job_name must be agentd", lambda c: c["scrape_configs"][0].update(job_name="kubernetes-pods")),
+        ("series without a namespace", "the series need namespace='agentd'", lambda c: without_target(c, "namespace")),
+        ("series without a pod", "the series need pod='agentd-0'", lambda c: without_target(c, "pod")),
+        ("every port of a pod scraped", "a pod must be one target, not 3", lambda c: keep_rule(c).update(regex="agentd;true;.*")),
+        ("the annotation's path ignored", "at /metrics", lambda c: without_target(c, "__metrics_path__") or c["scrape_configs"][0].update(metrics_path="/")),
+        ("every annotated pod scraped", "scrapes pods that are not agentd's", lambda c: keep_rule(c).update(regex=".*;true;admin")),
+    ]
+    for what, expected, mutate in scrape_breaks:
+        broken = copy.deepcopy(config)
+        mutate(broken)
+        errors = validate(rendered, plain, DEPLOY / "Dockerfile", broken)
         if not any(expected in e for e in errors):
             missed.append(f"{what} (errors: {errors})")
         else:

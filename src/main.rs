@@ -40,10 +40,17 @@ fn main() -> ExitCode {
         }
     };
     // Inside the runtime: the OTLP exporter's channel lives there. Dropped
-    // (flushing spans) before the runtime.
+    // (flushing spans) before the runtime. A log filter that does not parse
+    // stops every command here.
     let _telemetry = {
         let _rt = rt.enter();
-        agentd::telemetry::init(cli.log_format)
+        match agentd::telemetry::init(cli.log_format) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
     };
     let result = rt.block_on(async {
         match cli.command {
@@ -159,7 +166,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (!args.store_timeout.is_zero()).then_some(args.store_timeout),
     )
     .await?;
-    let turns = Turns::new(store.clone(), registry, args.turn_config());
+    let turn_config = args.turn_config();
+    let replica_id = turn_config.replica_id.clone();
+    let turns = Turns::new(store.clone(), registry, turn_config);
     let mut opts = args.server_options();
     opts.security = args.security()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -188,7 +197,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(h) => h.listener.local_addr()?.to_string(),
         None => "off".to_owned(),
     };
-    tracing::info!(listen = %grpc_addr, a2a_listen = %a2a_listen, tls = opts.security.tls.is_some(), auth = opts.security.auth.is_some(), "agentd starting");
+    // What an incident asks first: which build, which store, which replica,
+    // and the durations that decide how it stops.
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        listen = %grpc_addr,
+        a2a_listen = %a2a_listen,
+        tls = opts.security.tls.is_some(),
+        auth = opts.security.auth.is_some(),
+        store = store_kind(&args.store),
+        store_url = %agentd::store::redact(&args.store),
+        replica_id = %replica_id,
+        drain_delay = %humantime::format_duration(args.drain_delay),
+        shutdown_grace = %humantime::format_duration(args.shutdown_grace),
+        max_run_duration = %humantime::format_duration(args.max_run_duration),
+        "agentd starting"
+    );
     let result =
         agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
     // Every run has ended (or been cut): the store's connections close
@@ -206,6 +230,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = task.await;
     }
     result
+}
+
+/// The kind of store `--store` names (its scheme, checked at start-up).
+fn store_kind(url: &str) -> &'static str {
+    match url.split_once(':').map(|(scheme, _)| scheme) {
+        Some("sqlite") => "sqlite",
+        Some("postgres" | "postgresql") => "postgres",
+        Some("memory") => "memory",
+        _ => "unknown",
+    }
 }
 
 /// Starts the admin HTTP port (/metrics, /healthz, /readyz) unless it is off.

@@ -1,7 +1,8 @@
 //! Logging, traces and metrics.
 //!
 //! Logs: human text on a terminal, JSON lines with `--log-format json`.
-//! `RUST_LOG` (or `AGENTD_LOG`) filters; the default is `info`. A log line
+//! `AGENTD_LOG` (or, when it is unset, `RUST_LOG`) filters; the default is
+//! `info`. A filter that does not parse stops start-up. A log line
 //! written inside a call carries its trace id (the `trace_id` field of the
 //! `grpc` span).
 //!
@@ -57,7 +58,10 @@ pub fn otlp_configured() -> bool {
 
 /// Installs logging and tracing for the process, logs to stderr. Call
 /// inside the tokio runtime (the OTLP exporter's channel lives there).
-pub fn init(format: LogFormat) -> Telemetry {
+/// Fails, before anything is installed, on a log filter that does not
+/// parse ([`log_directives`]).
+pub fn init(format: LogFormat) -> anyhow::Result<Telemetry> {
+    let directives = log_directives()?;
     let mut builder = SdkTracerProvider::builder().with_resource(resource());
     if otlp_configured() {
         match opentelemetry_otlp::SpanExporter::builder()
@@ -72,31 +76,53 @@ pub fn init(format: LogFormat) -> Telemetry {
     // pipe or a file gets plain text (NO_COLOR turns them off anyway).
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    install(format, std::io::stderr, builder.build(), ansi)
+    Ok(install(
+        format,
+        &directives,
+        std::io::stderr,
+        builder.build(),
+        ansi,
+    ))
+}
+
+/// The log filter: `AGENTD_LOG`, else `RUST_LOG`, else the default. The
+/// variable in effect must parse: the error names it and gives the
+/// parser's reason (a filter ignored silently left the logs at the default).
+pub fn log_directives() -> anyhow::Result<String> {
+    for var in ["AGENTD_LOG", EnvFilter::DEFAULT_ENV] {
+        if let Ok(v) = std::env::var(var) {
+            return match EnvFilter::try_new(&v) {
+                Ok(_) => Ok(v),
+                Err(e) => Err(anyhow::anyhow!(
+                    "{var}={v:?} is not a log filter: {e} (e.g. info or info,agentd=debug)"
+                )),
+            };
+        }
+    }
+    Ok(DEFAULT_LOG.to_owned())
 }
 
 /// [`init`] with a chosen log writer and trace provider (tests use an
-/// in-memory exporter). The first call in a process wins.
+/// in-memory exporter). The first call in a process wins. Panics on a log
+/// filter that does not parse.
 pub fn init_with<W>(format: LogFormat, writer: W, provider: SdkTracerProvider) -> Telemetry
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    install(format, writer, provider, false)
+    let directives = log_directives().unwrap_or_else(|e| panic!("{e:#}"));
+    install(format, &directives, writer, provider, false)
 }
 
-fn install<W>(format: LogFormat, writer: W, provider: SdkTracerProvider, ansi: bool) -> Telemetry
+fn install<W>(
+    format: LogFormat,
+    directives: &str,
+    writer: W,
+    provider: SdkTracerProvider,
+    ansi: bool,
+) -> Telemetry
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let directives = std::env::var("AGENTD_LOG")
-        .ok()
-        .filter(|v| EnvFilter::try_new(v).is_ok())
-        .or_else(|| {
-            std::env::var(EnvFilter::DEFAULT_ENV)
-                .ok()
-                .filter(|v| EnvFilter::try_new(v).is_ok())
-        })
-        .unwrap_or_else(|| DEFAULT_LOG.to_owned());
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(ansi);
@@ -136,7 +162,7 @@ where
                 .expect("the default log filter is a list of targets and levels"),
         ),
     );
-    let fmt = match log_filter(&directives) {
+    let fmt = match log_filter(directives) {
         // Neither the text nor the JSON format does anything on span entry
         // or exit, and a Targets filter has no span scopes to track.
         LogFilter::Targets(t) => NoEnterExit(fmt.with_filter(t)).boxed(),
@@ -237,8 +263,8 @@ where
     }
 }
 
-/// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` gives a valid
-/// one, and the traces' filter always.
+/// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` is set, and the
+/// traces' filter always.
 const DEFAULT_LOG: &str = "info,h2=warn,hyper=warn,tower=warn";
 
 // Made once, at start-up: its size does not matter.

@@ -386,3 +386,111 @@ fn text_logs_to_a_pipe_carry_no_colour_codes() {
     assert!(!line.contains('\x1b'), "colour codes in {line:?}");
     assert!(line.contains(" INFO "), "{line:?}");
 }
+
+/// A log filter that does not parse stops start-up with one line naming
+/// the variable and the parser's reason (it was ignored, and the logs
+/// stayed at the default). `AGENTD_LOG` comes first: a `RUST_LOG` meant
+/// for another program does not matter when it is set.
+#[test]
+fn a_log_filter_that_does_not_parse_fails_at_start_up_with_one_clear_line() {
+    let serve = |env: &[(&str, &str)]| {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args([
+                "--admin-listen",
+                "off",
+                "--a2a-listen",
+                "off",
+                "--store",
+                "memory:",
+            ])
+            .env_remove("AGENTD_LOG")
+            .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let until = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    };
+    for var in ["AGENTD_LOG", "RUST_LOG"] {
+        let out = serve(&[(var, "info,agentd=loud")]);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{var}: {stderr}");
+        assert_eq!(out.status.code(), Some(1), "exited, not killed: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        let prefix = format!("error: {var}=\"info,agentd=loud\" is not a log filter: ");
+        assert!(stderr.starts_with(&prefix), "{stderr}");
+        let reason = stderr[prefix.len()..].split(" (e.g.").next().unwrap();
+        assert!(reason.len() > 10, "the parser's reason: {stderr}");
+    }
+
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .args([
+            "--admin-listen",
+            "off",
+            "--a2a-listen",
+            "off",
+            "--store",
+            "memory:",
+        ])
+        .env("AGENTD_LOG", "info")
+        .env("RUST_LOG", "info,agentd=loud")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .any(|line| line.contains("agentd starting"));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started, "AGENTD_LOG=info serves whatever RUST_LOG says");
+}
+
+/// The start-up line carries what an incident asks first: the build, the
+/// store (its kind, and its URL without a password), the replica and the
+/// durations that decide how a pod stops; and `listen`, which tests and
+/// tools read the port from.
+#[test]
+fn the_start_up_line_names_the_version_store_replica_and_shutdown_durations() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("agentd.db").display());
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .args(["--admin-listen", "off", "--a2a-listen", "off"])
+        .args(["--store", &store, "--replica-id", "agentd-7"])
+        .args(["--drain-delay", "3s", "--shutdown-grace", "2m"])
+        .args(["--max-run-duration", "90s"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
+        .find(|v| v["message"] == "agentd starting");
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("the start-up line");
+    assert_eq!(line["version"], env!("CARGO_PKG_VERSION"), "{line}");
+    assert_eq!(line["store"], "sqlite", "{line}");
+    assert_eq!(line["store_url"], store.as_str(), "{line}");
+    assert_eq!(line["replica_id"], "agentd-7", "{line}");
+    assert_eq!(line["drain_delay"], "3s", "{line}");
+    assert_eq!(line["shutdown_grace"], "2m", "{line}");
+    assert_eq!(line["max_run_duration"], "1m 30s", "{line}");
+    let listen = line["listen"].as_str().unwrap_or_default();
+    assert!(
+        listen.parse::<std::net::SocketAddr>().is_ok(),
+        "listen: {line}"
+    );
+}

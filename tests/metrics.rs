@@ -7,6 +7,7 @@
 mod a2a_support;
 mod common;
 mod secured;
+mod support;
 
 use std::time::Duration;
 
@@ -445,6 +446,68 @@ async fn refusals_before_any_message_are_counted_with_their_status() {
         m.0
     );
     server.stop().await;
+}
+
+/// `agentd_store_up` of a real `agentd serve` on PostgreSQL behind a proxy:
+/// 1 from the start, 0 while the database cannot be reached, 1 again once
+/// it answers; both for a database that refuses connections and for one
+/// that stops answering. In the second no store error is counted (each
+/// health check gives up before the pool's connection attempt fails, and
+/// Runs are refused without calling the store), so only this gauge shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentd_store_up_is_0_while_the_database_is_unreachable_and_1_again_once_it_answers() {
+    let Some(db) = support::TestDb::fresh(support::Backend::Postgres).await else {
+        return;
+    };
+    let proxy = support::Proxy::start(db.pg_addr()).await;
+    let served = support::Child::serve(&["--store", &db.url_via(proxy.port)]).await;
+    let admin = served.admin.expect("the admin port's address in the log");
+    let store_up = |want: f64| move |m: &Metrics| m.get("agentd_store_up", &[]) == Some(want);
+    scrape_until(admin, "agentd_store_up 1 at start", store_up(1.0)).await;
+
+    for (outage, cut) in [
+        ("refused", support::Proxy::down as fn(&support::Proxy)),
+        ("unanswered", support::Proxy::hang),
+    ] {
+        cut(&proxy);
+        scrape_until(
+            admin,
+            &format!("0 with connections {outage}"),
+            store_up(0.0),
+        )
+        .await;
+        proxy.up();
+        scrape_until(
+            admin,
+            &format!("1 after connections {outage}"),
+            store_up(1.0),
+        )
+        .await;
+    }
+    served.kill9().await;
+}
+
+/// Scrapes `admin`'s /metrics until `cond` holds (at most 20 s).
+async fn scrape_until(
+    admin: std::net::SocketAddr,
+    what: &str,
+    cond: impl Fn(&Metrics) -> bool,
+) -> Metrics {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = secured::http_get(admin, "/metrics").await;
+        assert_eq!(status, 200, "{body}");
+        let m = Metrics(body);
+        if cond(&m) {
+            return m;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}; metrics:\n{}",
+            m.0
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The process's metrics (an A2A server in this test's process records into

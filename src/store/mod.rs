@@ -367,15 +367,33 @@ fn one_line(e: anyhow::Error) -> anyhow::Error {
     anyhow::anyhow!("{e}")
 }
 
-/// `url` without its password, for messages and logs.
+/// `url` without its password (in the user info, or a `password` query
+/// parameter, which sqlx takes too), for messages and logs.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let url = match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let userinfo = &url[s + 3..at];
             let user = userinfo.split(':').next().unwrap_or_default();
             format!("{}://{}@{}", &url[..s], user, &url[at + 1..])
         }
         _ => url.to_owned(),
+    };
+    match url.split_once('?') {
+        Some((base, query)) => {
+            let kept: Vec<&str> = query
+                .split('&')
+                .filter(|kv| {
+                    let key = kv.split('=').next().unwrap_or_default();
+                    !key.eq_ignore_ascii_case("password")
+                })
+                .collect();
+            if kept.is_empty() {
+                base.to_owned()
+            } else {
+                format!("{base}?{}", kept.join("&"))
+            }
+        }
+        None => url,
     }
 }
 
@@ -559,5 +577,17 @@ mod tests {
         );
         assert_eq!(redact("postgres://db/agentd"), "postgres://db/agentd");
         assert_eq!(redact("sqlite://agentd.db"), "sqlite://agentd.db");
+        assert_eq!(
+            redact("postgres://agentd@db/agentd?password=s3cret&sslmode=require"),
+            "postgres://agentd@db/agentd?sslmode=require"
+        );
+        assert_eq!(
+            redact("postgres://db/agentd?user=agentd&password=s3cret"),
+            "postgres://db/agentd?user=agentd"
+        );
+        assert_eq!(
+            redact("postgres://agentd:s3cret@db/agentd?password=s3cret"),
+            "postgres://agentd@db/agentd"
+        );
     }
 }

@@ -17,6 +17,7 @@
 //! | `agentd_a2a_request_seconds` | `method`, `outcome` | histogram: request to its answer, or to the end of its stream |
 //! | `agentd_store_call_seconds` | `op` | histogram: a store call as its caller waited for it, queueing included (`op`: `session_for_run`, `claim_turn`, `append`, `append_and_finish`, … one per store method) |
 //! | `agentd_store_errors_total` | `op`, `error` | store calls that failed: `unavailable` (the database could not be reached) or `unexpected` |
+//! | `agentd_store_up` | | 1 while the store answers the upkeep's health checks, 0 while it does not (set on every check, even when no call reaches the store) |
 //! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together); PostgreSQL also `read` (the sessions of Runs starting together) |
 //! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches, claims or session reads per group |
 
@@ -38,6 +39,7 @@ pub const A2A_REQUESTS: &str = "agentd_a2a_requests_total";
 pub const A2A_REQUEST_SECONDS: &str = "agentd_a2a_request_seconds";
 pub const STORE_CALL_SECONDS: &str = "agentd_store_call_seconds";
 pub const STORE_ERRORS: &str = "agentd_store_errors_total";
+pub const STORE_UP: &str = "agentd_store_up";
 pub const STORE_GROUP_SECONDS: &str = "agentd_store_group_seconds";
 pub const STORE_GROUP_SIZE: &str = "agentd_store_group_size";
 
@@ -128,6 +130,10 @@ fn describe() {
         "store calls, as their callers waited for them (queueing included)"
     );
     metrics::describe_counter!(STORE_ERRORS, "store calls that failed, by cause");
+    metrics::describe_gauge!(
+        STORE_UP,
+        "1 while the session store answers its health checks, 0 while it does not"
+    );
     metrics::describe_histogram!(
         STORE_GROUP_SECONDS,
         metrics::Unit::Seconds,
@@ -192,6 +198,15 @@ pub fn store_error(op: &'static str, error: &crate::store::StoreError) {
         crate::store::StoreError::Unexpected(_) => "unexpected",
     };
     metrics::counter!(STORE_ERRORS, "op" => op, "error" => cause).increment(1);
+}
+
+/// The outcome of a store health check: `agentd_store_up` 1 or 0. Set on
+/// every check, so it reads 0 through an outage in which no call reaches
+/// the store (Runs are refused before they call it, and a check that times
+/// out counts no store error).
+pub fn store_up(ok: bool) {
+    handle();
+    metrics::gauge!(STORE_UP).set(if ok { 1.0 } else { 0.0 });
 }
 
 /// A SQL store wrote one group of `size` batches (`queue` `commit`) or

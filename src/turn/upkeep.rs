@@ -1,7 +1,8 @@
 //! Background upkeep of one engine: a periodic store health check (whose
-//! result gates new Runs and feeds grpc.health), failing turns whose owner's
-//! lease expired (that replica died mid-turn), and, beside them, pruning
-//! old turns (a long backlog of which never holds up the health checks).
+//! result gates new Runs and feeds grpc.health and `agentd_store_up`),
+//! failing turns whose owner's lease expired (that replica died mid-turn),
+//! and, beside them, pruning old turns (a long backlog of which never holds
+//! up the health checks).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -9,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use super::Turns;
 use crate::grpc::status;
 use crate::store::{Store, StoreError};
+use crate::telemetry::metrics;
 
 /// Pruning runs at most this often, and at least once per retention/4.
 const PRUNE_EVERY_MAX: Duration = Duration::from_secs(600);
@@ -24,6 +26,7 @@ async fn check(turns: Arc<Turns>) {
     let cfg = turns.cfg.clone();
     let mut tick = tokio::time::interval(cfg.store_check.min(cfg.lease / 2));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    metrics::store_up(*turns.store_ok.borrow());
     loop {
         tick.tick().await;
         let ok = match tokio::time::timeout(
@@ -39,6 +42,7 @@ async fn check(turns: Arc<Turns>) {
             }
             Err(_) => false,
         };
+        metrics::store_up(ok);
         let changed = turns
             .store_ok
             .send_if_modified(|was| std::mem::replace(was, ok) != ok);

@@ -628,12 +628,15 @@ impl Drop for Proxy {
 pub struct Child {
     pub child: tokio::process::Child,
     pub addr: SocketAddr,
+    /// The admin HTTP port (`/metrics`), unless the test turned it off.
+    pub admin: Option<SocketAddr>,
     pub client: AgentClient,
 }
 
 impl Child {
     /// Starts `agentd serve` on 127.0.0.1:0 with `args` and waits for its
-    /// "agentd starting" log line to learn the port.
+    /// "agentd starting" log line to learn the port (and for the admin
+    /// port's line before it, to learn that one).
     pub async fn serve(args: &[&str]) -> Child {
         // A free port for the A2A face too, unless the test picks one: the
         // default (8080) would make parallel tests race for it.
@@ -666,11 +669,15 @@ impl Child {
             .expect("spawn agentd serve");
         let stderr = child.stderr.take().unwrap();
         let mut lines = tokio::io::BufReader::new(stderr).lines();
+        let mut admin = None;
         let addr = tokio::time::timeout(Duration::from_secs(30), async {
             while let Ok(Some(line)) = lines.next_line().await {
                 let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
+                if let Some(a) = v.get("admin").and_then(|a| a.as_str()) {
+                    admin = a.parse::<SocketAddr>().ok();
+                }
                 if let Some(a) = v.get("listen").and_then(|l| l.as_str()) {
                     return a.parse::<SocketAddr>().ok();
                 }
@@ -689,6 +696,7 @@ impl Child {
         Child {
             child,
             addr,
+            admin,
             client,
         }
     }
