@@ -106,6 +106,12 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_MAX_CONCURRENT_RUNS", default_value_t = 1024)]
     pub max_concurrent_runs: usize,
 
+    /// Streams following a turn at once (Attach, a repeated request id, an
+    /// A2A subscription): each reads the store while its turn runs on another
+    /// replica. Past it they answer RESOURCE_EXHAUSTED.
+    #[arg(long, env = "AGENTD_MAX_FOLLOWERS", default_value_t = 4096)]
+    pub max_followers: usize,
+
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
     #[arg(long, env = "AGENTD_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     pub max_concurrent_streams: u32,
@@ -290,9 +296,10 @@ impl ServeArgs {
                 humantime::format_duration(self.shutdown_grace)
             ));
         }
-        let positive: [(&str, usize); 4] = [
+        let positive: [(&str, usize); 5] = [
             ("--channel-capacity", self.channel_capacity),
             ("--max-concurrent-runs", self.max_concurrent_runs),
+            ("--max-followers", self.max_followers),
             ("--max-message-bytes", self.max_message_bytes),
             ("--max-input-bytes", self.max_input_bytes),
         ];
@@ -334,6 +341,7 @@ impl ServeArgs {
             stall_timeout: self.stall_timeout,
             max_run_duration: self.max_run_duration,
             max_concurrent_runs: self.max_concurrent_runs,
+            max_followers: self.max_followers,
             replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
             history_turns: self.history_turns,
             claim_first: self.claim_first,

@@ -195,3 +195,31 @@ async fn every_replay_of_a_failed_turn_ends_with_its_status_never_with_ok() {
     }
     server.stop().await;
 }
+
+/// Followers (repeats of a running turn, Attach) past `max_followers` are
+/// refused with RESOURCE_EXHAUSTED; a place is free again once one ends.
+#[tokio::test]
+async fn followers_past_the_cap_are_resource_exhausted() {
+    let mut opts = Options::default().tool_delay(Duration::from_secs(3));
+    opts.turn.max_followers = 1;
+    let mut server = TestServer::tcp(opts).await;
+    let s = server.session("alice").await;
+    let req = run_request("alice", &s, "r1", "Where is order 1187?");
+    let mut first = server.client.run(req.clone(), DEADLINE).await.unwrap();
+    first.events.message().await.unwrap().unwrap();
+
+    let mut c = server.client.clone();
+    let mut follower = c.run(req.clone(), DEADLINE).await.unwrap();
+    assert_eq!(follower.mode, "attach");
+    let refused = c.run(req.clone(), DEADLINE).await.err().expect("refused");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("following"), "{refused:?}");
+
+    while follower.events.message().await.unwrap().is_some() {}
+    // The follower ended: a replay has its place.
+    let (events, end) = c.run_to_end(req, DEADLINE).await.unwrap();
+    end.unwrap();
+    assert_eq!(events.len(), 3);
+    assert_eq!(server.tool.started(), 1);
+    server.stop().await;
+}

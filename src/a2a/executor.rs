@@ -499,6 +499,7 @@ fn refusal(e: RunError, turns: &Turns) -> (TaskState, String) {
         | RunError::SessionNotFound
         | RunError::TurnNotFound => TaskState::Rejected,
         RunError::Busy { .. }
+        | RunError::TooManyFollowers { .. }
         | RunError::ShuttingDown
         | RunError::SessionBusy
         | RunError::Store(_) => TaskState::Failed,

@@ -53,6 +53,9 @@ pub fn run_error(e: RunError, agents: &crate::agent::AgentRegistry) -> Status {
         RunError::Busy { limit } => Status::resource_exhausted(format!(
             "too many runs in progress (limit {limit}); retry later"
         )),
+        RunError::TooManyFollowers { limit } => Status::resource_exhausted(format!(
+            "too many streams following turns (limit {limit}); retry later"
+        )),
         RunError::ShuttingDown => {
             Status::unavailable("the server is shutting down; retry on another replica")
         }

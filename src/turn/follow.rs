@@ -19,6 +19,7 @@ const PAGE: usize = 512;
 
 pub(super) fn spawn(
     turns: &Arc<Turns>,
+    permit: tokio::sync::OwnedSemaphorePermit,
     key: TurnKey,
     agent: &str,
     after: Option<u64>,
@@ -59,6 +60,7 @@ pub(super) fn spawn(
         // receiver reads it as soon as it sees the close.
         end2.set(result);
         drop(follower);
+        drop(permit);
     }, span));
     RunStream::new(rx, end)
 }

@@ -56,6 +56,10 @@ pub struct TurnConfig {
     pub max_run_duration: Duration,
     /// Agent runs in flight at once, process-wide.
     pub max_concurrent_runs: usize,
+    /// Streams following a turn (replays, attaches, repeated request ids)
+    /// at once, process-wide: each polls the store while its turn runs
+    /// elsewhere.
+    pub max_followers: usize,
     /// Names this process in the turn side table.
     pub replica_id: String,
     /// How many earlier turns an agent gets as conversation memory.
@@ -83,6 +87,7 @@ impl Default for TurnConfig {
             stall_timeout: Duration::from_secs(30),
             max_run_duration: Duration::from_secs(120),
             max_concurrent_runs: 1024,
+            max_followers: 4096,
             replica_id: "local".into(),
             history_turns: 20,
             claim_first: false,
@@ -106,6 +111,8 @@ pub enum RunError {
     RequestIdReused,
     #[error("too many runs in progress ({limit})")]
     Busy { limit: usize },
+    #[error("too many streams following turns ({limit})")]
+    TooManyFollowers { limit: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
     #[error("turn not found")]
@@ -225,6 +232,8 @@ pub struct Turns {
     cfg: TurnConfig,
     /// One permit per agent run in flight.
     permits: Arc<Semaphore>,
+    /// One permit per follower ([`TurnConfig::max_followers`]).
+    followers: Arc<Semaphore>,
     /// Turns running in this process, so a repeated request id attaches live.
     live: Mutex<HashMap<TurnKey, watch::Receiver<Progress>>>,
     /// Turns a Run of this process is claiming: a repeat sent meanwhile
@@ -245,6 +254,7 @@ impl Turns {
     pub fn new(store: Arc<dyn Store>, agents: AgentRegistry, cfg: TurnConfig) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(cfg.max_concurrent_runs)),
+            followers: Arc::new(Semaphore::new(cfg.max_followers)),
             store,
             agents,
             cfg,
@@ -438,6 +448,7 @@ impl Turns {
         };
         let stream = follow::spawn(
             self,
+            self.follower_permit()?,
             key.clone(),
             &existing.agent,
             after,
@@ -510,6 +521,16 @@ impl Turns {
         }
     }
 
+    /// A follower's place under [`TurnConfig::max_followers`].
+    fn follower_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RunError> {
+        self.followers
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| RunError::TooManyFollowers {
+                limit: self.cfg.max_followers,
+            })
+    }
+
     /// Replays or attaches to a turn someone else claimed.
     fn join(
         self: &Arc<Self>,
@@ -527,9 +548,11 @@ impl Turns {
         };
         // A repeated request id answered without running the agent (an
         // Attach call, which names its turn, is not a repeat).
+        let permit = self.follower_permit()?;
         crate::telemetry::metrics::dedup(mode);
         let stream = follow::spawn(
             self,
+            permit,
             existing.key.clone(),
             &existing.agent,
             None,
