@@ -22,8 +22,8 @@ use a2a::{
     TaskArtifactUpdateEvent, TaskState, TaskStatus, TaskStatusUpdateEvent,
 };
 use a2a_server::{AgentExecutor, ExecutorContext};
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt as _, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -32,7 +32,7 @@ use crate::grpc::status;
 use crate::pb;
 use crate::store::TurnState;
 use crate::store::a2a_tasks::context_session;
-use crate::turn::{Failure, RunError, RunStream, Turns};
+use crate::turn::{Failure, RunError, Turns};
 
 /// The id of the artifact that carries an agent's answer.
 pub const ANSWER_ARTIFACT_ID: &str = "answer";
@@ -434,18 +434,47 @@ impl Shared {
     }
 }
 
+/// The most answer text joined into one update.
+const CHUNK_JOIN_MAX_BYTES: usize = 64 * 1024;
+
 /// The A2A updates of one turn's events, to the task's terminal status:
 /// what the executor streams for the run it started, and what a follower of
 /// a turn run elsewhere streams (see `follow`).
+///
+/// Chunks of answer text that are already waiting when one is taken go out
+/// as one update: the task is stored again with every update, so a reader
+/// (or a store) slower than the model gets fewer, larger updates instead of
+/// falling further behind. Nothing waits for more to come.
 pub(crate) fn updates(
     job: Job,
-    mut events: RunStream,
+    mut events: impl futures::Stream<Item = Result<pb::AgentEvent, Failure>> + Unpin,
 ) -> impl futures::Stream<Item = StreamResponse> {
     async_stream::stream! {
         let mut mapper = Mapper::new();
+        // An event taken while joining chunks that was not one of them;
+        // `Some(None)`: the stream ended then.
+        let mut held: Option<Option<Result<pb::AgentEvent, Failure>>> = None;
         loop {
-            match events.next().await {
-                Some(Ok(e)) => {
+            let next = match held.take() {
+                Some(next) => next,
+                None => events.next().await,
+            };
+            match next {
+                Some(Ok(mut e)) => {
+                    if e.kind() == pb::EventKind::PartialText {
+                        while e.text.len() < CHUNK_JOIN_MAX_BYTES {
+                            match events.next().now_or_never() {
+                                None => break,
+                                Some(Some(Ok(more))) if more.kind() == pb::EventKind::PartialText => {
+                                    e.text.push_str(&more.text);
+                                }
+                                Some(other) => {
+                                    held = Some(other);
+                                    break;
+                                }
+                            }
+                        }
+                    }
                     for update in mapper.map(&job, e) {
                         yield update;
                     }
@@ -579,6 +608,44 @@ mod tests {
             ),
             other => panic!("not a chunk: {other:?}"),
         }
+    }
+
+    /// Chunks waiting together go out as one update (the task is stored
+    /// once for them); a chunk alone goes out at once, and the events after
+    /// the joined ones keep their order.
+    #[tokio::test]
+    async fn chunks_waiting_together_become_one_update() {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let mut out = std::pin::pin!(updates(job(), rx));
+        tx.unbounded_send(Ok(event(pb::EventKind::PartialText, "a")))
+            .unwrap();
+        assert_eq!(
+            chunk(&out.next().await.unwrap()),
+            ("a".into(), false, false)
+        );
+        for t in ["b", "c", "d"] {
+            tx.unbounded_send(Ok(event(pb::EventKind::PartialText, t)))
+                .unwrap();
+        }
+        let mut call = event(pb::EventKind::ToolCall, "");
+        call.tool_name = "lookup".into();
+        tx.unbounded_send(Ok(call)).unwrap();
+        tx.unbounded_send(Ok(event(pb::EventKind::PartialText, "e")))
+            .unwrap();
+        tx.unbounded_send(Ok(event(pb::EventKind::FinalAnswer, "abcde")))
+            .unwrap();
+        drop(tx);
+        let rest: Vec<StreamResponse> = out.collect().await;
+        assert_eq!(rest.len(), 5, "{rest:?}");
+        assert_eq!(chunk(&rest[0]), ("bcd".into(), true, false));
+        assert!(
+            matches!(&rest[1], StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working)
+        );
+        assert_eq!(chunk(&rest[2]), ("e".into(), true, false));
+        assert_eq!(chunk(&rest[3]), ("".into(), true, true));
+        assert!(
+            matches!(&rest[4], StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Completed)
+        );
     }
 
     #[test]
