@@ -1834,6 +1834,48 @@ async fn a_caller_gone_during_its_claim_leaves_its_turn_cancelled(db: TestDb) {
     s.stop().await;
 }
 
+/// SQLite (one claimer): a claim whose caller went away while it waited
+/// behind another (it cancelled, or its store call timed out and it was told
+/// to retry) is not stored at all: a retry claims the turn anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_claim_whose_caller_left_while_it_was_queued_is_not_stored() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = |rid: &str| TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse(rid).unwrap(),
+    };
+    let claim = |rid: &str| {
+        let (store, turn) = (store.clone(), new_turn(&key(rid), "replica-a"));
+        tokio::spawn(async move { store.claim_turn(&turn).await })
+    };
+    let held = db.hold_writes().await;
+    let first = claim("r1");
+    // The claimer has taken r1 and waits for the lock; r2 waits behind it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = claim("r2");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    queued.abort();
+    assert!(queued.await.unwrap_err().is_cancelled());
+    held.release().await;
+    assert_eq!(first.await.unwrap().unwrap(), agentd::store::Claim::New);
+    // Claimed after r2 was taken from the queue.
+    assert_eq!(
+        claim("r3").await.unwrap().unwrap(),
+        agentd::store::Claim::New
+    );
+    assert!(store.get_turn(&key("r2")).await.unwrap().is_none());
+    assert_eq!(
+        claim("r2").await.unwrap().unwrap(),
+        agentd::store::Claim::New
+    );
+}
+
 mod claims_held {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqlite_a_caller_gone_during_its_claim_leaves_its_turn_cancelled() {

@@ -480,3 +480,71 @@ async fn after_a_kill_9_and_a_restart_a_sqlite_server_has_every_turn_and_a_defin
     );
     second.kill9().await;
 }
+
+/// PostgreSQL turned read-only under the store (a primary demoted by a
+/// failover, its connections left open): the health check fails, a claim is
+/// UNAVAILABLE (retry), not INTERNAL, and both recover once it takes writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_postgres_is_unavailable_until_it_takes_writes_again() {
+    use agentd::store::{Claim, NewTurn, StoreError};
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let alice = agentd::domain::UserId::parse("alice").unwrap();
+    let session = store.create_session(&alice).await.unwrap();
+    let name = db.url.rsplit('/').next().unwrap().to_owned();
+    let read_only = |on: bool| {
+        let (url, name) = (db.url.clone(), name.clone());
+        async move {
+            let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+            // This connection itself is read-only once the setting is on.
+            sqlx::query("SET default_transaction_read_only = off")
+                .execute(&mut c)
+                .await
+                .unwrap();
+            let setting = if on { "on" } else { "off" };
+            sqlx::query(&format!(
+                "ALTER DATABASE {name} SET default_transaction_read_only = {setting}"
+            ))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+    };
+    let turn = |rid: &str| NewTurn {
+        key: agentd::domain::TurnKey {
+            session_id: session.id,
+            request_id: agentd::domain::RequestId::parse(rid).unwrap(),
+        },
+        user_text: "hi".into(),
+        agent: "echo".into(),
+        owner: "a".into(),
+        lease: Duration::from_secs(30),
+    };
+
+    read_only(true).await;
+    db.terminate_pg_connections().await;
+    let why = eventually("the health check sees the read-only database", || async {
+        match store.ping().await {
+            Err(StoreError::Unavailable(e)) if format!("{e:#}").contains("no writes") => Some(e),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(format!("{why:#}").contains("read-only"), "{why:#}");
+    let claim = store.claim_turn(&turn("r1")).await;
+    assert!(
+        matches!(claim, Err(StoreError::Unavailable(_))),
+        "{claim:?}"
+    );
+
+    read_only(false).await;
+    db.terminate_pg_connections().await;
+    eventually("the store takes writes again", || async {
+        store.ping().await.ok()?;
+        matches!(store.claim_turn(&turn("r2")).await, Ok(Claim::New)).then_some(())
+    })
+    .await;
+}

@@ -85,6 +85,9 @@ impl PostgresStore {
         // Replicas of the release before kinds by number read these rows
         // during a rolling upgrade: names, until no release in use needs them.
         kinds: super::KindEncoding::Name,
+        // A standby (or a primary demoted by a failover) answers reads but
+        // refuses every write: not healthy for a server that must write.
+        ping: "SELECT current_setting('transaction_read_only') = 'off'",
     };
 }
 

@@ -39,9 +39,10 @@ pub(super) fn unavailable(e: &sqlx::Error) -> bool {
                 .is_some_and(|c| sqlite_unavailable(c & 0xff)),
             // PostgreSQL: class 08 connection exception, 57P0x shutdown /
             // cannot connect now, 53 insufficient resources (53100: disk
-            // full).
+            // full), 25006 read-only transaction (a connection left on a
+            // primary that failed over and is now a standby).
             None => d.code().is_some_and(|c| {
-                c.starts_with("08") || c.starts_with("57P") || c.starts_with("53")
+                c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") || c == "25006"
             }),
         },
         _ => false,
@@ -386,6 +387,8 @@ pub(super) struct Dialect {
     pub insert_moved_batch: &'static str,
     /// How the event log's rows write an event's kind.
     pub kinds: super::KindEncoding,
+    /// The health check: one boolean, whether the database takes writes.
+    pub ping: &'static str,
 }
 
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
@@ -503,6 +506,13 @@ macro_rules! sql_store {
                 use $crate::store::sql::Failed;
                 let mut group = Vec::with_capacity($crate::store::sql::CLAIMS_MAX);
                 while rx.lock().await.recv_many(&mut group, $crate::store::sql::CLAIMS_MAX).await > 0 {
+                    // A caller gone while its claim waited (it cancelled, or
+                    // its store call timed out and it was told to retry):
+                    // nothing is stored for it.
+                    group.retain(|c| !c.done.is_closed());
+                    if group.is_empty() {
+                        continue;
+                    }
                     let mut seen = std::collections::HashSet::with_capacity(group.len());
                     let (first, repeats): (Vec<_>, Vec<_>) =
                         group.drain(..).partition(|c| seen.insert((c.sid.clone(), c.rid.clone())));
@@ -1010,7 +1020,15 @@ macro_rules! sql_store {
             }
 
             async fn ping(&self) -> StoreResult<()> {
-                sqlx::query("SELECT 1").execute(&self.read).await.map_err(db_err)?;
+                let writable: bool = sqlx::query_scalar(Self::SQL.ping)
+                    .fetch_one(&self.read)
+                    .await
+                    .map_err(db_err)?;
+                if !writable {
+                    return Err(StoreError::Unavailable(anyhow::anyhow!(
+                        "the database takes no writes (a read-only standby, or read-only by setting)"
+                    )));
+                }
                 Ok(())
             }
 

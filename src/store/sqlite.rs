@@ -605,6 +605,7 @@ impl SqliteStore {
         // Only this process reads the file; a release before kinds by number
         // started on it cannot replay the turns stored since (see README).
         kinds: super::KindEncoding::Code,
+        ping: "SELECT 1 = 1",
     };
 }
 
