@@ -136,6 +136,12 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
 
+    /// The most bytes of earlier questions and answers an agent gets: the
+    /// oldest of the --history-turns go first when they hold more (each
+    /// answer may hold up to 2 MiB, which every later turn would send).
+    #[arg(long, env = "AGENTD_HISTORY_BYTES", default_value_t = 1024 * 1024)]
+    pub history_bytes: usize,
+
     /// Start every agent only once its turn is claimed. Without this flag a
     /// model-backed agent calls its model while its turn is being claimed,
     /// so the first token waits for the slower of the two, not both. A
@@ -344,6 +350,7 @@ impl ServeArgs {
             max_followers: self.max_followers,
             replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
             history_turns: self.history_turns,
+            history_bytes: self.history_bytes,
             claim_first: self.claim_first,
             lease: self.turn_lease,
             retain_turns: (!self.retain_turns.is_zero()).then_some(self.retain_turns),

@@ -223,3 +223,37 @@ async fn followers_past_the_cap_are_resource_exhausted() {
     assert_eq!(server.tool.started(), 1);
     server.stop().await;
 }
+
+/// The history an agent gets holds at most `history_bytes` of earlier
+/// questions and answers: past it the oldest turns are left out.
+#[tokio::test]
+async fn turns_past_the_history_byte_budget_are_left_out_of_the_memory() {
+    let mut opts = Options::default();
+    opts.turn.history_bytes = 10;
+    let mut server = TestServer::in_process(opts).await;
+    let s = server.session("alice").await;
+    let (_, end) = server
+        .client
+        .run_to_end(
+            run_request("alice", &s, "r1", "Where is order 2301?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    end.unwrap();
+    let (events, end) = server
+        .client
+        .run_to_end(
+            run_request("alice", &s, "r2", "and when will it arrive?"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+    end.unwrap();
+    let answer = &events.last().unwrap().text;
+    assert!(
+        !answer.contains("2301"),
+        "the first turn was left out: {answer}"
+    );
+    server.stop().await;
+}

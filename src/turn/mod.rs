@@ -31,7 +31,7 @@ use tracing::Instrument;
 
 pub use stream::RunStream;
 
-use crate::agent::{AgentError, AgentRegistry, EventStream, RunContext};
+use crate::agent::{AgentError, AgentRegistry, EventStream, PriorTurn, RunContext};
 use crate::domain::{RequestId, RunInput, SessionId, TurnKey, UserId};
 use crate::store::{Claim, Deletion, NewTurn, Session, Store, StoreError, TurnOutcome, TurnRecord};
 
@@ -64,6 +64,9 @@ pub struct TurnConfig {
     pub replica_id: String,
     /// How many earlier turns an agent gets as conversation memory.
     pub history_turns: usize,
+    /// The most bytes of questions and answers in that memory; the oldest
+    /// turns go first.
+    pub history_bytes: usize,
     /// Start no agent before its turn is claimed, even one that could start
     /// beside the claim ([`crate::agent::Agent::starts_before_claim`]).
     pub claim_first: bool,
@@ -90,6 +93,7 @@ impl Default for TurnConfig {
             max_followers: 4096,
             replica_id: "local".into(),
             history_turns: 20,
+            history_bytes: 1024 * 1024,
             claim_first: false,
             follow_poll: Duration::from_millis(50),
             lease: Duration::from_secs(10),
@@ -97,6 +101,30 @@ impl Default for TurnConfig {
             store_check: Duration::from_secs(1),
         }
     }
+}
+
+/// The newest turns of `history` (oldest first) whose questions and answers
+/// fit in `budget` bytes together, oldest first.
+fn newest_within(mut history: Vec<PriorTurn>, budget: usize) -> Vec<PriorTurn> {
+    let mut used = 0usize;
+    let keep = history
+        .iter()
+        .rev()
+        .take_while(|t| {
+            used = used.saturating_add(t.user_text.len() + t.answer.len());
+            used <= budget
+        })
+        .count();
+    let dropped = history.len() - keep;
+    if dropped > 0 {
+        tracing::debug!(
+            dropped,
+            budget,
+            "older turns left out of the history: over --history-bytes"
+        );
+    }
+    history.drain(..dropped);
+    history
 }
 
 /// Why a Run was refused before its stream started. Nothing was run, and
@@ -346,7 +374,7 @@ impl Turns {
             request_id: key.request_id.clone(),
             cancel: cancel.clone(),
             deadline: deadline.at,
-            history: read.history,
+            history: newest_within(read.history, self.cfg.history_bytes),
         };
         // An agent that only calls its model before its first event starts
         // now, beside the claim (unless `claim_first`, or the turn is stored
@@ -638,4 +666,37 @@ impl Drop for Claiming {
 struct Deadline {
     at: tokio::time::Instant,
     by_server: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turn(id: &str, question: usize, answer: usize) -> PriorTurn {
+        PriorTurn {
+            request_id: id.into(),
+            user_text: "q".repeat(question),
+            answer: "a".repeat(answer),
+        }
+    }
+
+    fn ids(h: &[PriorTurn]) -> Vec<&str> {
+        h.iter().map(|t| t.request_id.as_str()).collect()
+    }
+
+    #[test]
+    fn history_keeps_the_newest_turns_that_fit_the_byte_budget() {
+        let history = vec![turn("r1", 10, 90), turn("r2", 10, 40), turn("r3", 10, 40)];
+        assert_eq!(
+            ids(&newest_within(history.clone(), 1000)),
+            ["r1", "r2", "r3"]
+        );
+        assert_eq!(
+            ids(&newest_within(history.clone(), 200)),
+            ["r1", "r2", "r3"]
+        );
+        assert_eq!(ids(&newest_within(history.clone(), 199)), ["r2", "r3"]);
+        assert_eq!(ids(&newest_within(history.clone(), 50)), ["r3"]);
+        assert!(newest_within(history, 49).is_empty());
+    }
 }
