@@ -192,6 +192,54 @@ async fn a_cancelled_run_cancels_the_remote_task() {
     remote.stop().await;
 }
 
+/// A remote answer larger than an answer may be (2 MiB, as from a model)
+/// ends the run FAILED_PRECONDITION and cancels the remote task, rather than
+/// being held, stored and sent back as every later turn's history.
+#[tokio::test]
+async fn a_remote_answer_over_the_answer_limit_fails_and_cancels_the_remote_task() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.big]\nkind = \"remote_a2a\"\n[agents.big.a2a]\ncard_url = \"{}\"\nagent = \"stream\"\n",
+            remote.base_url()
+        ),
+    );
+    let child = serve(&agents).await;
+    // 3.2 MiB of text over about 8 s: still running when the limit is hit.
+    let (events, end) = run(&child, "big", "n=400 size=8192 rate=50").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("2 MiB"), "{status:?}");
+    let streamed: usize = events.iter().map(|e| e.text.len()).sum();
+    assert!(streamed <= 2 << 20, "{streamed} bytes forwarded");
+    assert!(!events.iter().any(|e| e.is_final));
+    assert!(
+        remote.idle(Duration::from_secs(20)).await,
+        "the remote run was not cancelled"
+    );
+    let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
+    let tasks = client
+        .raw()
+        .list_tasks(&ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: None,
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        })
+        .await
+        .unwrap()
+        .tasks;
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].status.state, TaskState::Canceled);
+    remote.stop().await;
+}
+
 #[tokio::test]
 async fn a_token_from_the_environment_reaches_a_secured_remote() {
     let remote = A2aServer::start_secured(&format!(

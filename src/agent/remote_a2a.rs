@@ -200,7 +200,14 @@ struct Relay {
     status_text: String,
     /// Per artifact id, the text forwarded as PARTIAL_TEXT so far.
     forwarded: HashMap<String, String>,
+    /// The answer outgrew [`MAX_ANSWER_BYTES`]: the call was stopped.
+    too_large: bool,
 }
+
+/// The most answer text a remote agent may send, as a model may
+/// ([`crate::agent::openai::accumulate::MAX_TEXT_BYTES`]): an answer is stored and sent
+/// back as every later turn's history.
+const MAX_ANSWER_BYTES: usize = crate::agent::openai::accumulate::MAX_TEXT_BYTES;
 
 /// Cancels the remote task if the run's stream is dropped while the call
 /// is still going (client cancel, deadline, shutdown).
@@ -465,6 +472,11 @@ impl Agent for RemoteA2aAgent {
                         r.events.extend(events);
                         ready.notify_one();
                     }
+                    let answered: usize = r.forwarded.values().map(String::len).sum();
+                    if answered.max(r.status_text.len()) > MAX_ANSWER_BYTES {
+                        r.too_large = true;
+                        return Control::StopWithArtifacts;
+                    }
                     Control::Continue
                 }
             };
@@ -485,6 +497,15 @@ impl Agent for RemoteA2aAgent {
                     }
                 }
             };
+            let too_large = relay.lock().unwrap_or_else(|e| e.into_inner()).too_large;
+            if too_large {
+                // Still armed: dropped, the guard cancels the remote task.
+                tracing::warn!(%agent, "remote_a2a: the remote answer outgrew the answer limit; cancelling its task");
+                Err(AgentError::FailedPrecondition(format!(
+                    "the remote A2A agent's answer is larger than {} MiB",
+                    MAX_ANSWER_BYTES >> 20
+                )))?;
+            }
             // The call is over: the client cancelled the task itself where
             // it had to (deadline, recovery given up).
             guard.armed = false;
