@@ -591,8 +591,22 @@ async fn finished_turns_are_pruned_after_the_retention(db: TestDb) {
     };
     let s = Server::start(store.clone(), opts).await;
     let sid = s.session(ALICE).await;
+    let tasks = store.a2a_tasks();
+    tasks
+        .create_for(
+            &UserId::parse(ALICE).unwrap(),
+            a2a_task("t1", a2a::TaskState::Completed),
+        )
+        .await
+        .unwrap();
     s.run(ALICE, &sid, "r1", ORDER_Q).await.1.unwrap();
     assert_eq!(s.get_session(ALICE, &sid).await.unwrap().turns.len(), 1);
+    if !matches!(db.backend, Backend::Memory) {
+        eventually("the ended A2A task to be pruned", || async {
+            tasks.get("t1").await.unwrap().is_none().then_some(())
+        })
+        .await;
+    }
     eventually("the turn to be pruned", || async {
         s.get_session(ALICE, &sid)
             .await
@@ -2408,6 +2422,58 @@ async fn a_database_migrated_by_a_later_release_is_served(db: TestDb) {
         .unwrap();
 }
 
+fn a2a_task(id: &str, state: a2a::TaskState) -> a2a::Task {
+    a2a::Task {
+        id: id.into(),
+        context_id: format!("ctx-{id}"),
+        status: a2a::TaskStatus {
+            state,
+            message: None,
+            timestamp: Some(chrono::Utc::now()),
+        },
+        artifacts: None,
+        history: None,
+        metadata: None,
+    }
+}
+
+/// Retention prunes A2A tasks that ended and were last updated before the
+/// cut-off, oldest first and a bounded batch at a time; a task still working
+/// stays whatever its age.
+async fn a2a_tasks_that_ended_are_pruned_after_the_retention(db: TestDb) {
+    use a2a::TaskState;
+    let store = db.open().await;
+    let tasks = store.a2a_tasks();
+    let owner = UserId::parse(ALICE).unwrap();
+    let task = a2a_task;
+    for (id, state) in [
+        ("done-1", TaskState::Completed),
+        ("done-2", TaskState::Failed),
+        ("done-3", TaskState::Canceled),
+        ("working", TaskState::Working),
+    ] {
+        tasks.create_for(&owner, task(id, state)).await.unwrap();
+    }
+    let earlier = SystemTime::now() - Duration::from_secs(3600);
+    assert_eq!(
+        tasks.prune_ended(earlier, 10).await.unwrap(),
+        0,
+        "none is that old"
+    );
+    let later = SystemTime::now() + Duration::from_secs(1);
+    assert_eq!(
+        tasks.prune_ended(later, 2).await.unwrap(),
+        2,
+        "a bounded batch"
+    );
+    assert_eq!(tasks.prune_ended(later, 2).await.unwrap(), 1);
+    assert_eq!(tasks.prune_ended(later, 2).await.unwrap(), 0);
+    for id in ["done-1", "done-2", "done-3"] {
+        assert!(tasks.get(id).await.unwrap().is_none(), "{id} pruned");
+    }
+    assert!(tasks.get("working").await.unwrap().is_some());
+}
+
 macro_rules! durable_backends {
     ($($name:ident),* $(,)?) => {
         mod durable_sqlite {
@@ -2428,6 +2494,7 @@ macro_rules! durable_backends {
 }
 
 durable_backends!(
+    a2a_tasks_that_ended_are_pruned_after_the_retention,
     a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
     a_database_migrated_by_a_later_release_is_served,
 );

@@ -6,7 +6,9 @@
 //! owner and a version for optimistic updates. Every task belongs to the
 //! session of its context ([`context_session`]): creating a task creates that
 //! session when it is missing, and deleting the session (DeleteSession)
-//! deletes its tasks (`ON DELETE CASCADE`). Tasks are not pruned otherwise.
+//! deletes its tasks (`ON DELETE CASCADE`). With `--retain-turns`, tasks
+//! that ended are pruned as turns are ([`A2aTasks::prune_ended`]); the
+//! in-memory store keeps them for the life of the process.
 //!
 //! Every task is owned by the user who created it (the authenticated
 //! caller, or [`A2A_USER`] without authentication), and a caller sees its own
@@ -124,6 +126,14 @@ pub trait A2aTasks: TaskStore {
     /// The owner of task `task_id`; `None` when there is no such task (or,
     /// for a task an older release stored, no owner can be told yet).
     async fn owner(&self, task_id: &str) -> Result<Option<UserId>, A2AError>;
+
+    /// Deletes at most `limit` of the tasks that ended (a terminal state)
+    /// and were last updated before `before`, oldest first; returns how
+    /// many. The in-memory store keeps its tasks (they go with the process).
+    async fn prune_ended(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {
+        let _ = (before, limit);
+        Ok(0)
+    }
 }
 
 /// Gives a store's A2A task store. A supertrait of
@@ -309,6 +319,19 @@ macro_rules! sql_task_store {
         impl A2aTasks for $name {
             async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()> {
                 Self::ensure_session_on(&self.write, id, user).await
+            }
+
+            async fn prune_ended(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {
+                let done = sqlx::query(
+                    "DELETE FROM a2a_tasks WHERE id IN \
+                     (SELECT id FROM a2a_tasks WHERE terminal = 1 AND updated_at < $1 ORDER BY updated_at LIMIT $2)",
+                )
+                .bind(super::to_micros(before))
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .execute(&self.write)
+                .await
+                .map_err(super::sql::db_err)?;
+                Ok(done.rows_affected())
             }
 
             async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError> {

@@ -100,6 +100,35 @@ async fn prune(turns: Arc<Turns>) {
         if let Some(e) = failed {
             tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old turns");
         }
+        let (n, failed) = prune_tasks(&*turns.store.a2a_tasks(), before, PRUNE_BATCH).await;
+        if n > 0 {
+            tracing::info!(tasks = n, "pruned A2A tasks past the retention");
+        }
+        if let Some(e) = failed {
+            tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old A2A tasks");
+        }
+    }
+}
+
+/// Deletes every ended A2A task last updated before `before`, `batch` per
+/// store call (as [`prune_all`] does turns).
+async fn prune_tasks(
+    tasks: &dyn crate::store::a2a_tasks::A2aTasks,
+    before: SystemTime,
+    batch: usize,
+) -> (u64, Option<StoreError>) {
+    let mut pruned = 0;
+    loop {
+        match tasks.prune_ended(before, batch).await {
+            Ok(n) => {
+                pruned += n;
+                if n < batch as u64 {
+                    return (pruned, None);
+                }
+            }
+            Err(e) => return (pruned, Some(e)),
+        }
+        tokio::task::yield_now().await;
     }
 }
 
