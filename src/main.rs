@@ -214,7 +214,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "agentd starting"
     );
     let result =
-        agentd::server::run_with_a2a(listener, a2a_http, turns, opts, shutdown_signal()).await;
+        agentd::server::run_with_a2a(listener, a2a_http, turns.clone(), opts, async move {
+            shutdown_signal().await;
+            // A second signal during the drain cuts the runs still in
+            // flight (UNAVAILABLE, recorded) instead of waiting out the
+            // grace: an operator who means it now.
+            tokio::spawn(async move {
+                shutdown_signal().await;
+                tracing::warn!(
+                    in_flight = turns.in_flight(),
+                    "second signal: cutting the runs still in flight"
+                );
+                turns.cut_all();
+            });
+        })
+        .await;
     // Every run has ended (or been cut): the store's connections close
     // cleanly, SQLite's WALs copied into their files.
     if tokio::time::timeout(STORE_CLOSE_TIMEOUT, store.close())

@@ -494,3 +494,67 @@ fn the_start_up_line_names_the_version_store_replica_and_shutdown_durations() {
         "listen: {line}"
     );
 }
+
+/// A second SIGTERM during the drain cuts the runs still in flight
+/// (UNAVAILABLE) instead of waiting out the grace, and the server exits.
+#[test]
+fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
+    let mut served = Served::start(&[
+        "--tool-delay",
+        "60s",
+        "--max-run-duration",
+        "90s",
+        "--shutdown-grace",
+        "100s",
+    ]);
+    let session = text(&served.cli(&["session", "create", "--user", "alice"]).stdout)
+        .trim()
+        .to_owned();
+    let mut run = Command::new(BIN)
+        .args(["run", "--user", "alice", "--session", &session])
+        .arg("Where is order 1187?")
+        .env("AGENTD_SERVER", &served.url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The run is in flight once its tool call is printed.
+    let mut out = BufReader::new(run.stdout.take().unwrap()).lines();
+    let first = out.next().expect("a first event").unwrap();
+    assert!(first.contains("tool_call"), "{first}");
+
+    let term = |pid: u32| {
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    let pid = served.child.id();
+    term(pid);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        served.child.try_wait().unwrap().is_none(),
+        "the drain waits for the run"
+    );
+    let cut = Instant::now();
+    term(pid);
+    let status = loop {
+        if let Some(s) = served.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(20),
+            "the server did not exit after the second SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    let ran = run.wait_with_output().unwrap();
+    assert!(!ran.status.success());
+    assert!(
+        text(&ran.stderr).contains("Unavailable"),
+        "{}",
+        text(&ran.stderr)
+    );
+}
