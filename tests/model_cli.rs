@@ -73,29 +73,31 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
             "default = \"smart\"\n[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:{port}/v1\"\nmodel = \"m\"\n"
         ),
     );
-    let mut child = Command::new(BIN)
-        // Not the default SQLite file: parallel tests would share it.
-        .env("AGENTD_STORE", "memory:")
-        .args([
-            "--log-format",
-            "json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--a2a-listen",
-            "127.0.0.1:0",
-            "--drain-delay",
-            "0s",
-            "--agents",
-            &path,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            // Not the default SQLite file: parallel tests would share it.
+            .env("AGENTD_STORE", "memory:")
+            .args([
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--a2a-listen",
+                "127.0.0.1:0",
+                "--drain-delay",
+                "0s",
+                "--agents",
+                &path,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
     let addr = loop {
         let line = lines
             .next()
@@ -152,12 +154,24 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("DHL"));
 
     Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     let until = Instant::now() + Duration::from_secs(20);
-    while child.try_wait().unwrap().is_none() {
+    while child.0.try_wait().unwrap().is_none() {
         assert!(Instant::now() < until, "server did not exit after SIGTERM");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The server, killed if the test fails before stopping it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }

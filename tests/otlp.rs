@@ -74,30 +74,32 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
     );
 
     let result = tokio::task::spawn_blocking(move || {
-        let mut child = Command::new(BIN)
-            // Not the default SQLite file: parallel tests would share it.
-            .env("AGENTD_STORE", "memory:")
-            .args([
-                "--log-format",
-                "json",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "off",
-                "--a2a-listen",
-                "127.0.0.1:0",
-                "--drain-delay",
-                "0s",
-            ])
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-            .env_remove("OTEL_SERVICE_NAME")
-            .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut child = KillOnDrop(
+            Command::new(BIN)
+                // Not the default SQLite file: parallel tests would share it.
+                .env("AGENTD_STORE", "memory:")
+                .args([
+                    "--log-format",
+                    "json",
+                    "serve",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--admin-listen",
+                    "off",
+                    "--a2a-listen",
+                    "127.0.0.1:0",
+                    "--drain-delay",
+                    "0s",
+                ])
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+                .env_remove("OTEL_SERVICE_NAME")
+                .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
         let addr = loop {
             let line = lines
                 .next()
@@ -141,12 +143,12 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
 
         // SIGTERM: shutdown flushes the spans not yet exported.
         Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
+            .args(["-TERM", &child.0.id().to_string()])
             .status()
             .unwrap();
         let until = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(status) = child.try_wait().unwrap() {
+            if let Some(status) = child.0.try_wait().unwrap() {
                 return status;
             }
             assert!(Instant::now() < until, "server did not exit after SIGTERM");
@@ -170,5 +172,17 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
                 .any(|(service, n)| service == "agentd" && n == name),
             "no {name} span from agentd in {spans:?}"
         );
+    }
+}
+
+/// The server, killed if the test fails before stopping it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }
