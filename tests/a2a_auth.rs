@@ -608,3 +608,33 @@ async fn another_caller_cannot_get_list_cancel_follow_or_continue_a_task_on_eith
     };
     tasks_are_their_callers_alone(db.open().await, Some(db.open().await)).await;
 }
+
+/// A client that sends part of a request's headers and then nothing is cut
+/// off after the header read timeout, not held for ever.
+#[tokio::test]
+async fn a_request_whose_headers_never_finish_is_cut_off() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let server = A2aServer::start(Duration::ZERO).await;
+    let mut slow = tokio::net::TcpStream::connect(server.http).await.unwrap();
+    slow.write_all(b"POST / HTTP/1.1\r\nHost: agentd\r\n")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = Vec::new();
+    // Closed (an end of stream, or a reset) before the bound, never answered.
+    let closed = tokio::time::timeout(
+        agentd::a2a::HEADER_READ_TIMEOUT * 3,
+        slow.read_to_end(&mut buf),
+    )
+    .await;
+    assert!(closed.is_ok(), "the server closes the connection");
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"), "{buf:?}");
+    assert!(started.elapsed() >= agentd::a2a::HEADER_READ_TIMEOUT / 2);
+    // The face still serves everyone else.
+    agentd::auth::tls::install_crypto_provider();
+    let card = reqwest::get(format!("{}/.well-known/agent-card.json", server.base_url()))
+        .await
+        .unwrap();
+    assert_eq!(card.status(), 200);
+    server.stop().await;
+}
