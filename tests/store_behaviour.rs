@@ -2294,6 +2294,46 @@ async fn a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded(db: Test
     s.stop().await;
 }
 
+/// A replay whose turn is pruned (or its session deleted) while it streams
+/// ends NOT_FOUND, saying so, not INTERNAL; and not marked recorded.
+async fn a_replay_whose_turn_is_pruned_meanwhile_ends_not_found(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(store.clone(), Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let req = pb::RunRequest {
+        agent: "stream".into(),
+        ..run_request(ALICE, &sid, "r1", "n=50000 size=100")
+    };
+    let (_, end) = s
+        .client
+        .clone()
+        .run_to_end(req, Duration::from_secs(60))
+        .await
+        .unwrap();
+    end.unwrap();
+    let mut replay = s
+        .raw()
+        .attach(pb::AttachRequest {
+            user_id: ALICE.into(),
+            session_id: sid.clone(),
+            request_id: "r1".into(),
+            after_seq: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Its reader has taken one event; the rest (5 MB) wait on it.
+    replay.message().await.unwrap().unwrap();
+    let later = SystemTime::now() + Duration::from_secs(3600);
+    assert_eq!(store.prune(later, 10).await.unwrap(), 1);
+    let (_, end) = collect(&mut replay).await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    assert!(status.message().contains("removed"), "{status:?}");
+    assert!(status.metadata().get("agentd-turn-outcome").is_none());
+    s.stop().await;
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -2350,6 +2390,7 @@ per_backend!(
     a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with,
     a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
     get_session_pages_through_every_turn_oldest_first,
+    a_replay_whose_turn_is_pruned_meanwhile_ends_not_found,
 );
 
 /// A claim that waited for the database longer than its lease is stored

@@ -167,6 +167,11 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
             "the agent ended without a final answer".into(),
         ),
         Failure::LeaseLost => return replica_stopped(),
+        Failure::Removed => (
+            TurnState::Failed,
+            Code::NotFound,
+            "the turn was removed while it was streamed (its session deleted, or pruned past the retention)".into(),
+        ),
         Failure::Store(StoreError::Unavailable(_)) => (
             TurnState::Failed,
             Code::Unavailable,
@@ -198,7 +203,10 @@ pub fn failure(f: Failure) -> Status {
     };
     // The turn's own outcome: stored, so a resend with the same request_id
     // replays it. A store failure while following is not, and may pass.
-    let recorded = !matches!(f, Failure::Store(_) | Failure::StoppedFollowing(_));
+    let recorded = !matches!(
+        f,
+        Failure::Store(_) | Failure::StoppedFollowing(_) | Failure::Removed
+    );
     let o = outcome(&Err(f));
     let mut status = Status::new(Code::from(o.code), o.message);
     if recorded {

@@ -115,9 +115,10 @@ impl Follower {
     }
 
     async fn record(&self) -> Result<TurnRecord, Failure> {
-        self.store.get_turn(&self.key).await?.ok_or_else(|| {
-            Failure::Store(anyhow::anyhow!("turn {} vanished while followed", self.key).into())
-        })
+        self.store
+            .get_turn(&self.key)
+            .await?
+            .ok_or(Failure::Removed)
     }
 
     /// Sends every stored event after the cursor.

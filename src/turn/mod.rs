@@ -180,6 +180,10 @@ pub enum Failure {
     /// that nothing runs on for a turn whose callers were told it ended.
     #[error("the turn's lease was lost")]
     LeaseLost,
+    /// The turn a follower streamed was removed meanwhile (its session
+    /// deleted, or pruned past the retention): nothing more can be told.
+    #[error("the turn was removed while it was followed")]
+    Removed,
     /// A follower (Attach, or a repeat that joined a running turn) stopped
     /// for a reason of its own (this server's shutdown, its call's deadline,
     /// its client): the turn goes on, or ends, where it runs, and nothing of
