@@ -329,7 +329,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     eprintln!("request_id {} ({})", call.request_id, call.mode);
     loop {
         match call.events.message().await {
-            Ok(Some(e)) => print_event(&e, args.json),
+            Ok(Some(e)) => {
+                if let Err(e) = print_event(&e, args.json) {
+                    return unwritable(e);
+                }
+            }
             Ok(None) => return Ok(()),
             Err(s) => return Err(status_error(s)),
         }
@@ -403,14 +407,30 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
     let mut events = c.attach(req).await.map_err(status_error)?.into_inner();
     loop {
         match events.message().await {
-            Ok(Some(e)) => print_event(&e, args.json),
+            Ok(Some(e)) => {
+                if let Err(e) = print_event(&e, args.json) {
+                    return unwritable(e);
+                }
+            }
             Ok(None) => return Ok(()),
             Err(s) => return Err(status_error(s)),
         }
     }
 }
 
-fn print_event(e: &pb::AgentEvent, json: bool) {
+/// Output that cannot be written: a closed pipe (`| head`) ends the command
+/// quietly, the call dropped as at Ctrl-C; another error is reported.
+fn unwritable(e: std::io::Error) -> anyhow::Result<()> {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("cannot write the events to stdout: {e}"))
+    }
+}
+
+fn print_event(e: &pb::AgentEvent, json: bool) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
     let kind = match e.kind() {
         pb::EventKind::ToolCall => "tool_call",
         pb::EventKind::ToolResult => "tool_result",
@@ -425,11 +445,11 @@ fn print_event(e: &pb::AgentEvent, json: bool) {
             "seq": e.seq, "kind": kind, "author": e.author, "text": e.text, "is_final": e.is_final,
             "tool_name": e.tool_name, "tool_call_id": e.tool_call_id, "payload": payload,
         });
-        println!("{v}");
+        writeln!(out, "{v}")
     } else if e.tool_name.is_empty() {
-        println!("[{}] {kind}: {}", e.seq, e.text);
+        writeln!(out, "[{}] {kind}: {}", e.seq, e.text)
     } else {
-        println!("[{}] {kind} {} {}", e.seq, e.tool_name, e.payload_json);
+        writeln!(out, "[{}] {kind} {} {}", e.seq, e.tool_name, e.payload_json)
     }
 }
 

@@ -558,3 +558,39 @@ fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
         text(&ran.stderr)
     );
 }
+
+/// `agentd run` into a reader that stops (`| head -1`) ends quietly when
+/// the pipe closes: no panic, no backtrace, and the run is dropped.
+#[test]
+fn run_into_a_closed_pipe_ends_quietly() {
+    let served = Served::start(&["--stream-agent"]);
+    let session = text(&served.cli(&["session", "create", "--user", "alice"]).stdout)
+        .trim()
+        .to_owned();
+    let mut run = Command::new(BIN)
+        .args([
+            "run",
+            "--json",
+            "--user",
+            "alice",
+            "--session",
+            &session,
+            "--agent",
+            "stream",
+        ])
+        .arg("n=100000 size=64 rate=2000")
+        .env("AGENTD_SERVER", &served.url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(run.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    assert!(first.contains("partial_text"), "{first}");
+    drop(out);
+    let ran = run.wait_with_output().unwrap();
+    let stderr = text(&ran.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(ran.status.success(), "{:?}: {stderr}", ran.status);
+}
