@@ -29,6 +29,26 @@ fn write_agents(dir: &tempfile::TempDir, text: &str) -> String {
     p.display().to_string()
 }
 
+/// Every task the remote holds, as its ListTasks gives them.
+async fn remote_tasks(remote: &A2aServer) -> Vec<a2a::Task> {
+    let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
+    client
+        .raw()
+        .list_tasks(&ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: None,
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        })
+        .await
+        .unwrap()
+        .tasks
+}
+
 async fn serve(agents: &str) -> Child {
     Child::serve(&[
         "--agents",
@@ -171,22 +191,7 @@ async fn a_cancelled_run_cancels_the_remote_task() {
         remote.idle(Duration::from_secs(20)).await,
         "the remote run was not cancelled"
     );
-    let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
-    let tasks = client
-        .raw()
-        .list_tasks(&ListTasksRequest {
-            context_id: None,
-            status: None,
-            page_size: None,
-            page_token: None,
-            history_length: None,
-            status_timestamp_after: None,
-            include_artifacts: None,
-            tenant: None,
-        })
-        .await
-        .unwrap()
-        .tasks;
+    let tasks = remote_tasks(&remote).await;
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].status.state, TaskState::Canceled);
     remote.stop().await;
@@ -219,22 +224,7 @@ async fn a_remote_answer_over_the_answer_limit_fails_and_cancels_the_remote_task
         remote.idle(Duration::from_secs(20)).await,
         "the remote run was not cancelled"
     );
-    let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
-    let tasks = client
-        .raw()
-        .list_tasks(&ListTasksRequest {
-            context_id: None,
-            status: None,
-            page_size: None,
-            page_token: None,
-            history_length: None,
-            status_timestamp_after: None,
-            include_artifacts: None,
-            tenant: None,
-        })
-        .await
-        .unwrap()
-        .tasks;
+    let tasks = remote_tasks(&remote).await;
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].status.state, TaskState::Canceled);
     remote.stop().await;

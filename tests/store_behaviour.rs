@@ -2334,6 +2334,27 @@ async fn a_replay_whose_turn_is_pruned_meanwhile_ends_not_found(db: TestDb) {
     s.stop().await;
 }
 
+/// Each behaviour as a test on SQLite (module `$sqlite`) and on PostgreSQL
+/// (module `$postgres`).
+macro_rules! on_sqlite_and_postgres {
+    ($sqlite:ident, $postgres:ident; $($name:ident),* $(,)?) => {
+        mod $sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                super::$name(super::TestDb::fresh(super::Backend::Sqlite).await.unwrap()).await
+            })*
+        }
+        mod $postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
+                    super::$name(db).await
+                }
+            })*
+        }
+    };
+}
+
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -2342,20 +2363,7 @@ macro_rules! per_backend {
                 super::$name(super::TestDb::fresh(super::Backend::Memory).await.unwrap()).await
             })*
         }
-        mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                super::$name(super::TestDb::fresh(super::Backend::Sqlite).await.unwrap()).await
-            })*
-        }
-        mod postgres {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
-                    super::$name(db).await
-                }
-            })*
-        }
+        on_sqlite_and_postgres!(sqlite, postgres; $($name),*);
     };
 }
 
@@ -2515,26 +2523,9 @@ async fn a2a_tasks_that_ended_are_pruned_after_the_retention(db: TestDb) {
     assert!(tasks.get("working").await.unwrap().is_some());
 }
 
-macro_rules! durable_backends {
-    ($($name:ident),* $(,)?) => {
-        mod durable_sqlite {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                super::$name(super::TestDb::fresh(super::Backend::Sqlite).await.unwrap()).await
-            })*
-        }
-        mod durable_postgres {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
-                    super::$name(db).await
-                }
-            })*
-        }
-    };
-}
-
-durable_backends!(
+on_sqlite_and_postgres!(
+    durable_sqlite,
+    durable_postgres;
     a2a_tasks_that_ended_are_pruned_after_the_retention,
     a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
     a_database_migrated_by_a_later_release_is_served,
