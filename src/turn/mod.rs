@@ -255,6 +255,9 @@ struct Progress {
     /// The outcome was not recorded: the turn had been failed under its
     /// writer (its lease ran out), and that outcome stands.
     superseded: bool,
+    /// The outcome's write failed: the turn is still `running` in the
+    /// store (until its lease ends it).
+    outcome_failed: bool,
 }
 
 /// The turn engine one server owns.

@@ -202,7 +202,10 @@ impl Pump {
                 // The shutdown's cut (or the lease lost) does not wait.
                 _ = cut.cancelled() => {}
             }
-            let stored = self.stored.borrow().done;
+            let stored = {
+                let p = self.stored.borrow();
+                p.done && !p.outcome_failed
+            };
             if !stored {
                 tracing::warn!(turn = %self.key, "the turn's outcome was not stored in time; ending the stream UNAVAILABLE");
             }
@@ -552,18 +555,15 @@ impl Writer {
             } else {
                 outcome
             };
-        let superseded = match store
+        let written = store
             .finish_turn(&self.key, &outcome, answer.as_deref())
-            .await
-        {
-            Ok(recorded) => !recorded,
-            Err(e) => {
-                tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
-                false
-            }
-        };
+            .await;
+        if let Err(e) = &written {
+            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
+        }
         self.progress.send_modify(|p| {
-            p.superseded = superseded;
+            p.superseded = matches!(written, Ok(false));
+            p.outcome_failed = written.is_err();
             p.done = true;
         });
         self.forget();
