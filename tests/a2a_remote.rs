@@ -49,6 +49,19 @@ async fn remote_tasks(remote: &A2aServer) -> Vec<a2a::Task> {
         .tasks
 }
 
+/// agentd serving `name`: a remote_a2a agent for `remote`'s stream agent.
+async fn serve_remote_stream(remote: &A2aServer, name: &str) -> (Child, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.{name}]\nkind = \"remote_a2a\"\n[agents.{name}.a2a]\ncard_url = \"{}\"\nagent = \"stream\"\n",
+            remote.base_url()
+        ),
+    );
+    (serve(&agents).await, dir)
+}
+
 async fn serve(agents: &str) -> Child {
     Child::serve(&[
         "--agents",
@@ -157,15 +170,7 @@ idle_timeout = "10s"
 #[tokio::test]
 async fn a_cancelled_run_cancels_the_remote_task() {
     let remote = A2aServer::start(Duration::ZERO).await;
-    let dir = tempfile::tempdir().unwrap();
-    let agents = write_agents(
-        &dir,
-        &format!(
-            "[agents.slow]\nkind = \"remote_a2a\"\n[agents.slow.a2a]\ncard_url = \"{}\"\nagent = \"stream\"\n",
-            remote.base_url()
-        ),
-    );
-    let child = serve(&agents).await;
+    let (child, _dir) = serve_remote_stream(&remote, "slow").await;
     let mut c = child.client.clone();
     let session = c.create_session("alice").await.unwrap().session_id;
     let req = pb::RunRequest {
@@ -203,15 +208,7 @@ async fn a_cancelled_run_cancels_the_remote_task() {
 #[tokio::test]
 async fn a_remote_answer_over_the_answer_limit_fails_and_cancels_the_remote_task() {
     let remote = A2aServer::start(Duration::ZERO).await;
-    let dir = tempfile::tempdir().unwrap();
-    let agents = write_agents(
-        &dir,
-        &format!(
-            "[agents.big]\nkind = \"remote_a2a\"\n[agents.big.a2a]\ncard_url = \"{}\"\nagent = \"stream\"\n",
-            remote.base_url()
-        ),
-    );
-    let child = serve(&agents).await;
+    let (child, _dir) = serve_remote_stream(&remote, "big").await;
     // 3.2 MiB of text over about 8 s: still running when the limit is hit.
     let (events, end) = run(&child, "big", "n=400 size=8192 rate=50").await;
     let status = end.unwrap_err();

@@ -117,19 +117,7 @@ async fn prune_tasks(
     before: SystemTime,
     batch: usize,
 ) -> (u64, Option<StoreError>) {
-    let mut pruned = 0;
-    loop {
-        match tasks.prune_ended(before, batch).await {
-            Ok(n) => {
-                pruned += n;
-                if n < batch as u64 {
-                    return (pruned, None);
-                }
-            }
-            Err(e) => return (pruned, Some(e)),
-        }
-        tokio::task::yield_now().await;
-    }
+    in_batches(batch, || tasks.prune_ended(before, batch)).await
 }
 
 /// Deletes every ended turn last updated before `before`, `batch` turns
@@ -142,9 +130,20 @@ async fn prune_all(
     before: SystemTime,
     batch: usize,
 ) -> (u64, Option<StoreError>) {
+    in_batches(batch, || store.prune(before, batch)).await
+}
+
+/// Calls `prune` (which deletes at most `batch` rows) until a call deletes
+/// fewer, yielding between calls; how many went, and the error that stopped
+/// it early, if one did.
+async fn in_batches<F, Fut>(batch: usize, mut prune: F) -> (u64, Option<StoreError>)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<u64, StoreError>>,
+{
     let mut pruned = 0;
     loop {
-        match store.prune(before, batch).await {
+        match prune().await {
             Ok(n) => {
                 pruned += n;
                 if n < batch as u64 {
