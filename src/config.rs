@@ -106,6 +106,14 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_MAX_CONCURRENT_RUNS", default_value_t = 1024)]
     pub max_concurrent_runs: usize,
 
+    /// Agent runs one user (RunRequest.user_id, an A2A caller's user) may
+    /// have in flight at once on this replica; past it that user's new
+    /// Runs answer RESOURCE_EXHAUSTED while others are still served. Set
+    /// it when several callers share the replicas, so one cannot take every
+    /// run slot (0: no bound beyond --max-concurrent-runs).
+    #[arg(long, env = "AGENTD_MAX_RUNS_PER_USER", default_value_t = 0)]
+    pub max_runs_per_user: usize,
+
     /// Streams following a turn at once (Attach, a repeated request id, an
     /// A2A subscription): each reads the store while its turn runs on another
     /// replica. Past it they answer RESOURCE_EXHAUSTED.
@@ -115,6 +123,13 @@ pub struct ServeArgs {
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
     #[arg(long, env = "AGENTD_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     pub max_concurrent_streams: u32,
+
+    /// Connections each port (gRPC, A2A HTTP) holds at once. Past it a new
+    /// connection is closed as soon as it is accepted (and logged), so a
+    /// flood of idle connections cannot take every file descriptor; with
+    /// --max-concurrent-streams it also bounds the calls in flight.
+    #[arg(long, env = "AGENTD_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
 
     /// Largest request message accepted, in bytes; a larger one is refused
     /// with INVALID_ARGUMENT before it is decoded (on the A2A HTTP face: a
@@ -302,8 +317,9 @@ impl ServeArgs {
                 humantime::format_duration(self.shutdown_grace)
             ));
         }
-        let positive: [(&str, usize); 5] = [
+        let positive: [(&str, usize); 6] = [
             ("--channel-capacity", self.channel_capacity),
+            ("--max-connections", self.max_connections),
             ("--max-concurrent-runs", self.max_concurrent_runs),
             ("--max-followers", self.max_followers),
             ("--max-message-bytes", self.max_message_bytes),
@@ -347,6 +363,7 @@ impl ServeArgs {
             stall_timeout: self.stall_timeout,
             max_run_duration: self.max_run_duration,
             max_concurrent_runs: self.max_concurrent_runs,
+            max_runs_per_user: (self.max_runs_per_user > 0).then_some(self.max_runs_per_user),
             max_followers: self.max_followers,
             replica_id: self.replica_id.clone().unwrap_or_else(default_replica_id),
             history_turns: self.history_turns,
@@ -388,6 +405,7 @@ impl ServeArgs {
             keepalive_timeout: self.keepalive_timeout,
             max_connection_age: nonzero(self.max_connection_age),
             max_concurrent_streams: self.max_concurrent_streams,
+            max_connections: self.max_connections,
             max_message_bytes: self.max_message_bytes,
             max_input_bytes: self.max_input_bytes,
             drain_delay: self.drain_delay,
@@ -600,7 +618,9 @@ pub struct A2aArgs {
     /// Give up after this long and cancel the remote task.
     #[arg(long, value_parser = duration, default_value = "120s")]
     pub deadline: Duration,
-    /// Recoveries before giving up (and cancelling the remote task).
+    /// Recoveries in a row that bring no update before giving up (and
+    /// cancelling the remote task); one that brings updates starts the
+    /// count again.
     #[arg(long, default_value_t = 5)]
     pub max_recoveries: u32,
     /// Print the outcome as one JSON object instead of text.

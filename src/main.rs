@@ -577,9 +577,9 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         Err(e) => {
             if json {
                 let task_id = match &e {
-                    CallError::Task { task_id, .. } | CallError::Unrecoverable { task_id, .. } => {
-                        Some(task_id.clone())
-                    }
+                    CallError::Task { task_id, .. }
+                    | CallError::Unrecoverable { task_id, .. }
+                    | CallError::TaskLost { task_id, .. } => Some(task_id.clone()),
                     CallError::Deadline { task_id, .. } => task_id.clone(),
                     _ => None,
                 };

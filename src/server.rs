@@ -30,6 +30,8 @@ pub struct ServerOptions {
     pub max_connection_age: Option<Duration>,
     /// HTTP/2 streams per connection (tonic's default is unlimited).
     pub max_concurrent_streams: u32,
+    /// Connections each port holds at once; past it new ones are closed.
+    pub max_connections: usize,
     /// Largest request message tonic decodes.
     pub max_message_bytes: usize,
     /// Longest RunRequest.text.
@@ -62,6 +64,7 @@ impl Default for ServerOptions {
             keepalive_timeout: Duration::from_secs(10),
             max_connection_age: Some(Duration::from_secs(30 * 60)),
             max_concurrent_streams: 1024,
+            max_connections: 4096,
             max_message_bytes: 4 * 1024 * 1024,
             max_input_bytes: 64 * 1024,
             drain_delay: Duration::from_secs(5),
@@ -207,6 +210,7 @@ where
         .add_service(agents)
         .add_service(a2a.grpc_service(opts.max_message_bytes));
 
+    let incoming = capped(incoming, opts.max_connections);
     let (stop_accepting, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut serving = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
         let _ = stop_rx.await;
@@ -217,6 +221,7 @@ where
         tokio::spawn(crate::a2a::serve_http(
             h.listener,
             a2a.http_router(card, opts.max_message_bytes),
+            opts.max_connections,
             async {
                 let _ = stop_a2a_rx.await;
             },
@@ -343,4 +348,89 @@ fn oversize_is_invalid_argument<B>(mut resp: http::Response<B>) -> http::Respons
         );
     }
     resp
+}
+
+/// `incoming` holding at most `limit` connections at once: past it a new
+/// connection is closed as soon as it is accepted (tonic's incoming has no
+/// bound of its own, so idle connections, or health `Watch` streams that
+/// last for ever, could take every file descriptor). A connection holds its
+/// slot until tonic drops it.
+fn capped<I, IO, IE>(
+    incoming: I,
+    limit: usize,
+) -> impl Stream<Item = Result<Capped<IO>, IE>> + Send + 'static
+where
+    I: Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: Send + 'static,
+    IE: Send + 'static,
+{
+    use tokio_stream::StreamExt as _;
+    let slots = crate::telemetry::metrics::ConnectionSlots::new("grpc", limit);
+    incoming.filter_map(move |accepted| match accepted {
+        Ok(io) => slots.admit().map(|slot| Ok(Capped { io, _slot: slot })),
+        Err(e) => Some(Err(e)),
+    })
+}
+
+pin_project_lite::pin_project! {
+    /// A connection and its slot under [`capped`]'s limit.
+    struct Capped<IO> {
+        #[pin]
+        io: IO,
+        _slot: tokio::sync::OwnedSemaphorePermit,
+    }
+}
+
+impl<IO: Connected> Connected for Capped<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<IO: AsyncRead> AsyncRead for Capped<IO> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().io.poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite> AsyncWrite for Capped<IO> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.project().io.poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().io.poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().io.poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.project().io.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
 }

@@ -29,6 +29,18 @@ fn texts(artifacts: &[a2a::Artifact]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The artifacts of a completed call, and whether they are incomplete.
+fn completed(out: Outcome) -> (Vec<a2a::Artifact>, bool) {
+    match out {
+        Outcome::Completed {
+            artifacts,
+            incomplete,
+            ..
+        } => (artifacts, incomplete),
+        other => panic!("not completed: {other:?}"),
+    }
+}
+
 /// Waits (bounded) until the remote task reaches `state`.
 async fn remote_state(client: &A2aClient, task_id: &str, state: TaskState) -> TaskState {
     let until = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -57,14 +69,7 @@ async fn every_chunk_of_every_artifact_arrives_in_the_result() {
         .send_text("chunks=5 second=1 delay=0", None, &opts(), Some(&mut count))
         .await
         .unwrap();
-    let Outcome::Completed {
-        artifacts,
-        incomplete,
-        ..
-    } = out
-    else {
-        panic!("{out:?}")
-    };
+    let (artifacts, incomplete) = completed(out);
     assert_eq!(
         texts(&artifacts),
         [
@@ -95,14 +100,7 @@ async fn a_stream_dropped_mid_artifact_is_recovered_complete_from_the_snapshot()
         )
         .await
         .unwrap();
-    let Outcome::Completed {
-        artifacts,
-        incomplete,
-        ..
-    } = out
-    else {
-        panic!("{out:?}")
-    };
+    let (artifacts, incomplete) = completed(out);
     assert!(recoveries >= 1, "the drop was not noticed");
     assert_eq!(
         texts(&artifacts),
@@ -123,14 +121,7 @@ async fn chunks_lost_in_a_drop_that_no_snapshot_restores_are_flagged_incomplete(
         .send_text("chunks=8 drop=2 delay=0.05", None, &opts(), None)
         .await
         .unwrap();
-    let Outcome::Completed {
-        artifacts,
-        incomplete,
-        ..
-    } = out
-    else {
-        panic!("{out:?}")
-    };
+    let (artifacts, incomplete) = completed(out);
     assert!(incomplete, "a truncated result must say so: {artifacts:?}");
     // c2 went out while the connection was cut and no snapshot has it.
     let text = parts_text(&artifacts[0].parts);
@@ -138,6 +129,42 @@ async fn chunks_lost_in_a_drop_that_no_snapshot_restores_are_flagged_incomplete(
         text.starts_with("c0 c1 ") && !text.contains("c2 "),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn a_stream_cut_again_after_each_recovery_that_made_progress_still_completes() {
+    let Some(py) = python() else { return };
+    // Every stream (the first and each resubscription) is cut after two
+    // chunks: more cuts than max_recoveries, each after progress.
+    let agent = PyAgent::start_flags(&py, &["--drop-every", "2"]).await;
+    let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
+    let o = CallOptions {
+        max_recoveries: 2,
+        ..opts()
+    };
+    let out = client
+        .send_text("chunks=12 delay=0.05", None, &o, None)
+        .await
+        .unwrap();
+    let (artifacts, incomplete) = completed(out);
+    assert!(!incomplete);
+    let all: String = (0..12).map(|i| format!("c{i} ")).collect();
+    assert_eq!(texts(&artifacts), [("a1".into(), all)]);
+}
+
+#[tokio::test]
+async fn a_task_the_remote_no_longer_knows_after_a_drop_ends_the_call_at_once() {
+    let Some(py) = python() else { return };
+    let agent = PyAgent::start_flags(&py, &["--forget-tasks"]).await;
+    let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
+    let err = client
+        .send_text("chunks=8 drop=2 delay=0.05", None, &opts(), None)
+        .await
+        .unwrap_err();
+    let CallError::TaskLost { artifacts, .. } = &err else {
+        panic!("TaskNotFound is not retried: {err:?}")
+    };
+    assert_eq!(texts(artifacts), [("a1".into(), "c0 c1 ".into())]);
 }
 
 #[tokio::test]

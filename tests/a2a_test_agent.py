@@ -1,12 +1,17 @@
 """A small A2A 1.0 agent written with the official Python SDK: the remote
 peer that tests agentd's A2A streaming client.
 
-Usage: a2a_test_agent.py [--bare-snapshots] [--tls CERT KEY]
+Usage: a2a_test_agent.py [--bare-snapshots] [--drop-every K] [--forget-tasks]
+                         [--tls CERT KEY]
 (JSON-RPC on 127.0.0.1, a free port; over https with --tls, PEM files)
 
 --bare-snapshots strips the artifacts from every task snapshot it sends
 (GetTask, and the task a resubscription starts with), as a server that does
 not aggregate artifacts would: chunks lost in a drop cannot come back.
+--drop-every K cuts every streaming response (the first, and each
+resubscription) after K artifact events, as a flaky proxy would.
+--forget-tasks answers GetTask and SubscribeToTask with TaskNotFound, as a
+server restarted without its tasks would.
 
 Prints "LISTENING <port>" once serving. What a task does is chosen by
 key=value words in the message text:
@@ -107,8 +112,8 @@ def strip_artifacts(doc):
     return doc
 
 
-class BareSnapshots:
-    """Strips artifacts from GetTask results and resubscription snapshots."""
+class Middleware:
+    """Wraps an ASGI app; `post` sees its POST requests, the rest pass."""
 
     def __init__(self, app):
         self.app = app
@@ -116,13 +121,15 @@ class BareSnapshots:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        received, body = await read_body(receive)
-        method = None
-        try:
-            method = json.loads(body).get("method")
-        except ValueError:
-            pass
-        replay = replayer(received, receive)
+        return await self.post(scope, receive, send)
+
+
+class BareSnapshots(Middleware):
+    """Strips artifacts from GetTask results and resubscription snapshots."""
+
+    async def post(self, scope, receive, send):
+        req, replay = await read_request(receive)
+        method = req.get("method")
         if method == "GetTask":
             start = {}
 
@@ -160,46 +167,80 @@ async def read_body(receive):
             return received, body
 
 
+async def read_request(receive):
+    """The JSON-RPC request of a POST (`{}` if it is not one), and the
+    `receive` that gives the app the body again."""
+    received, body = await read_body(receive)
+    try:
+        req = json.loads(body)
+    except ValueError:
+        req = {}
+    return (req if isinstance(req, dict) else {}), replayer(received, receive)
+
+
 def replayer(received, receive):
     async def replay():
         return received.pop(0) if received else await receive()
     return replay
 
 
-class DropStream:
+def cut_after(send, k):
+    """`send`, cutting the response after K artifact events, as a network
+    failure would (the response ends without its terminating chunk)."""
+    seen = 0
+
+    async def cutting_send(m):
+        nonlocal seen
+        if m["type"] == "http.response.body" and b"artifactUpdate" in m.get("body", b""):
+            seen += 1
+            if seen > k:
+                raise ConnectionAbortedError("test: connection dropped mid-stream")
+        await send(m)
+
+    return cutting_send
+
+
+class DropStream(Middleware):
     """Cuts the first SendStreamingMessage response whose message says drop=K
     after K artifact events, as a network failure would (the response ends
     without its terminating chunk)."""
 
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        received, body = await read_body(receive)
-        replay = replayer(received, receive)
+    async def post(self, scope, receive, send):
+        req, replay = await read_request(receive)
         drop_after = None
-        try:
-            req = json.loads(body)
-            if req.get("method") == "SendStreamingMessage":
-                m = re.search(r"\bdrop=(\d+)", json.dumps(req.get("params", {})))
-                drop_after = int(m.group(1)) if m else None
-        except ValueError:
-            pass
+        if req.get("method") == "SendStreamingMessage":
+            m = re.search(r"\bdrop=(\d+)", json.dumps(req.get("params", {})))
+            drop_after = int(m.group(1)) if m else None
         if drop_after is None:
             return await self.app(scope, replay, send)
-        seen = 0
+        await self.app(scope, replay, cut_after(send, drop_after))
 
-        async def cutting_send(m):
-            nonlocal seen
-            if m["type"] == "http.response.body" and b"artifactUpdate" in m.get("body", b""):
-                seen += 1
-                if seen > drop_after:
-                    raise ConnectionAbortedError("test: connection dropped mid-stream")
-            await send(m)
 
-        await self.app(scope, replay, cutting_send)
+class DropEvery(Middleware):
+    """Cuts every streaming response after K artifact events."""
+
+    def __init__(self, app, k):
+        super().__init__(app)
+        self.k = k
+
+    async def post(self, scope, receive, send):
+        await self.app(scope, receive, cut_after(send, self.k))
+
+
+class ForgetTasks(Middleware):
+    """Answers GetTask and SubscribeToTask with TaskNotFound."""
+
+    async def post(self, scope, receive, send):
+        req, replay = await read_request(receive)
+        if req.get("method") in ("GetTask", "SubscribeToTask"):
+            out = json.dumps({"jsonrpc": "2.0", "id": req.get("id"),
+                              "error": {"code": -32001, "message": "Task not found"}}).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(out)).encode())]})
+            await send({"type": "http.response.body", "body": out})
+            return
+        await self.app(scope, replay, send)
 
 
 async def main():
@@ -224,9 +265,12 @@ async def main():
     )
     handler = DefaultRequestHandler(agent_executor=ChunkingAgent(), task_store=InMemoryTaskStore(), agent_card=card)
     app = Starlette(routes=create_agent_card_routes(card) + create_jsonrpc_routes(handler, rpc_url="/"))
-    wrapped = DropStream(app)
-    if "--bare-snapshots" in args:
-        wrapped = DropStream(BareSnapshots(app))
+    inner = BareSnapshots(app) if "--bare-snapshots" in args else app
+    if "--drop-every" in args:
+        inner = DropEvery(inner, int(args[args.index("--drop-every") + 1]))
+    if "--forget-tasks" in args:
+        inner = ForgetTasks(inner)
+    wrapped = DropStream(inner)
     ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
     server = uvicorn.Server(uvicorn.Config(wrapped, log_level="warning", lifespan="off", **ssl))
     print(f"LISTENING {port}", flush=True)

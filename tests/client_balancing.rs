@@ -535,19 +535,24 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
     assert_eq!(alive.runs.load(Ordering::SeqCst), 30);
 }
 
-#[tokio::test]
-async fn a_run_that_fails_after_an_event_is_not_retried() {
-    let store = Arc::new(MemoryStore::new());
-    let mut cutting = Replica::start(
+/// A replica whose shutdown cuts what runs there after 300 ms.
+async fn cutting_replica(store: Arc<MemoryStore>) -> Replica {
+    Replica::start(
         "cutting",
-        store.clone(),
+        store,
         ServerOptions {
             drain_delay: Duration::ZERO,
             shutdown_grace: Duration::from_millis(300),
             ..quick_shutdown()
         },
     )
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_run_that_fails_after_an_event_is_not_retried() {
+    let store = Arc::new(MemoryStore::new());
+    let mut cutting = cutting_replica(store.clone()).await;
     let other = Replica::start("other", store.clone(), quick_shutdown()).await;
     let resolver = StaticResolver::new([cutting.addr]);
     let mut client = connect(&resolver, client_config()).await;
@@ -563,19 +568,73 @@ async fn a_run_that_fails_after_an_event_is_not_retried() {
     assert_eq!(first.seq, 0);
     client.refresh().await;
     cutting.begin_shutdown();
-    let status = loop {
+    let status = cut_status(&mut call).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(call.attempts(), 1, "events had arrived: not retried");
+    cutting.stop().await;
+}
+
+/// A Run following a turn that runs on another replica, cut after its
+/// first event by its own replica's shutdown, ends UNAVAILABLE without a
+/// recorded outcome (retryable on its own), and is still not retried: its
+/// events were delivered, and a retry would deliver them again.
+#[tokio::test]
+async fn a_follower_cut_after_an_event_is_not_retried() {
+    let store = Arc::new(MemoryStore::new());
+    let mut cutting = cutting_replica(store.clone()).await;
+    let mut runner = Replica::start("runner", store.clone(), quick_shutdown()).await;
+    let mut direct = agentd::client::AgentClient::connect(&format!("http://{}", runner.addr))
+        .await
+        .unwrap();
+    let session = direct.create_session("u1").await.unwrap().session_id;
+    let mut req = run_request(&session, "long-one");
+    req.agent = "stream".into();
+    req.text = "n=1000 rate=20".into();
+    let mut on_runner = direct
+        .run(req.clone(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    on_runner
+        .events
+        .message()
+        .await
+        .unwrap()
+        .expect("the turn runs");
+
+    // The same request id through a client that knows only `cutting` yet:
+    // it follows the turn there.
+    let resolver = StaticResolver::new([cutting.addr]);
+    let mut client = connect(&resolver, client_config()).await;
+    let mut call = client.run(req, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(call.mode, "attach");
+    call.events.message().await.unwrap().expect("a first event");
+    resolver.set([cutting.addr, runner.addr]);
+    client.refresh().await;
+    cutting.begin_shutdown();
+    let status = cut_status(&mut call).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        agentd::client::retry::run_is_retryable(&status),
+        "cut with no recorded outcome: {status:?}"
+    );
+    assert_eq!(call.attempts(), 1, "events had arrived: not retried");
+    drop(on_runner);
+    cutting.stop().await;
+    runner.stop().await;
+}
+
+/// The status a Run expected to be cut ends with (bounded wait).
+async fn cut_status(call: &mut agentd::client::RunCall) -> tonic::Status {
+    loop {
         match tokio::time::timeout(Duration::from_secs(20), call.events.message())
             .await
             .expect("the run ends")
         {
             Ok(Some(_)) => continue,
             Ok(None) => panic!("the run was expected to be cut"),
-            Err(s) => break s,
+            Err(s) => return s,
         }
-    };
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(call.attempts(), 1, "events had arrived: not retried");
-    cutting.stop().await;
+    }
 }
 
 fn attempts_of(s: &tonic::Status) -> Option<u32> {

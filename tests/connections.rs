@@ -44,3 +44,112 @@ async fn an_aged_connection_gets_goaway_and_its_call_in_flight_still_completes()
     );
     server.stop().await;
 }
+
+/// A health check over a new connection to `addr`.
+async fn check_on_new_connection(addr: std::net::SocketAddr) -> Result<(), String> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    HealthClient::new(channel)
+        .check(HealthCheckRequest::default())
+        .await
+        .map(drop)
+        .map_err(|s| format!("check: {s}"))
+}
+
+#[tokio::test]
+async fn past_the_connection_limit_a_new_grpc_connection_is_closed_until_one_ends() {
+    let mut opts = Options::default();
+    opts.server.max_connections = 2;
+    // The server's own client holds one connection.
+    let server = TestServer::tcp(opts).await;
+    let addr = server.addr.unwrap();
+
+    let second = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic_health::pb::health_client::HealthClient::new(second.clone())
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("the second connection is within the limit");
+
+    let refused = check_on_new_connection(addr).await;
+    assert!(
+        refused.is_err(),
+        "a third connection is served: {refused:?}"
+    );
+    assert!(
+        agentd::telemetry::metrics::render()
+            .contains("agentd_connections_refused_total{port=\"grpc\"}"),
+        "the refusal is counted"
+    );
+
+    // A connection that ends frees its slot.
+    drop(second);
+    let mut served = Err(String::new());
+    for _ in 0..100 {
+        served = check_on_new_connection(addr).await;
+        if served.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    served.expect("a new connection is served once one ended");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn past_the_connection_limit_a_new_a2a_http_connection_is_closed_until_one_ends() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 1, async {
+        let _ = stopped.await;
+    }));
+    let http = agentd::agent::openai::http_client().unwrap();
+    let get = || {
+        http.get(format!("http://{addr}/"))
+            .timeout(Duration::from_secs(5))
+            .send()
+    };
+
+    // An idle connection takes the one slot (its headers may take 10 s).
+    let idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = get().await;
+    assert!(
+        refused.is_err(),
+        "a second connection is served: {refused:?}"
+    );
+    assert!(
+        agentd::telemetry::metrics::render()
+            .contains("agentd_connections_refused_total{port=\"a2a_http\"}"),
+        "the refusal is counted"
+    );
+
+    drop(idle);
+    let mut served = None;
+    for _ in 0..100 {
+        if let Ok(r) = get().await {
+            served = Some(r.text().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        served.as_deref(),
+        Some("ok"),
+        "served once the idle one closed"
+    );
+    let _ = stop.send(());
+    serving.await.unwrap().unwrap();
+}

@@ -15,7 +15,7 @@ use agentd::pb::EventKind;
 use axum::Json;
 use axum::extract::State;
 use axum::routing::post;
-use openai_support::{Agentd, Peer, free_port, kinds, venv_bin};
+use openai_support::{Agentd, Peer, kinds, venv_bin};
 use serde_json::{Value, json};
 use tonic::Code;
 
@@ -68,10 +68,8 @@ async fn fakellm(dir: &std::path::Path) -> Option<Peer> {
     let bin = venv_bin("fakellm")?;
     let rules = dir.join("fakellm.yaml");
     std::fs::write(&rules, RULES).unwrap();
-    let port = free_port();
-    let mut peer = Peer::spawn(
-        &bin,
-        &[
+    let args = |port: u16| {
+        [
             "serve",
             "--host",
             "127.0.0.1",
@@ -79,13 +77,22 @@ async fn fakellm(dir: &std::path::Path) -> Option<Peer> {
             &port.to_string(),
             "--config",
             rules.to_str().unwrap(),
-        ],
-        port,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    match Peer::start_on_free_port(
+        &bin,
+        args,
         dir.join("fakellm.log"),
-    );
-    peer.wait_ready("/_fakellm/stats", Duration::from_secs(30))
-        .await;
-    Some(peer)
+        "/_fakellm/stats",
+        Duration::from_secs(30),
+    )
+    .await
+    {
+        Ok(peer) => Some(peer),
+        Err((status, log)) => panic!("fakellm exited with {status}; log:\n{log}"),
+    }
 }
 
 #[tokio::test]

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentd::pb::EventKind;
-use openai_support::{Agentd, Peer, free_port, partial_text, venv_bin};
+use openai_support::{Agentd, Peer, partial_text, venv_bin};
 use serde_json::Value;
 
 fn model_file(venv_bin: &Path) -> PathBuf {
@@ -43,42 +43,53 @@ async fn a_real_model_streams_text_and_a_prefilled_tool_call_through_run() {
     let gguf = model_file(&server);
     let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chatml-tools.jinja");
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let port_s = port.to_string();
-    let args = [
-        "-m",
-        gguf.to_str().unwrap(),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port_s,
-        "-t",
-        "2",
-        "-c",
-        "2048",
-        "-np",
-        "1",
-        "--jinja",
-        "--chat-template-file",
-        template.to_str().unwrap(),
-    ];
-    let mut llama = Peer::spawn(&server, &args, port, dir.path().join("llama.log"));
-    if let Err(status) = llama.try_ready("/health", Duration::from_secs(90)).await {
-        use std::os::unix::process::ExitStatusExt;
-        // The wheel's prebuilt CPU backend uses instructions (AVX-512 /
-        // AMX) that not every x86-64 CPU has: on such a machine the real
-        // model cannot run at all, which is not a failure of agentd.
-        if status.signal() == Some(4) {
-            eprintln!(
-                "\n!!!!!!!! SKIPPED: this CPU cannot run the prebuilt llama-server (illegal instruction) !!!!!!!!\n"
-            );
-            return;
+    let args = |port: u16| {
+        [
+            "-m",
+            gguf.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "-t",
+            "2",
+            "-c",
+            "2048",
+            "-np",
+            "1",
+            "--jinja",
+            "--chat-template-file",
+            template.to_str().unwrap(),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let started = Peer::start_on_free_port(
+        &server,
+        args,
+        dir.path().join("llama.log"),
+        "/health",
+        Duration::from_secs(90),
+    )
+    .await;
+    let llama = match started {
+        Ok(llama) => llama,
+        Err((status, log)) => {
+            use std::os::unix::process::ExitStatusExt;
+            // The wheel's prebuilt CPU backend needs AVX2 (the pinned
+            // release; later ones need AVX-512 and AMX): on a CPU without it
+            // the real model cannot run at all, which is not a failure of
+            // agentd.
+            if status.signal() == Some(4) {
+                eprintln!(
+                    "\n!!!!!!!! SKIPPED: this CPU cannot run the prebuilt llama-server (illegal instruction) !!!!!!!!\n"
+                );
+                return;
+            }
+            panic!("llama-server exited with {status}; log:\n{log}");
         }
-        panic!(
-            "llama-server exited with {status}; log:\n{}",
-            std::fs::read_to_string(&llama.log).unwrap_or_default()
-        );
-    }
+    };
+    let port = llama.port;
 
     let agents = format!(
         r#"

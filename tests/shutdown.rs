@@ -169,6 +169,69 @@ async fn a_new_call_after_shutdown_starts_is_refused() {
     );
 }
 
+/// A Run of the order question by `user`, as it starts or is refused.
+async fn order_run(
+    server: &mut TestServer,
+    user: &str,
+    session: &str,
+    rid: &str,
+) -> Result<agentd::client::RunCall, tonic::Status> {
+    server
+        .client
+        .run(
+            run_request(user, session, rid, "Where is order 1187?"),
+            DEADLINE,
+        )
+        .await
+}
+
+/// [`order_run`], once its first event came.
+async fn running(
+    server: &mut TestServer,
+    user: &str,
+    session: &str,
+    rid: &str,
+) -> agentd::client::RunCall {
+    let mut call = order_run(server, user, session, rid).await.unwrap();
+    call.events.message().await.unwrap().unwrap();
+    call
+}
+
+#[tokio::test]
+async fn a_user_past_its_share_of_runs_is_resource_exhausted_while_others_are_served() {
+    let mut opts = Options::default().tool_delay(Duration::from_secs(30));
+    opts.turn = TurnConfig {
+        max_runs_per_user: Some(1),
+        ..opts.turn
+    };
+    let mut server = TestServer::in_process(opts).await;
+    let alice = server.session("alice").await;
+    let bob = server.session("bob").await;
+    let held = running(&mut server, "alice", &alice, "a").await;
+
+    let err = order_run(&mut server, "alice", &alice, "b")
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(err.message().contains("this user"), "{err:?}");
+    assert!(server.turn(&alice, "b").await.is_none(), "nothing stored");
+    // Another user is served meanwhile, and so is a repeat of the user's
+    // running turn.
+    let other = running(&mut server, "bob", &bob, "a").await;
+    let attach = order_run(&mut server, "alice", &alice, "a").await.unwrap();
+    assert_eq!(attach.mode, "attach");
+
+    // The user's share frees when its run ends.
+    drop(held);
+    let tool = server.tool.clone();
+    eventually("alice's run is cancelled", || tool.cancelled() == 1).await;
+    server.ended_turn(&alice, "a").await;
+    drop(running(&mut server, "alice", &alice, "b").await);
+    drop(other);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     let mut opts = Options::default().tool_delay(Duration::from_secs(30));
@@ -180,37 +243,16 @@ async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     let s = server.session("alice").await;
     let mut held = Vec::new();
     for rid in ["a", "b"] {
-        let mut call = server
-            .client
-            .run(
-                run_request("alice", &s, rid, "Where is order 1187?"),
-                DEADLINE,
-            )
-            .await
-            .unwrap();
-        call.events.message().await.unwrap().unwrap();
-        held.push(call);
+        held.push(running(&mut server, "alice", &s, rid).await);
     }
-    let err = server
-        .client
-        .run(
-            run_request("alice", &s, "c", "Where is order 1187?"),
-            DEADLINE,
-        )
+    let err = order_run(&mut server, "alice", &s, "c")
         .await
         .err()
         .unwrap();
     assert_eq!(err.code(), Code::ResourceExhausted);
     assert!(server.turn(&s, "c").await.is_none());
     // A replay of a running turn needs no new run: it is still served.
-    let attach = server
-        .client
-        .run(
-            run_request("alice", &s, "a", "Where is order 1187?"),
-            DEADLINE,
-        )
-        .await
-        .unwrap();
+    let attach = order_run(&mut server, "alice", &s, "a").await.unwrap();
     assert_eq!(attach.mode, "attach");
     drop(attach);
     // A slot frees when a run ends.
@@ -218,16 +260,7 @@ async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     let tool = server.tool.clone();
     eventually("run b is cancelled", || tool.cancelled() == 1).await;
     server.ended_turn(&s, "b").await;
-    let mut call = server
-        .client
-        .run(
-            run_request("alice", &s, "c", "Where is order 1187?"),
-            DEADLINE,
-        )
-        .await
-        .unwrap();
-    call.events.message().await.unwrap().unwrap();
-    drop(call);
+    drop(running(&mut server, "alice", &s, "c").await);
     drop(held);
     server.stop().await;
 }

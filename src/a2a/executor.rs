@@ -528,6 +528,7 @@ fn refusal(e: RunError, turns: &Turns) -> (TaskState, String) {
         | RunError::SessionNotFound
         | RunError::TurnNotFound => TaskState::Rejected,
         RunError::Busy { .. }
+        | RunError::UserBusy { .. }
         | RunError::TooManyFollowers { .. }
         | RunError::ShuttingDown
         | RunError::SessionBusy

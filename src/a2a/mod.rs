@@ -190,10 +190,6 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> Age
 /// bytes would otherwise hold each for ever).
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Connections the HTTP face holds at once; past it a new one is closed as
-/// soon as it is accepted.
-pub const MAX_HTTP_CONNECTIONS: usize = 4096;
-
 /// Serves the HTTP face on `listener` until `stop` resolves, then lets the
 /// connections finish what they serve (their streams included) and returns.
 /// axum's own `serve` sets no timer, so hyper reads headers without a
@@ -201,13 +197,14 @@ pub const MAX_HTTP_CONNECTIONS: usize = 4096;
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: axum::Router,
+    max_connections: usize,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto::Builder;
     use hyper_util::service::TowerToHyperService;
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    let slots = crate::telemetry::metrics::ConnectionSlots::new("a2a_http", max_connections);
     let connections = tokio_util::task::TaskTracker::new();
     tokio::pin!(stop);
     loop {
@@ -223,11 +220,7 @@ pub async fn serve_http(
             },
             _ = &mut stop => break,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(
-                limit = MAX_HTTP_CONNECTIONS,
-                "A2A HTTP: at the connection limit; closing a new connection"
-            );
+        let Some(slot) = slots.admit() else {
             continue;
         };
         let _ = stream.set_nodelay(true);

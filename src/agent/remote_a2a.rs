@@ -30,7 +30,7 @@ use a2a::{Message, Part, PartContent, Role, StreamResponse, TaskState};
 use tokio::sync::{Notify, OnceCell};
 use tracing::Instrument;
 
-use super::{Agent, AgentError, Event, EventStream, RunContext};
+use super::{Agent, AgentError, Event, EventKind, EventStream, RunContext};
 use crate::client::a2a::{
     A2aClient, Binding, CallError, CallOptions, CallState, Control, Outcome, parts_text,
 };
@@ -198,10 +198,47 @@ struct Relay {
     task_id: Option<String>,
     /// The latest status message's text (an answer some agents give there).
     status_text: String,
-    /// Per artifact id, the text forwarded as PARTIAL_TEXT so far.
-    forwarded: HashMap<String, String>,
+    /// What was forwarded so far.
+    forwarded: Forwarded,
     /// The answer outgrew [`MAX_ANSWER_BYTES`]: the call was stopped.
     too_large: bool,
+}
+
+/// What one call forwarded so far, so that an update seen again (a
+/// resubscription served by another replica replays the task from its
+/// start) is not forwarded twice.
+#[derive(Default)]
+struct Forwarded {
+    /// Per artifact id, the text forwarded as PARTIAL_TEXT.
+    text: HashMap<String, SentText>,
+    /// The tool calls and results forwarded, by kind and call id.
+    tools: std::collections::HashSet<(EventKind, String)>,
+}
+
+impl Forwarded {
+    /// The answer text forwarded, in bytes.
+    fn answer_bytes(&self) -> usize {
+        self.text.values().map(|s| s.text.len()).sum()
+    }
+}
+
+/// The text forwarded of one artifact.
+struct SentText {
+    text: String,
+    /// `text` is exactly the artifact's first this many parts' text: a
+    /// chunk appended after them is forwarded as it is, without reading
+    /// the artifact's whole text again (which, chunk after chunk, would
+    /// take time growing with the square of the answer).
+    parts: Option<usize>,
+}
+
+impl Default for SentText {
+    fn default() -> Self {
+        Self {
+            text: String::new(),
+            parts: Some(0),
+        }
+    }
 }
 
 /// The most answer text a remote agent may send, as a model may
@@ -288,12 +325,13 @@ fn unsent(agent: &str, artifact_id: &str, sent: &mut String, current: &str) -> O
 }
 
 /// The agents.v1 events of one remote update; `st`: the call's state with
-/// the update applied; `forwarded`: the text forwarded so far per artifact.
+/// the update applied; `forwarded`: what was forwarded so far. A tool call
+/// or result whose id was forwarded already is not forwarded again.
 fn map_update(
     agent: &str,
     ev: &StreamResponse,
     st: &CallState,
-    forwarded: &mut HashMap<String, String>,
+    forwarded: &mut Forwarded,
 ) -> Vec<Event> {
     match ev {
         StreamResponse::StatusUpdate(u) => {
@@ -325,6 +363,10 @@ fn map_update(
             if out.is_empty() && !text.is_empty() {
                 tracing::debug!(%agent, state = ?u.status.state, "remote_a2a: status message not forwarded");
             }
+            out.retain(|e| {
+                e.tool_call_id.is_empty()
+                    || forwarded.tools.insert((e.kind, e.tool_call_id.clone()))
+            });
             out
         }
         // A chunk changes its artifact; a snapshot (after a recovery) may
@@ -339,8 +381,23 @@ fn map_update(
                 .filter(|b| changed.is_none_or(|id| b.artifact.artifact_id == id))
                 .filter_map(|b| {
                     let id = &b.artifact.artifact_id;
-                    let sent = forwarded.entry(id.clone()).or_default();
-                    unsent(agent, id, sent, &parts_text(&b.artifact.parts))
+                    let sent = forwarded.text.entry(id.clone()).or_default();
+                    let parts = &b.artifact.parts;
+                    // A chunk appended right after what was forwarded.
+                    if let StreamResponse::ArtifactUpdate(u) = ev
+                        && u.append == Some(true)
+                        && parts.len() >= u.artifact.parts.len()
+                        && sent.parts == Some(parts.len() - u.artifact.parts.len())
+                    {
+                        let new = parts_text(&u.artifact.parts);
+                        sent.text.push_str(&new);
+                        sent.parts = Some(parts.len());
+                        return (!new.is_empty()).then_some(new);
+                    }
+                    let current = parts_text(parts);
+                    let rest = unsent(agent, id, &mut sent.text, &current);
+                    sent.parts = (sent.text == current).then_some(parts.len());
+                    rest
                 })
                 .map(|text| Event::partial(agent, text))
                 .collect()
@@ -395,6 +452,12 @@ fn call_error(agent: &str, e: CallError) -> AgentError {
         CallError::Unrecoverable { task_id, cause, .. } => {
             tracing::warn!(%agent, task = %task_id, %cause, "remote_a2a: the remote task could not be recovered");
             unavailable("the remote A2A agent stopped answering; its task was cancelled")
+        }
+        CallError::TaskLost { task_id, .. } => {
+            tracing::warn!(%agent, task = %task_id, "remote_a2a: the stream was lost and the remote agent no longer knows the task");
+            unavailable(
+                "the connection to the remote A2A agent was lost and it no longer knows the task",
+            )
         }
         CallError::Refused(e) => {
             tracing::warn!(%agent, code = e.code, error = %e.message, "remote_a2a: the remote agent refused the call");
@@ -472,7 +535,7 @@ impl Agent for RemoteA2aAgent {
                         r.events.extend(events);
                         ready.notify_one();
                     }
-                    let answered: usize = r.forwarded.values().map(String::len).sum();
+                    let answered = r.forwarded.answer_bytes();
                     if answered.max(r.status_text.len()) > MAX_ANSWER_BYTES {
                         r.too_large = true;
                         return Control::StopWithArtifacts;
@@ -581,7 +644,7 @@ mod tests {
     fn map_one(agent: &str, ev: &StreamResponse) -> Vec<Event> {
         let mut st = CallState::new();
         st.apply(ev);
-        map_update(agent, ev, &st, &mut HashMap::new())
+        map_update(agent, ev, &st, &mut Forwarded::default())
     }
 
     fn status(parts: Vec<Part>) -> StreamResponse {
@@ -623,6 +686,42 @@ mod tests {
         assert_eq!(e[0].kind, super::super::EventKind::ToolResult);
         assert_eq!(e[0].text, "order 1187 is shipped");
         assert!(map_one("orders", &status(vec![Part::text("thinking")])).is_empty());
+    }
+
+    #[test]
+    fn tool_events_seen_again_in_a_replay_are_not_forwarded_twice() {
+        // A resubscription served by another replica replays the task from
+        // its start.
+        let call = status(vec![Part::data(
+            serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c1", "arguments": {}}}),
+        )]);
+        let result = status(vec![
+            Part::text("shipped"),
+            Part::data(
+                serde_json::json!({"toolResult": {"name": "lookup_order", "id": "c1", "result": {}}}),
+            ),
+        ]);
+        let second = status(vec![Part::data(
+            serde_json::json!({"toolCall": {"name": "lookup_order", "id": "c2", "arguments": {}}}),
+        )]);
+        let (mut st, mut forwarded) = (CallState::new(), Forwarded::default());
+        let mut seen = Vec::new();
+        for u in [&call, &result, &call, &result, &second] {
+            st.apply(u);
+            seen.extend(
+                map_update("x", u, &st, &mut forwarded)
+                    .into_iter()
+                    .map(|e| (e.kind, e.tool_call_id)),
+            );
+        }
+        assert_eq!(
+            seen,
+            [
+                (EventKind::ToolCall, "c1".to_owned()),
+                (EventKind::ToolResult, "c1".to_owned()),
+                (EventKind::ToolCall, "c2".to_owned()),
+            ]
+        );
     }
 
     #[test]
@@ -676,7 +775,7 @@ mod tests {
 
     /// The partial texts of `updates`, mapped in order on one call.
     fn partials(updates: &[StreamResponse]) -> Vec<String> {
-        let (mut st, mut forwarded) = (CallState::new(), HashMap::new());
+        let (mut st, mut forwarded) = (CallState::new(), Forwarded::default());
         updates
             .iter()
             .flat_map(|u| {

@@ -13,9 +13,12 @@
 //!   for longer than the idle timeout) is recovered: with no task id yet the
 //!   call fails (resending would start a second task); otherwise GetTask
 //!   gives the authoritative snapshot and, if the task is still running,
-//!   SubscribeToTask resumes it, with bounded exponential backoff. When
-//!   chunks may have been lost and the snapshot cannot restore them, the
-//!   result is flagged `incomplete` rather than silently truncated.
+//!   SubscribeToTask resumes it, with bounded exponential backoff (the
+//!   budget counts recoveries in a row that brought no update). A task the
+//!   remote no longer knows ends the call at once. When chunks may have
+//!   been lost and the snapshot cannot restore them (a remote whose
+//!   snapshots leave out artifacts already seen), the result is flagged
+//!   `incomplete` rather than silently truncated.
 //! - Past the deadline, or when recovery gives up, the remote task is
 //!   cancelled (CancelTask) and the state it reached is logged.
 //! - A [`Listener`] sees every update and may stop the call early, with a
@@ -89,7 +92,9 @@ pub struct CallOptions {
     pub idle_timeout: Duration,
     /// The whole call, recoveries included; past it the task is cancelled.
     pub deadline: Duration,
-    /// Recoveries (snapshot + resubscribe) before giving up.
+    /// Recoveries (snapshot + resubscribe) in a row that bring no update
+    /// before giving up; a resubscribed stream that brings updates starts
+    /// the count again.
     pub max_recoveries: u32,
     /// First backoff before a recovery; doubles each time up to `max_backoff`.
     pub initial_backoff: Duration,
@@ -149,6 +154,14 @@ pub struct CallState {
     pub incomplete: bool,
     /// Recoveries so far.
     pub recoveries: u32,
+    /// Status, artifact and message events applied so far (snapshots not
+    /// counted).
+    updates: u64,
+    /// A gap in the stream that no snapshot has covered yet.
+    gap: bool,
+    /// The remote's task snapshots were seen to leave out artifacts the
+    /// task has: they cannot restore what a gap lost.
+    bare_snapshots: bool,
 }
 
 impl CallState {
@@ -162,6 +175,9 @@ impl CallState {
             last_event_at: Instant::now(),
             incomplete: false,
             recoveries: 0,
+            updates: 0,
+            gap: false,
+            bare_snapshots: false,
         }
     }
 
@@ -176,7 +192,10 @@ impl CallState {
 
     /// Applies a task snapshot: its state, and its artifacts, which are
     /// authoritative and replace the buffer. A snapshot without artifacts
-    /// leaves the buffer alone.
+    /// leaves the buffer alone: if artifacts were seen already, the remote
+    /// leaves them out of its snapshots, and a gap it was to cover stays
+    /// uncovered (the result is incomplete); if none were, the task has
+    /// none yet and the gap lost nothing.
     fn apply_task(&mut self, task: &Task) {
         self.ids(&task.id, &task.context_id);
         self.last_state = Some(task.status.state.clone());
@@ -192,11 +211,26 @@ impl CallState {
                 })
                 .collect();
             self.incomplete = false;
+            self.gap = false;
+        } else if !self.artifacts.is_empty() {
+            self.bare_snapshots = true;
+            if self.gap {
+                self.incomplete = true;
+            }
+        } else if self.bare_snapshots {
+            if self.gap {
+                self.incomplete = true;
+            }
+        } else {
+            self.gap = false;
         }
     }
 
     pub(crate) fn apply(&mut self, event: &StreamResponse) {
         self.last_event_at = Instant::now();
+        if !matches!(event, StreamResponse::Task(_)) {
+            self.updates += 1;
+        }
         match event {
             StreamResponse::Task(task) => self.apply_task(task),
             StreamResponse::StatusUpdate(u) => {
@@ -248,9 +282,11 @@ impl CallState {
     }
 
     /// After a gap in the stream: artifacts still being streamed may have
-    /// lost chunks unless a snapshot restores them.
+    /// lost chunks, and whole artifacts may have been sent and lost, unless
+    /// a snapshot restores them.
     fn mark_gap(&mut self) {
-        if self.artifacts.iter().any(|a| !a.ready) {
+        self.gap = true;
+        if self.bare_snapshots || self.artifacts.iter().any(|a| !a.ready) {
             self.incomplete = true;
         }
     }
@@ -336,7 +372,8 @@ pub enum CallError {
     /// that would start a second task.
     #[error("the stream was lost before the task had an id; not resent: {cause}")]
     LostBeforeTask { cause: String },
-    /// Recovery gave up (the agent stayed silent or unreachable); the remote
+    /// Recovery gave up (the agent stayed silent or unreachable, or lost the
+    /// stream again at once, `max_recoveries` times in a row); the remote
     /// task was cancelled.
     #[error(
         "the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})",
@@ -347,6 +384,17 @@ pub enum CallError {
         last_state: Option<TaskState>,
         recoveries: u32,
         cause: String,
+        artifacts: Vec<Artifact>,
+    },
+    /// After a drop, the remote agent no longer knew the task (it restarted
+    /// without keeping its tasks, say): nothing to resume or cancel.
+    #[error(
+        "the stream was lost and the remote agent no longer knows the task (last state: {})",
+        state_name(last_state)
+    )]
+    TaskLost {
+        task_id: String,
+        last_state: Option<TaskState>,
         artifacts: Vec<Artifact>,
     },
     /// The remote agent refused the request.
@@ -575,25 +623,58 @@ impl A2aClient {
             }
         };
         let mut backoff = opts.initial_backoff;
+        // Recoveries in a row that brought no update; a stream that
+        // delivers updates after one (a snapshot alone does not count)
+        // starts the count again.
+        let mut failed_in_a_row = 0u32;
+        // Why the last recovery failed, if it did before a stream was had.
+        let mut recovery_failed: Option<String> = None;
         loop {
             let cause = match stream.as_mut() {
-                Some(s) => match self.follow(s, &mut st, opts, deadline, &mut listener).await {
-                    Step::Done(r) => return *r,
-                    Step::Deadline => return Err(self.abandon_at_deadline(&st).await),
-                    Step::Dropped(cause) => cause,
-                },
-                None => "resubscribe failed".to_owned(),
+                Some(s) => {
+                    let (seen, since) = (st.updates, Instant::now());
+                    match self.follow(s, &mut st, opts, deadline, &mut listener).await {
+                        Step::Done(r) => return *r,
+                        Step::Deadline => return Err(self.abandon_at_deadline(&st).await),
+                        Step::Dropped(cause) => {
+                            if st.updates > seen {
+                                failed_in_a_row = 0;
+                                // Only a stream that lasted resets the
+                                // backoff: one that drops right after an
+                                // update each time is not retried hot.
+                                if since.elapsed() >= opts.max_backoff {
+                                    backoff = opts.initial_backoff;
+                                }
+                            }
+                            cause
+                        }
+                    }
+                }
+                None => recovery_failed
+                    .take()
+                    .unwrap_or_else(|| "resubscribe failed".to_owned()),
             };
             stream = None;
             let Some(task_id) = st.task_id.clone() else {
                 return Err(CallError::LostBeforeTask { cause });
             };
             st.mark_gap();
-            if st.recoveries >= opts.max_recoveries {
-                return Err(self.give_up(&st, task_id, cause).await);
+            if failed_in_a_row >= opts.max_recoveries {
+                // One last look: a task that ended meanwhile is answered,
+                // not cancelled.
+                if let Ok(Ok(task)) =
+                    tokio::time::timeout_at(deadline, self.get_task(&task_id)).await
+                {
+                    st.apply_task(&task);
+                    if let Some(end) = end_of(&st, None) {
+                        return end;
+                    }
+                }
+                return Err(self.give_up(&st, task_id, cause, failed_in_a_row).await);
             }
+            failed_in_a_row += 1;
             st.recoveries += 1;
-            tracing::warn!(task = %task_id, attempt = st.recoveries, %cause, "a2a: stream lost; recovering from a snapshot");
+            tracing::warn!(task = %task_id, attempt = failed_in_a_row, %cause, "a2a: stream lost; recovering from a snapshot");
             if tokio::time::timeout_at(deadline, tokio::time::sleep(backoff))
                 .await
                 .is_err()
@@ -603,13 +684,21 @@ impl A2aClient {
             backoff = (backoff * 2).min(opts.max_backoff);
             match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                Ok(Err(e)) if e.code == a2a::error_code::TASK_NOT_FOUND => {
+                    tracing::warn!(task = %task_id, error = %e.message, "a2a: the remote agent no longer knows the task");
+                    return Err(CallError::TaskLost {
+                        task_id,
+                        last_state: st.last_state.clone(),
+                        artifacts: st.artifacts(),
+                    });
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: GetTask failed during recovery");
+                    recovery_failed = Some(format!("GetTask failed: {}", e.message));
                     continue;
                 }
                 Ok(Ok(task)) => {
                     st.apply_task(&task);
-                    st.last_event_at = Instant::now();
                     if let Some(end) = end_of(&st, None) {
                         return end;
                     }
@@ -623,7 +712,8 @@ impl A2aClient {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Ok(s)) => stream = Some(s),
                 Ok(Err(e)) => {
-                    tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed")
+                    tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed");
+                    recovery_failed = Some(format!("SubscribeToTask failed: {}", e.message));
                 }
             }
         }
@@ -682,12 +772,18 @@ impl A2aClient {
         }
     }
 
-    async fn give_up(&self, st: &CallState, task_id: String, cause: String) -> CallError {
+    async fn give_up(
+        &self,
+        st: &CallState,
+        task_id: String,
+        cause: String,
+        recoveries: u32,
+    ) -> CallError {
         self.cancel_logged(&task_id, st, "recovery gave up").await;
         CallError::Unrecoverable {
             task_id,
             last_state: st.last_state.clone(),
-            recoveries: st.recoveries,
+            recoveries,
             cause,
             artifacts: st.artifacts(),
         }
@@ -853,6 +949,57 @@ mod tests {
         }]);
         st.apply_task(&task);
         assert!(!st.incomplete, "the snapshot's artifacts are authoritative");
+        assert_eq!(st.artifacts[0].text(), "12");
+    }
+
+    fn snapshot(state: TaskState, artifacts: Option<Vec<Artifact>>) -> Task {
+        Task {
+            id: "t".into(),
+            context_id: "c".into(),
+            status: a2a::TaskStatus {
+                state,
+                message: None,
+                timestamp: None,
+            },
+            artifacts,
+            history: None,
+            metadata: None,
+        }
+    }
+
+    #[test]
+    fn a_whole_artifact_lost_in_a_gap_that_snapshots_cannot_restore_marks_the_result_incomplete() {
+        // Every artifact seen had ended when the stream dropped; the remote's
+        // snapshot leaves them out: whatever came meanwhile is unknown.
+        let mut st = CallState::new();
+        st.apply(&chunk("a1", "whole", false, true));
+        st.mark_gap();
+        assert!(!st.incomplete, "nothing known lost yet");
+        st.apply_task(&snapshot(TaskState::Completed, None));
+        assert!(
+            st.incomplete,
+            "a snapshot without the artifacts already seen cannot restore the gap"
+        );
+        // Once the remote is known to leave artifacts out, any gap counts.
+        let mut st = CallState::new();
+        st.apply(&chunk("a1", "whole", false, true));
+        st.apply_task(&snapshot(TaskState::Working, None));
+        assert!(!st.incomplete);
+        st.mark_gap();
+        assert!(st.incomplete);
+    }
+
+    #[test]
+    fn a_gap_before_any_artifact_is_covered_by_a_snapshot_that_has_none() {
+        // A snapshot carries the task's artifacts (A2A's Task does): one with
+        // none, before any was seen, says the gap lost nothing.
+        let mut st = CallState::new();
+        st.apply_task(&snapshot(TaskState::Working, None));
+        st.mark_gap();
+        st.apply_task(&snapshot(TaskState::Working, None));
+        st.apply(&chunk("a1", "1", false, false));
+        st.apply(&chunk("a1", "2", true, true));
+        assert!(!st.incomplete);
         assert_eq!(st.artifacts[0].text(), "12");
     }
 

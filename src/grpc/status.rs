@@ -53,6 +53,9 @@ pub fn run_error(e: RunError, agents: &crate::agent::AgentRegistry) -> Status {
         RunError::Busy { limit } => Status::resource_exhausted(format!(
             "too many runs in progress (limit {limit}); retry later"
         )),
+        RunError::UserBusy { limit } => Status::resource_exhausted(format!(
+            "this user has too many runs in progress (limit {limit}); retry when one has ended"
+        )),
         RunError::TooManyFollowers { limit } => Status::resource_exhausted(format!(
             "too many streams following turns (limit {limit}); retry later"
         )),

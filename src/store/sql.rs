@@ -564,21 +564,23 @@ macro_rules! sql_store {
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
                     }
-                    Self::cancel_abandoned(&pool, &abandoned, sessions.as_deref()).await;
+                    Self::release_abandoned(&pool, &abandoned, sessions.as_deref()).await;
                 }
             }
 
             /// Turns whose claimant went away while their claim was being
-            /// written (the client cancelled or its deadline passed): no
-            /// one will run them, so they end now as cancelled, instead of
-            /// staying `running` until their lease runs out.
-            async fn cancel_abandoned(
+            /// written (the client cancelled or its deadline passed, or its
+            /// store call timed out and it was told to retry): nothing ran
+            /// and no one will run them, so the claims are removed. A retry
+            /// with the same request id then claims the turn afresh and runs
+            /// it (had the claim been recorded cancelled, it would replay a
+            /// cancel its caller never asked for). Left alone, a claim stays
+            /// `running` until its lease ends it UNAVAILABLE.
+            async fn release_abandoned(
                 pool: &sqlx::Pool<$db>,
                 abandoned: &[(String, String, String)],
                 sessions: Option<&$crate::store::session_cache::SessionCache>,
             ) {
-                let outcome = crate::grpc::status::claim_abandoned();
-                let now = to_micros(std::time::SystemTime::now());
                 for (sid, rid, owner) in abandoned {
                     // Forgotten before and after: see `delete_session`.
                     let forget = || {
@@ -587,23 +589,21 @@ macro_rules! sql_store {
                         }
                     };
                     forget();
-                    let done = sqlx::query(
-                        "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-                         WHERE session_id = $5 AND request_id = $6 AND owner = $7 AND state = 'running'",
+                    let done = $crate::store::sql::bounded(
+                        sqlx::query(
+                            "DELETE FROM turns \
+                             WHERE session_id = $1 AND request_id = $2 AND owner = $3 AND state = 'running'",
+                        )
+                        .bind(sid)
+                        .bind(rid)
+                        .bind(owner)
+                        .execute(pool),
                     )
-                    .bind(outcome.state.as_str())
-                    .bind(outcome.code as i64)
-                    .bind(&outcome.message)
-                    .bind(now)
-                    .bind(sid)
-                    .bind(rid)
-                    .bind(owner)
-                    .execute(pool)
                     .await;
                     forget();
                     match done {
-                        Ok(_) => tracing::info!(session = %sid, request_id = %rid, "the caller went away while its turn was claimed; the turn is recorded cancelled"),
-                        Err(e) => tracing::warn!(session = %sid, request_id = %rid, error = %e, "could not record a turn whose caller went away during its claim; its lease will end it"),
+                        Ok(_) => tracing::info!(session = %sid, request_id = %rid, "the caller went away while its turn was claimed; the claim is released for a retry"),
+                        Err(e) => tracing::warn!(session = %sid, request_id = %rid, error = %e, "could not release a turn whose caller went away during its claim; its lease will end it"),
                     }
                 }
             }

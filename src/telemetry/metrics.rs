@@ -20,6 +20,7 @@
 //! | `agentd_store_up` | | 1 while the store answers the upkeep's health checks, 0 while it does not (set on every check, even when no call reaches the store) |
 //! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together); PostgreSQL also `read` (the sessions of Runs starting together) |
 //! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches, claims or session reads per group |
+//! | `agentd_connections_refused_total` | `port` | connections closed as soon as they were accepted, the port (`grpc`, `a2a_http`) at `--max-connections` |
 
 use std::sync::OnceLock;
 
@@ -42,6 +43,7 @@ pub const STORE_ERRORS: &str = "agentd_store_errors_total";
 pub const STORE_UP: &str = "agentd_store_up";
 pub const STORE_GROUP_SECONDS: &str = "agentd_store_group_seconds";
 pub const STORE_GROUP_SIZE: &str = "agentd_store_group_size";
+pub const CONNECTIONS_REFUSED: &str = "agentd_connections_refused_total";
 
 /// Call durations from 1 ms to the longest run a server allows by default.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -140,6 +142,10 @@ fn describe() {
         "SQL stores: writing one group of commits or claims"
     );
     metrics::describe_histogram!(STORE_GROUP_SIZE, "SQL stores: batches or claims per group");
+    metrics::describe_counter!(
+        CONNECTIONS_REFUSED,
+        "connections closed on accept, the port at its connection limit"
+    );
 }
 
 /// Counts an agent run in flight for as long as it lives.
@@ -207,6 +213,51 @@ pub fn store_error(op: &'static str, error: &crate::store::StoreError) {
 pub fn store_up(ok: bool) {
     handle();
     metrics::gauge!(STORE_UP).set(if ok { 1.0 } else { 0.0 });
+}
+
+/// Admits connections to one port up to `--max-connections`, counting
+/// (`agentd_connections_refused_total`) and logging the ones it refuses: one
+/// warning each time the port reaches its limit, not one per connection of
+/// a flood.
+pub struct ConnectionSlots {
+    port: &'static str,
+    limit: usize,
+    slots: std::sync::Arc<tokio::sync::Semaphore>,
+    at_limit: std::sync::atomic::AtomicBool,
+}
+
+impl ConnectionSlots {
+    pub fn new(port: &'static str, limit: usize) -> Self {
+        handle();
+        Self {
+            port,
+            limit,
+            slots: std::sync::Arc::new(tokio::sync::Semaphore::new(limit)),
+            at_limit: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// A slot the new connection holds until it closes; `None`: close it.
+    pub fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        use std::sync::atomic::Ordering;
+        match self.slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                self.at_limit.store(false, Ordering::Relaxed);
+                Some(slot)
+            }
+            Err(_) => {
+                metrics::counter!(CONNECTIONS_REFUSED, "port" => self.port).increment(1);
+                if !self.at_limit.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        port = self.port,
+                        limit = self.limit,
+                        "at the connection limit (--max-connections): new connections are closed until one ends (agentd_connections_refused_total counts them)"
+                    );
+                }
+                None
+            }
+        }
+    }
 }
 
 /// A SQL store wrote one group of `size` batches (`queue` `commit`) or

@@ -56,6 +56,9 @@ pub struct TurnConfig {
     pub max_run_duration: Duration,
     /// Agent runs in flight at once, process-wide.
     pub max_concurrent_runs: usize,
+    /// Agent runs one user may have in flight at once, in this process;
+    /// `None`: only `max_concurrent_runs` bounds them.
+    pub max_runs_per_user: Option<usize>,
     /// Streams following a turn (replays, attaches, repeated request ids)
     /// at once, process-wide: each polls the store while its turn runs
     /// elsewhere.
@@ -90,6 +93,7 @@ impl Default for TurnConfig {
             stall_timeout: Duration::from_secs(30),
             max_run_duration: Duration::from_secs(120),
             max_concurrent_runs: 1024,
+            max_runs_per_user: None,
             max_followers: 4096,
             replica_id: "local".into(),
             history_turns: 20,
@@ -127,6 +131,30 @@ fn newest_within(mut history: Vec<PriorTurn>, budget: usize) -> Vec<PriorTurn> {
     history
 }
 
+/// Runs in flight per user; a user with none has no entry.
+type UserRuns = Mutex<HashMap<UserId, usize>>;
+
+/// A run's place under the caps, held for the life of the run: the
+/// process-wide permit and, with a per-user bound, its user's share.
+pub(crate) struct RunSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    user: Option<(Arc<UserRuns>, UserId)>,
+}
+
+impl Drop for RunSlot {
+    fn drop(&mut self) {
+        if let Some((runs, user)) = self.user.take() {
+            let mut runs = runs.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = runs.get_mut(&user) {
+                *n -= 1;
+                if *n == 0 {
+                    runs.remove(&user);
+                }
+            }
+        }
+    }
+}
+
 /// Why a Run was refused before its stream started. Nothing was run, and
 /// nothing was stored, for any of these.
 #[derive(Debug, Error)]
@@ -139,6 +167,8 @@ pub enum RunError {
     RequestIdReused,
     #[error("too many runs in progress ({limit})")]
     Busy { limit: usize },
+    #[error("too many runs in progress for this user ({limit})")]
+    UserBusy { limit: usize },
     #[error("too many streams following turns ({limit})")]
     TooManyFollowers { limit: usize },
     #[error("the server is shutting down")]
@@ -267,6 +297,8 @@ pub struct Turns {
     cfg: TurnConfig,
     /// One permit per agent run in flight.
     permits: Arc<Semaphore>,
+    /// Runs in flight per user ([`TurnConfig::max_runs_per_user`]).
+    user_runs: Arc<UserRuns>,
     /// One permit per follower ([`TurnConfig::max_followers`]).
     followers: Arc<Semaphore>,
     /// Turns running in this process, so a repeated request id attaches live.
@@ -289,6 +321,7 @@ impl Turns {
     pub fn new(store: Arc<dyn Store>, agents: AgentRegistry, cfg: TurnConfig) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(cfg.max_concurrent_runs)),
+            user_runs: Arc::default(),
             followers: Arc::new(Semaphore::new(cfg.max_followers)),
             store,
             agents,
@@ -349,20 +382,21 @@ impl Turns {
             Some(read) if read.session.user_id == input.user_id => read,
             _ => return Err(RunError::SessionNotFound),
         };
-        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            // At the cap, a repeated request id is still answered from the
-            // turn it names; only a new turn is refused (without another
-            // store call when the read found no such turn).
-            let existing = match read.turn_stored {
-                true => self.store.get_turn(&key).await?,
-                false => None,
-            };
-            return match existing {
-                Some(existing) => self.join(existing, &input, deadline),
-                None => Err(RunError::Busy {
-                    limit: self.cfg.max_concurrent_runs,
-                }),
-            };
+        let permit = match self.run_slot(&input.user_id) {
+            Ok(slot) => slot,
+            Err(refused) => {
+                // At a cap, a repeated request id is still answered from the
+                // turn it names; only a new turn is refused (without another
+                // store call when the read found no such turn).
+                let existing = match read.turn_stored {
+                    true => self.store.get_turn(&key).await?,
+                    false => None,
+                };
+                return match existing {
+                    Some(existing) => self.join(existing, &input, deadline),
+                    None => Err(refused),
+                };
+            }
         };
         let claim = NewTurn {
             key: key.clone(),
@@ -557,6 +591,37 @@ impl Turns {
     }
 
     /// A follower's place under [`TurnConfig::max_followers`].
+    /// A place for one more run of `user`, under the process-wide cap and
+    /// the user's share.
+    fn run_slot(&self, user: &UserId) -> Result<RunSlot, RunError> {
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| RunError::Busy {
+                limit: self.cfg.max_concurrent_runs,
+            })?;
+        let Some(limit) = self.cfg.max_runs_per_user else {
+            return Ok(RunSlot {
+                _permit: permit,
+                user: None,
+            });
+        };
+        {
+            let mut runs = self.user_runs.lock().unwrap();
+            let n = runs.entry(user.clone()).or_default();
+            if *n >= limit {
+                tracing::debug!(user = %user, limit, "run refused: the user is at --max-runs-per-user");
+                return Err(RunError::UserBusy { limit });
+            }
+            *n += 1;
+        }
+        Ok(RunSlot {
+            _permit: permit,
+            user: Some((self.user_runs.clone(), user.clone())),
+        })
+    }
+
     fn follower_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RunError> {
         self.followers
             .clone()

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -60,7 +60,7 @@ pub(super) fn spawn(
     run: AgentRun,
     input: &RunInput,
     deadline: Deadline,
-    permit: OwnedSemaphorePermit,
+    permit: super::RunSlot,
 ) -> RunStream {
     let (tx, rx) = mpsc::channel(turns.cfg.channel_capacity);
     let end = Arc::new(End::default());
@@ -159,8 +159,8 @@ struct Pump {
     cut: CancellationToken,
     /// Set when the turn's lease was lost.
     lease_lost: CancellationToken,
-    /// Held for the life of the run: the concurrency cap.
-    _permit: OwnedSemaphorePermit,
+    /// Held for the life of the run: the concurrency caps.
+    _permit: super::RunSlot,
 }
 
 impl Pump {

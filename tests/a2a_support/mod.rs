@@ -228,15 +228,27 @@ impl PyAgent {
         bare_snapshots: bool,
         tls: Option<(&std::path::Path, &std::path::Path)>,
     ) -> Self {
-        use tokio::io::AsyncBufReadExt;
-        let mut cmd = tokio::process::Command::new(python);
-        cmd.arg(script("a2a_test_agent.py"));
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
         if bare_snapshots {
-            cmd.arg("--bare-snapshots");
+            args.push("--bare-snapshots".into());
         }
         if let Some((cert, key)) = tls {
-            cmd.arg("--tls").arg(cert).arg(key);
+            args.extend(["--tls".into(), cert.into(), key.into()]);
         }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        Self::start_args(python, &args, scheme).await
+    }
+
+    /// Started with the script's own flags (see tests/a2a_test_agent.py).
+    pub async fn start_flags(python: &PathBuf, flags: &[&str]) -> Self {
+        let args: Vec<std::ffi::OsString> = flags.iter().map(Into::into).collect();
+        Self::start_args(python, &args, "http").await
+    }
+
+    async fn start_args(python: &PathBuf, args: &[std::ffi::OsString], scheme: &str) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let mut cmd = tokio::process::Command::new(python);
+        cmd.arg(script("a2a_test_agent.py")).args(args);
         let mut child = cmd
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
@@ -254,7 +266,6 @@ impl PyAgent {
             .expect("unexpected first line")
             .trim()
             .to_owned();
-        let scheme = if tls.is_some() { "https" } else { "http" };
         Self {
             base_url: format!("{scheme}://127.0.0.1:{port}"),
             _child: child,

@@ -161,6 +161,39 @@ impl Peer {
         Self { child, port, log }
     }
 
+    /// Starts `program` with `args(port)` on a port free a moment before
+    /// and waits (bounded) until `GET ready` answers 200. A peer that exits
+    /// because it could not bind (another process took the port meanwhile)
+    /// is started again on another port; any other exit is the caller's to
+    /// judge: its status and log.
+    pub async fn start_on_free_port(
+        program: &Path,
+        args: impl Fn(u16) -> Vec<String>,
+        log: PathBuf,
+        ready: &str,
+        limit: Duration,
+    ) -> Result<Self, (std::process::ExitStatus, String)> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let port = free_port();
+            let args = args(port);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut peer = Self::spawn(program, &args, port, log.clone());
+            match peer.try_ready(ready, limit).await {
+                Ok(()) => return Ok(peer),
+                Err(status) => {
+                    let text = std::fs::read_to_string(&log).unwrap_or_default();
+                    if attempt < 3 && text.to_lowercase().contains("bind") {
+                        eprintln!("peer could not bind port {port}; starting it on another");
+                        continue;
+                    }
+                    return Err((status, text));
+                }
+            }
+        }
+    }
+
     /// Waits (bounded) until `GET path` answers 200.
     pub async fn wait_ready(&mut self, path: &str, limit: Duration) {
         if let Err(status) = self.try_ready(path, limit).await {
