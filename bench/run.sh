@@ -78,7 +78,8 @@ fi
 echo "$pinning" > "$out/pinning.txt"
 
 agentd_serve=("$bin/agentd" serve --stream-agent --default-agent stream
-  --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s)
+  --max-concurrent-runs 20000 --max-run-duration 300s --shutdown-grace 310s --drain-delay 0s
+  --admin-listen off --a2a-listen off)
 declare -A port=([agentd]=50061 [tonic]=50062 [grpc.aio]=50063 [agentd+sqlite]=50064 [agentd+postgres]=50065)
 sqlite_db=$out/bench.db
 postgres_url=${AGENTD_BENCH_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}

@@ -333,6 +333,9 @@ impl ServeArgs {
         if self.max_concurrent_streams == 0 {
             return Err("--max-concurrent-streams must be at least 1".into());
         }
+        if self.keepalive_timeout.is_zero() {
+            return Err("--keepalive-timeout must be more than 0s (a PING would close its connection at once); --keepalive-interval 0s turns PINGs off".into());
+        }
         if self.max_run_duration.is_zero() {
             return Err("--max-run-duration must be more than 0s".into());
         }
@@ -448,8 +451,9 @@ pub struct ClientArgs {
     /// PEM CA that signed the server's certificate (for an https:// server).
     #[arg(long, env = "AGENTD_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
-    /// PEM client certificate, for servers with mutual TLS.
-    #[arg(long, env = "AGENTD_TLS_CLIENT_CERT", requires = "tls_client_key")]
+    /// PEM client certificate, for servers with mutual TLS (with --tls-ca,
+    /// which names the CA the server's certificate is checked against).
+    #[arg(long, env = "AGENTD_TLS_CLIENT_CERT", requires_all = ["tls_client_key", "tls_ca"])]
     pub tls_client_cert: Option<std::path::PathBuf>,
     /// PEM key of --tls-client-cert.
     #[arg(long, env = "AGENTD_TLS_CLIENT_KEY", requires = "tls_client_cert")]

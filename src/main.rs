@@ -197,6 +197,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(h) => h.listener.local_addr()?.to_string(),
         None => "off".to_owned(),
     };
+    if a2a_http.is_some() && opts.security.tls.is_some() {
+        // The A2A HTTP face has no TLS of its own: behind TLS on the gRPC
+        // port, it is the one plaintext way in (bearer tokens included).
+        tracing::warn!(
+            a2a_listen = %a2a_listen,
+            "the A2A HTTP port serves plaintext while the gRPC port serves TLS; put it behind a TLS-terminating proxy, or turn it off with --a2a-listen off"
+        );
+    }
     // What an incident asks first: which build, which store, which replica,
     // and the durations that decide how it stops.
     tracing::info!(
@@ -225,6 +233,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     in_flight = turns.in_flight(),
                     "second signal: cutting the runs still in flight"
                 );
+                // New Runs are refused (UNAVAILABLE, retryable elsewhere)
+                // instead of started only to be cut and recorded.
+                turns.begin_drain();
                 turns.cut_all();
             });
         })
@@ -580,7 +591,9 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
                     CallError::Task { task_id, .. }
                     | CallError::Unrecoverable { task_id, .. }
                     | CallError::TaskLost { task_id, .. } => Some(task_id.clone()),
-                    CallError::Deadline { task_id, .. } => task_id.clone(),
+                    CallError::Deadline { task_id, .. } | CallError::TooLarge { task_id, .. } => {
+                        task_id.clone()
+                    }
                     _ => None,
                 };
                 println!(

@@ -249,7 +249,11 @@ where
     let _ = upkeep.await;
     tracing::info!(drain_delay = ?opts.drain_delay, "shutdown: health NOT_SERVING; still accepting during the drain delay");
     set_health(&health, &opts.readiness, ServingStatus::NotServing).await;
-    tokio::time::sleep(opts.drain_delay).await;
+    // Cut short when the runs are cut (a second signal).
+    tokio::select! {
+        _ = tokio::time::sleep(opts.drain_delay) => {}
+        _ = turns.cut_requested() => {}
+    }
 
     turns.begin_drain();
     let _ = stop_accepting.send(());

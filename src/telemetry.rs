@@ -90,16 +90,35 @@ pub fn init(format: LogFormat) -> anyhow::Result<Telemetry> {
 /// parser's reason (a filter ignored silently left the logs at the default).
 pub fn log_directives() -> anyhow::Result<String> {
     for var in ["AGENTD_LOG", EnvFilter::DEFAULT_ENV] {
-        if let Ok(v) = std::env::var(var) {
-            return match EnvFilter::try_new(&v) {
-                Ok(_) => Ok(v),
-                Err(e) => Err(anyhow::anyhow!(
-                    "{var}={v:?} is not a log filter: {e} (e.g. info or info,agentd=debug)"
-                )),
-            };
+        let Ok(v) = std::env::var(var) else {
+            continue;
+        };
+        let directives = without_empty_directives(&v);
+        if directives.is_empty() {
+            // Set but empty (a ConfigMap's `AGENTD_LOG: ""`): the next
+            // variable, or the default.
+            continue;
         }
+        return match EnvFilter::try_new(&directives) {
+            Ok(_) => Ok(directives),
+            Err(e) => Err(anyhow::anyhow!(
+                "{var}={v:?} is not a log filter: {e} (e.g. info or info,agentd=debug)"
+            )),
+        };
     }
     Ok(DEFAULT_LOG.to_owned())
+}
+
+/// `directives` without empty ones (`info,`, `info,,agentd=debug`) and
+/// blanks around each: the parser of [`filter::Targets`] reads an empty
+/// directive as every target at TRACE.
+fn without_empty_directives(directives: &str) -> String {
+    directives
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// [`init`] with a chosen log writer and trace provider (tests use an
@@ -363,6 +382,18 @@ mod tests {
         assert!(t.would_enable("agentd::store", &Level::DEBUG));
         // As with EnvFilter: a target no directive names logs nothing.
         assert!(!t.would_enable("sqlx::query", &Level::ERROR));
+    }
+
+    #[test]
+    fn empty_directives_are_dropped_not_read_as_trace_for_everything() {
+        for d in ["info,", ",info", "info,,", " info , "] {
+            let LogFilter::Targets(t) = log_filter(&super::without_empty_directives(d)) else {
+                panic!("{d:?} should be a Targets filter");
+            };
+            assert!(!t.would_enable("h2::codec", &Level::TRACE), "{d:?}");
+            assert!(t.would_enable("h2::codec", &Level::INFO), "{d:?}");
+        }
+        assert_eq!(super::without_empty_directives(" , "), "");
     }
 
     #[test]

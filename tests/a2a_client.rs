@@ -168,6 +168,32 @@ async fn a_task_the_remote_no_longer_knows_after_a_drop_ends_the_call_at_once() 
 }
 
 #[tokio::test]
+async fn artifacts_past_the_size_limit_end_the_call_and_cancel_the_task() {
+    let Some(py) = python() else { return };
+    let agent = PyAgent::start(&py, false).await;
+    let client = A2aClient::connect(&agent.base_url, None).await.unwrap();
+    let o = CallOptions {
+        max_artifact_bytes: 40,
+        ..opts()
+    };
+    let err = client
+        .send_text("chunks=200 delay=0.02", None, &o, None)
+        .await
+        .unwrap_err();
+    let CallError::TooLarge {
+        task_id: Some(task_id),
+        limit: 40,
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(
+        remote_state(&client, task_id, TaskState::Canceled).await,
+        TaskState::Canceled
+    );
+}
+
+#[tokio::test]
 async fn the_idle_watchdog_catches_a_silent_stall_and_cancels_the_task() {
     let Some(py) = python() else { return };
     let agent = PyAgent::start(&py, false).await;

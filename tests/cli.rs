@@ -32,9 +32,9 @@ impl Served {
                 "127.0.0.1:0",
                 "--a2a-listen",
                 "127.0.0.1:0",
-                "--drain-delay",
-                "0s",
             ])
+            // No drain delay unless the test asks for one.
+            .env("AGENTD_DRAIN_DELAY", "0s")
             .env(
                 "AGENTD_STORE",
                 format!("sqlite://{}", dir.path().join("agentd.db").display()),
@@ -496,7 +496,8 @@ fn the_start_up_line_names_the_version_store_replica_and_shutdown_durations() {
 }
 
 /// A second SIGTERM during the drain cuts the runs still in flight
-/// (UNAVAILABLE) instead of waiting out the grace, and the server exits.
+/// (UNAVAILABLE) instead of waiting out the grace, ends the drain delay,
+/// and the server exits.
 #[test]
 fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
     let mut served = Served::start(&[
@@ -506,6 +507,8 @@ fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
         "90s",
         "--shutdown-grace",
         "100s",
+        "--drain-delay",
+        "40s",
     ]);
     let session = text(&served.cli(&["session", "create", "--user", "alice"]).stdout)
         .trim()
@@ -545,7 +548,7 @@ fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
         }
         assert!(
             cut.elapsed() < Duration::from_secs(20),
-            "the server did not exit after the second SIGTERM"
+            "the server did not exit after the second SIGTERM (the drain delay is 40s)"
         );
         std::thread::sleep(Duration::from_millis(20));
     };

@@ -435,10 +435,11 @@ async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
     d.stop().await;
 }
 
-#[tokio::test]
-async fn bad_arguments_go_back_to_the_model_as_a_tool_error() {
+/// One turn whose model calls `lookup_order` with `arguments` and then
+/// answers: the turn's events, and the messages of the second model call.
+async fn call_with_arguments(arguments: &str) -> (Vec<agentd::pb::AgentEvent>, Vec<Value>) {
     let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
-        "function":{"name":"lookup_order","arguments":"{\"order\":1187}"}}]},"finish_reason":"tool_calls"}]});
+        "function":{"name":"lookup_order","arguments":arguments}}]},"finish_reason":"tool_calls"}]});
     let f = fake(vec![
         Reply::Sse(vec![call.to_string(), DONE.into()]),
         Reply::Sse(vec![text("Sorry."), stop(), DONE.into()]),
@@ -450,22 +451,71 @@ async fn bad_arguments_go_back_to_the_model_as_a_tool_error() {
         .run("u1", &s, "helper", "where is 1187", Duration::from_secs(20))
         .await;
     status.unwrap();
+    d.stop().await;
+    let seen = f.seen.lock().unwrap().clone();
+    let messages = seen[1]["messages"].as_array().unwrap().clone();
+    (events, messages)
+}
+
+#[tokio::test]
+async fn bad_arguments_go_back_to_the_model_as_a_tool_error() {
+    let (events, messages) = call_with_arguments("{\"order\":1187}").await;
     let result: Value = serde_json::from_str(&events[1].payload_json).unwrap();
     assert!(
         result["error"].as_str().unwrap().contains("order_id"),
         "{result}"
     );
-    let seen = f.seen.lock().unwrap().clone();
-    let tool_msg = seen[1]["messages"]
-        .as_array()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
+    let tool_msg = messages.last().unwrap();
     assert!(
         tool_msg["content"].as_str().unwrap().contains("schema"),
         "{tool_msg}"
     );
+}
+
+/// Arguments that are not JSON (a call cut by the token limit) get a tool
+/// error, and go back to the model as `{}`: model servers parse the
+/// arguments of every call in a request, and would refuse the next one.
+#[tokio::test]
+async fn arguments_that_are_not_json_go_back_to_the_model_as_an_empty_object() {
+    let (events, messages) = call_with_arguments("{\"order_id\": \"11").await;
+    assert_eq!(
+        events[0].payload_json,
+        json!("{\"order_id\": \"11").to_string(),
+        "the event shows what the model wrote, as a JSON string"
+    );
+    let result: Value = serde_json::from_str(&events[1].payload_json).unwrap();
+    assert!(
+        result["error"].as_str().unwrap().contains("not valid JSON"),
+        "{result}"
+    );
+    let assistant = &messages[messages.len() - 2];
+    let arguments = assistant["tool_calls"][0]["function"]["arguments"]
+        .as_str()
+        .unwrap();
+    assert_eq!(arguments, "{}", "{assistant}");
+}
+
+/// A 200 that is not an event stream (a gateway that ignores `stream`, a
+/// proxy's login page) is a misconfiguration: FAILED_PRECONDITION, not a
+/// retryable UNAVAILABLE.
+#[tokio::test]
+async fn a_model_server_answering_without_an_event_stream_is_failed_precondition() {
+    let body = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}"#;
+    let f = fake(vec![Reply::Error(
+        200,
+        vec![("content-type", "application/json")],
+        body.into(),
+    )])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let st = d
+        .run("u1", &s, "helper", "hi", Duration::from_secs(20))
+        .await
+        .1
+        .unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert!(st.message().contains("event stream"), "{st:?}");
     d.stop().await;
 }
 

@@ -50,6 +50,15 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_TOOL_TURNS: u32 = 8;
 /// Default cap of an HTTP tool's response.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 * 1024;
+/// The largest cap of an HTTP tool's response: its result, escaped as JSON
+/// (up to 6 bytes a byte), must fit in one gRPC message of a client's
+/// default limit (4 MiB).
+pub const MAX_RESPONSE_BYTES: usize = 512 * 1024;
+/// The longest timeout a file may give (longer ones are mistakes; runs are
+/// bounded by --max-run-duration anyway).
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// The values `first_call.tool_choice` may take.
+const TOOL_CHOICES: [&str; 3] = ["none", "auto", "required"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -211,6 +220,14 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
         }
         let url = parse_url(t.url.get_ref())
             .map_err(|r| at(Some(t.url.span()), &format!("tool {name:?}: {r}")))?;
+        if t.parameters.get_ref().get("type") != Some(&serde_json::Value::from("object")) {
+            return Err(at(
+                Some(t.parameters.span()),
+                &format!(
+                    "tool {name:?}: parameters must be a JSON schema of type \"object\" (model servers take no other)"
+                ),
+            ));
+        }
         let def =
             ToolDef::new(name, &t.description, t.parameters.get_ref().clone()).map_err(|r| {
                 at(
@@ -226,10 +243,12 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             .unwrap_or(DEFAULT_CALL_TIMEOUT);
         let headers = header_map(&t.headers, opts, &at)?;
         let cap = t.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
-        if cap == 0 {
+        if cap == 0 || cap > MAX_RESPONSE_BYTES {
             return Err(at(
                 Some(span),
-                &format!("tool {name:?}: max_response_bytes must be at least 1"),
+                &format!(
+                    "tool {name:?}: max_response_bytes must be between 1 and {MAX_RESPONSE_BYTES}"
+                ),
             ));
         }
         http_tools.insert(
@@ -281,12 +300,25 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             ));
         };
         let m = m.get_ref();
-        parse_url(m.base_url.get_ref()).map_err(|r| {
+        let base = parse_url(m.base_url.get_ref()).map_err(|r| {
             at(
                 Some(m.base_url.span()),
                 &format!("agent {name:?}: base_url: {r}"),
             )
         })?;
+        let refused = if !base.username().is_empty() || base.password().is_some() {
+            Some("holds credentials; give the key with api_key_env or api_key_file, or headers")
+        } else if base.fragment().is_some() {
+            Some("has a #fragment")
+        } else {
+            None
+        };
+        if let Some(r) = refused {
+            return Err(at(
+                Some(m.base_url.span()),
+                &format!("agent {name:?}: base_url {r}"),
+            ));
+        }
         if m.model.trim().is_empty() {
             return Err(at(
                 Some(span),
@@ -322,6 +354,21 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             (None, None) => None,
         }
         .map(|k| k.trim().to_owned());
+        if let Some(k) = &endpoint.api_key
+            && reqwest::header::HeaderValue::try_from(format!("Bearer {k}")).is_err()
+        {
+            let where_ = m
+                .api_key_file
+                .as_ref()
+                .map(|f| f.span())
+                .or(m.api_key_env.as_ref().map(|v| v.span()));
+            return Err(at(
+                where_,
+                &format!(
+                    "agent {name:?}: the API key cannot be sent in a header (a line break or a control character in it?)"
+                ),
+            ));
+        }
         let call_timeout = a
             .call_timeout
             .as_ref()
@@ -365,6 +412,29 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
                 &format!("agent {name:?}: first_call.tool_choice needs at least one tool"),
             ));
         }
+        if let Some(choice) = &first_call.tool_choice
+            && !TOOL_CHOICES.contains(&choice.as_str())
+        {
+            return Err(at(
+                Some(span),
+                &format!(
+                    "agent {name:?}: first_call.tool_choice {choice:?} is not one of {}",
+                    TOOL_CHOICES.join(", ")
+                ),
+            ));
+        }
+        let max_tool_turns = a
+            .max_tool_turns
+            .as_ref()
+            .map_or(DEFAULT_MAX_TOOL_TURNS, |t| *t.get_ref());
+        if max_tool_turns == 0 && first_call.tool_choice.as_deref() == Some("required") {
+            return Err(at(
+                Some(span),
+                &format!(
+                    "agent {name:?}: first_call.tool_choice = \"required\" with max_tool_turns = 0 can never answer"
+                ),
+            ));
+        }
         agents.push(Arc::new(ModelAgent::new(ModelAgentConfig {
             name: name.clone(),
             description: a.description.clone(),
@@ -376,10 +446,7 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
                 .as_ref()
                 .map(|s| s.get_ref().clone())
                 .unwrap_or_default(),
-            max_tool_turns: a
-                .max_tool_turns
-                .as_ref()
-                .map_or(DEFAULT_MAX_TOOL_TURNS, |t| *t.get_ref()),
+            max_tool_turns,
             call_timeout,
             tools: agent_tools,
             first_call,
@@ -636,6 +703,9 @@ fn duration(
     if v.is_zero() {
         return Err(at(Some(d.span()), "a timeout must be more than 0s"));
     }
+    if v > MAX_TIMEOUT {
+        return Err(at(Some(d.span()), "a timeout must be at most 24h"));
+    }
     Ok(v)
 }
 
@@ -767,6 +837,92 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
             .replace("default = \"support\"", "default = \"echo\""));
         assert!(e.starts_with("agents.toml:4:"), "{e}");
         assert!(e.contains("built-in agent"), "{e}");
+    }
+
+    #[test]
+    fn settings_a_model_server_would_refuse_on_every_run_are_refused_at_load() {
+        let cases = [
+            (
+                GOOD.replace(
+                    "parameters = { type = \"object\",",
+                    "parameters = { type = \"string\",",
+                ),
+                "agents.toml:23:",
+                "type \"object\"",
+            ),
+            (
+                GOOD.replace(
+                    "http://127.0.0.1:11434/v1/",
+                    "http://user:pw@127.0.0.1:11434/v1/",
+                ),
+                "agents.toml:12:",
+                "holds credentials",
+            ),
+            (
+                GOOD.replace(
+                    "max_tool_turns = 3",
+                    "max_tool_turns = 3\nfirst_call = { tool_choice = \"lookup_order\" }",
+                ),
+                "agents.toml:4:",
+                "not one of none, auto, required",
+            ),
+            (
+                GOOD.replace(
+                    "max_tool_turns = 3",
+                    "max_tool_turns = 0\nfirst_call = { tool_choice = \"required\" }",
+                ),
+                "agents.toml:4:",
+                "can never answer",
+            ),
+            (
+                GOOD.replace(
+                    "call_timeout = \"20s\"",
+                    "call_timeout = \"10000000000000000000s\"",
+                ),
+                "agents.toml:9:",
+                "at most 24h",
+            ),
+            (
+                GOOD.replace(
+                    "url = \"http://127.0.0.1:9/stock\"",
+                    "url = \"http://127.0.0.1:9/stock\"\nmax_response_bytes = 1048576",
+                ),
+                "agents.toml:",
+                "between 1 and 524288",
+            ),
+        ];
+        for (text, line, reason) in cases {
+            let e = err(&text);
+            assert!(e.starts_with(line) && e.contains(reason), "{e}\n{text}");
+        }
+        // A key that cannot go in a header (a second line appended).
+        let opts = LoadOptions {
+            tool_delay: Duration::ZERO,
+            env: Box::new(|k| (k == "MODEL_KEY").then(|| "sk-old\nsk-new".to_owned())),
+        };
+        let e = match parse(GOOD, Path::new("agents.toml"), &opts) {
+            Ok(_) => panic!("a key with a line break is refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.starts_with("agents.toml:14:") && e.contains("API key"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_base_url_query_goes_after_the_path_and_stays_out_of_logs() {
+        let e = Endpoint::new("https://example.test/openai/v1/?api-version=2024-10-21");
+        assert_eq!(
+            e.chat_url(),
+            "https://example.test/openai/v1/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(e.logged_base_url(), "https://example.test/openai/v1/");
+        let plain = Endpoint::new("http://127.0.0.1:11434/v1/");
+        assert_eq!(
+            plain.chat_url(),
+            "http://127.0.0.1:11434/v1/chat/completions"
+        );
     }
 
     #[test]

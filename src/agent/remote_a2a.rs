@@ -453,6 +453,13 @@ fn call_error(agent: &str, e: CallError) -> AgentError {
             tracing::warn!(%agent, task = %task_id, %cause, "remote_a2a: the remote task could not be recovered");
             unavailable("the remote A2A agent stopped answering; its task was cancelled")
         }
+        CallError::TooLarge { task_id, limit } => {
+            tracing::warn!(%agent, task = ?task_id, limit, "remote_a2a: the remote task's artifacts outgrew the limit; it was cancelled");
+            AgentError::FailedPrecondition(format!(
+                "the remote A2A agent's answer is larger than {} MiB",
+                limit >> 20
+            ))
+        }
         CallError::TaskLost { task_id, .. } => {
             tracing::warn!(%agent, task = %task_id, "remote_a2a: the stream was lost and the remote agent no longer knows the task");
             unavailable(
@@ -504,6 +511,9 @@ impl Agent for RemoteA2aAgent {
             let opts = CallOptions {
                 idle_timeout: shared.cfg.idle_timeout,
                 deadline: shared.cfg.call_timeout.min(left),
+                // Text past MAX_ANSWER_BYTES stops the call already; this
+                // bounds what else (data, files) the client buffers.
+                max_artifact_bytes: 4 * MAX_ANSWER_BYTES,
                 ..CallOptions::default()
             };
             let relay = Arc::new(Mutex::new(Relay::default()));

@@ -99,6 +99,10 @@ pub struct CallOptions {
     /// First backoff before a recovery; doubles each time up to `max_backoff`.
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
+    /// The most artifact content (text, data, file bytes) a call buffers;
+    /// past it the call ends with [`CallError::TooLarge`] and the remote task
+    /// is cancelled.
+    pub max_artifact_bytes: usize,
 }
 
 impl Default for CallOptions {
@@ -109,6 +113,7 @@ impl Default for CallOptions {
             max_recoveries: 5,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
+            max_artifact_bytes: 64 << 20,
         }
     }
 }
@@ -126,6 +131,19 @@ impl BufferedArtifact {
     pub fn text(&self) -> String {
         parts_text(&self.artifact.parts)
     }
+}
+
+/// The size of `parts`' content: text and file bytes, a file's URL, data
+/// as JSON.
+fn parts_size(parts: &[Part]) -> usize {
+    parts
+        .iter()
+        .map(|p| match &p.content {
+            PartContent::Text(t) | PartContent::Url(t) => t.len(),
+            PartContent::Raw(b) => b.len(),
+            PartContent::Data(v) => serde_json::to_vec(v).map_or(0, |j| j.len()),
+        })
+        .sum()
 }
 
 /// The text parts of `parts`, concatenated.
@@ -157,6 +175,8 @@ pub struct CallState {
     /// Status, artifact and message events applied so far (snapshots not
     /// counted).
     updates: u64,
+    /// The size of the buffered artifacts' content, kept as they change.
+    artifact_bytes: usize,
     /// A gap in the stream that no snapshot has covered yet.
     gap: bool,
     /// The remote's task snapshots were seen to leave out artifacts the
@@ -176,6 +196,7 @@ impl CallState {
             incomplete: false,
             recoveries: 0,
             updates: 0,
+            artifact_bytes: 0,
             gap: false,
             bare_snapshots: false,
         }
@@ -210,6 +231,11 @@ impl CallState {
                     ready: true,
                 })
                 .collect();
+            self.artifact_bytes = self
+                .artifacts
+                .iter()
+                .map(|b| parts_size(&b.artifact.parts))
+                .sum();
             self.incomplete = false;
             self.gap = false;
         } else if !self.artifacts.is_empty() {
@@ -247,18 +273,25 @@ impl CallState {
                     .artifacts
                     .iter_mut()
                     .find(|b| b.artifact.artifact_id == u.artifact.artifact_id);
+                let added = parts_size(&u.artifact.parts);
                 match (existing, u.append.unwrap_or(false)) {
                     (Some(b), true) => {
                         b.artifact.parts.extend(u.artifact.parts.iter().cloned());
                         b.ready = ready;
+                        self.artifact_bytes += added;
                     }
                     (Some(b), false) => {
+                        self.artifact_bytes = self
+                            .artifact_bytes
+                            .saturating_sub(parts_size(&b.artifact.parts))
+                            + added;
                         *b = BufferedArtifact {
                             artifact: u.artifact.clone(),
                             ready,
                         }
                     }
                     (None, append) => {
+                        self.artifact_bytes += added;
                         // An append to an artifact we never saw: its start
                         // was lost.
                         if append {
@@ -396,6 +429,13 @@ pub enum CallError {
         task_id: String,
         last_state: Option<TaskState>,
         artifacts: Vec<Artifact>,
+    },
+    /// The remote task's artifacts outgrew `max_artifact_bytes`; it was
+    /// cancelled.
+    #[error("the remote task's artifacts are larger than {limit} bytes; it was cancelled")]
+    TooLarge {
+        task_id: Option<String>,
+        limit: usize,
     },
     /// The remote agent refused the request.
     #[error("the remote agent refused the call: {0}")]
@@ -699,6 +739,9 @@ impl A2aClient {
                 }
                 Ok(Ok(task)) => {
                     st.apply_task(&task);
+                    if let Some(e) = self.too_large(&st, opts).await {
+                        return Err(e);
+                    }
                     if let Some(end) = end_of(&st, None) {
                         return end;
                     }
@@ -744,6 +787,9 @@ impl A2aClient {
                 Ok(Some(Ok(ev))) => ev,
             };
             st.apply(&next);
+            if let Some(e) = self.too_large(st, opts).await {
+                return Step::Done(Box::new(Err(e)));
+            }
             if let Some(l) = listener.as_deref_mut() {
                 match l.on_event(&next, st) {
                     Control::Continue => {}
@@ -759,6 +805,22 @@ impl A2aClient {
                 return Step::Done(Box::new(end));
             }
         }
+    }
+
+    /// Past `max_artifact_bytes`: the remote task is cancelled, and the
+    /// error to end the call with.
+    async fn too_large(&self, st: &CallState, opts: &CallOptions) -> Option<CallError> {
+        if st.artifact_bytes <= opts.max_artifact_bytes {
+            return None;
+        }
+        if let Some(id) = &st.task_id {
+            self.cancel_logged(id, st, "its artifacts outgrew the limit")
+                .await;
+        }
+        Some(CallError::TooLarge {
+            task_id: st.task_id.clone(),
+            limit: opts.max_artifact_bytes,
+        })
     }
 
     async fn abandon_at_deadline(&self, st: &CallState) -> CallError {
@@ -1001,6 +1063,22 @@ mod tests {
         st.apply(&chunk("a1", "2", true, true));
         assert!(!st.incomplete);
         assert_eq!(st.artifacts[0].text(), "12");
+    }
+
+    #[test]
+    fn the_buffered_size_follows_appends_replacements_and_snapshots() {
+        let mut st = CallState::new();
+        st.apply(&chunk("a", "12345", false, false));
+        st.apply(&chunk("a", "678", true, false));
+        st.apply(&chunk("b", "xy", false, true));
+        assert_eq!(st.artifact_bytes, 10);
+        st.apply(&chunk("a", "1", false, true));
+        assert_eq!(st.artifact_bytes, 3, "a replacement drops what it replaces");
+        let StreamResponse::ArtifactUpdate(u) = chunk("c", "abcd", false, true) else {
+            unreachable!()
+        };
+        st.apply_task(&snapshot(TaskState::Working, Some(vec![u.artifact])));
+        assert_eq!(st.artifact_bytes, 4, "a snapshot replaces the buffer");
     }
 
     #[test]

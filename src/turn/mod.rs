@@ -692,6 +692,11 @@ impl Turns {
         self.cut.cancel();
     }
 
+    /// Resolves once [`Turns::cut_all`] was called.
+    pub async fn cut_requested(&self) {
+        self.cut.cancelled().await
+    }
+
     fn live_progress(&self, key: &TurnKey) -> Option<watch::Receiver<Progress>> {
         self.live
             .lock()

@@ -29,19 +29,16 @@ async fn check(turns: Arc<Turns>) {
     metrics::store_up(*turns.store_ok.borrow());
     loop {
         tick.tick().await;
-        let ok = match tokio::time::timeout(
-            cfg.store_check.max(Duration::from_secs(1)) * 2,
-            turns.store.ping(),
-        )
-        .await
-        {
-            Ok(Ok(())) => true,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %format!("{e:#}"), "store health check failed");
-                false
-            }
-            Err(_) => false,
+        let bound = cfg.store_check.max(Duration::from_secs(1)) * 2;
+        let failure = match tokio::time::timeout(bound, turns.store.ping()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(format!("{e:#}")),
+            Err(_) => Some(format!("no answer within {bound:?}")),
         };
+        if let Some(why) = &failure {
+            tracing::debug!(error = %why, "store health check failed");
+        }
+        let ok = failure.is_none();
         metrics::store_up(ok);
         let changed = turns
             .store_ok
@@ -51,6 +48,7 @@ async fn check(turns: Arc<Turns>) {
                 tracing::info!("session store reachable again; accepting runs");
             } else {
                 tracing::warn!(
+                    error = %failure.as_deref().unwrap_or_default(),
                     "session store unreachable; refusing new runs (UNAVAILABLE) until it is back"
                 );
             }

@@ -161,7 +161,7 @@ impl Agent for ModelAgent {
                 let calls = completion.tool_calls;
                 messages.push(Message::Assistant {
                     content: Some(completion.text).filter(|t| !t.is_empty()),
-                    tool_calls: calls.clone(),
+                    tool_calls: calls.iter().map(replayable).collect(),
                 });
                 // Run every call at once; report each as it finishes, and
                 // answer the model in the order it asked.
@@ -297,4 +297,17 @@ fn failed<T>(span: &tracing::Span, r: Result<T, AgentError>) -> Result<T, AgentE
         span.record("otel.status_code", "error");
     }
     r
+}
+
+/// `call` as it goes back to the model in the conversation: arguments that
+/// are not a JSON document (cut by the token limit, a trailing comma) are
+/// sent as `{}`, since servers parse the arguments of every call they are
+/// sent (vLLM, Ollama, llama-server) and would refuse the request; the tool
+/// result that follows tells the model what was wrong.
+fn replayable(call: &ToolCall) -> ToolCall {
+    let mut call = call.clone();
+    if serde_json::from_str::<serde_json::Value>(&call.function.arguments).is_err() {
+        call.function.arguments = "{}".into();
+    }
+    call
 }

@@ -43,6 +43,24 @@ impl std::fmt::Debug for Endpoint {
 }
 
 impl Endpoint {
+    /// `POST` here: `{base_url}/chat/completions`, the base URL's query
+    /// (e.g. Azure's `api-version`) kept after the path.
+    pub fn chat_url(&self) -> String {
+        match self.base_url.split_once('?') {
+            Some((path, query)) => {
+                format!("{}/chat/completions?{query}", path.trim_end_matches('/'))
+            }
+            None => format!("{}/chat/completions", self.base_url),
+        }
+    }
+
+    /// The base URL for logs: without its query, which may carry a key.
+    pub fn logged_base_url(&self) -> &str {
+        self.base_url
+            .split_once('?')
+            .map_or(self.base_url.as_str(), |(path, _)| path)
+    }
+
     pub fn new(base_url: &str) -> Self {
         Self {
             base_url: base_url.trim_end_matches('/').to_owned(),
@@ -62,17 +80,29 @@ impl Endpoint {
     }
 }
 
-/// The HTTP client shared by every agent and HTTP tool of a process.
+/// The HTTP client shared by every model-backed agent and HTTP tool of a
+/// process. It follows no redirect: reqwest would resend the request's
+/// headers, secrets read from the environment or a file among them, to
+/// wherever a redirect points (it drops only Authorization and cookies);
+/// a model server or tool that redirects is refused with its status.
 pub fn http_client() -> anyhow::Result<reqwest::Client> {
-    http_client_trusting(None)
+    http_client_with(None, reqwest::redirect::Policy::none())
 }
 
 /// agentd's HTTP client (model servers, HTTP tools, remote A2A agents):
 /// TLS against the system's roots, plus the certificates of the PEM bundle
 /// `ca_pem` when given (a private CA).
 pub fn http_client_trusting(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
+    http_client_with(ca_pem, reqwest::redirect::Policy::default())
+}
+
+fn http_client_with(
+    ca_pem: Option<&[u8]>,
+    redirects: reqwest::redirect::Policy,
+) -> anyhow::Result<reqwest::Client> {
     crate::auth::tls::install_crypto_provider();
     let mut builder = reqwest::Client::builder()
+        .redirect(redirects)
         .connect_timeout(Duration::from_secs(10))
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(90))
@@ -148,7 +178,7 @@ impl ChatClient {
         req: &ChatRequest<'_>,
         id_prefix: &str,
     ) -> Result<ChatStream, AgentError> {
-        let url = format!("{}/chat/completions", self.endpoint.base_url);
+        let url = self.endpoint.chat_url();
         let mut headers = self.endpoint.headers.clone();
         // The current span's traceparent, so the model server's trace (if
         // it keeps one) joins the run's.
@@ -173,6 +203,28 @@ impl ChatClient {
         if !status.is_success() {
             return Err(self.http_error(resp).await);
         }
+        // A 200 that is not an event stream (a proxy's login page, a
+        // gateway that ignores `stream`): a misconfiguration, not a
+        // failure that a retry cures.
+        let content_type = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        if !content_type.is_empty() && !content_type.starts_with("text/event-stream") {
+            let body = read_capped(resp, ERROR_BODY_LOG_BYTES).await;
+            tracing::warn!(
+                agent = %self.agent,
+                base_url = %self.endpoint.logged_base_url(),
+                content_type = %content_type,
+                body = %String::from_utf8_lossy(&body),
+                "model server answered without an event stream"
+            );
+            return Err(AgentError::FailedPrecondition(
+                "the model server did not answer with an event stream; is base_url an OpenAI-compatible API? (the server log has what it sent)".into(),
+            ));
+        }
         Ok(ChatStream {
             events: Box::pin(bounded_sse(resp.bytes_stream(), MAX_SSE_EVENT_BYTES).eventsource()),
             acc: Some(Accumulator::new(id_prefix)),
@@ -185,7 +237,7 @@ impl ChatClient {
     }
 
     fn transport_error(&self, e: &reqwest::Error) -> AgentError {
-        tracing::warn!(agent = %self.agent, base_url = %self.endpoint.base_url, error = %error_chain(e), "model server unreachable");
+        tracing::warn!(agent = %self.agent, base_url = %self.endpoint.logged_base_url(), error = %error_chain(e), "model server unreachable");
         let message = if e.is_timeout() {
             "the model server did not answer in time; retry later"
         } else {
@@ -203,7 +255,7 @@ impl ChatClient {
         let body = read_capped(resp, ERROR_BODY_LOG_BYTES).await;
         tracing::warn!(
             agent = %self.agent,
-            base_url = %self.endpoint.base_url,
+            base_url = %self.endpoint.logged_base_url(),
             http_status = status.as_u16(),
             body = %String::from_utf8_lossy(&body),
             "model server refused the request"
@@ -290,10 +342,10 @@ pub fn map_status(status: StatusCode, body: &[u8], retry_after: Option<Duration>
 /// Whether an error body says the account is out of quota (OpenAI's
 /// `insufficient_quota`).
 fn is_quota_exhausted(body: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+    let Some(e) = error_object(body) else {
         return false;
     };
-    let e = v.get("error").unwrap_or(&v);
+    let e = &e;
     ["code", "type"]
         .iter()
         .any(|k| e.get(k).and_then(|c| c.as_str()) == Some("insufficient_quota"))
@@ -301,10 +353,10 @@ fn is_quota_exhausted(body: &[u8]) -> bool {
 
 /// Whether an error body says the prompt exceeded the context window.
 fn is_context_length(body: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+    let Some(e) = error_object(body) else {
         return false;
     };
-    let e = v.get("error").unwrap_or(&v);
+    let e = &e;
     let fields = ["code", "type"].map(|k| {
         e.get(k)
             .and_then(|c| c.as_str())
@@ -322,6 +374,25 @@ fn is_context_length(body: &[u8]) -> bool {
         || message.contains("context length")
         || message.contains("context window")
         || message.contains("maximum context")
+        // Gemini: "The input token count (…) exceeds the maximum number of
+        // tokens allowed (…)".
+        || message.contains("input token count")
+        || message.contains("exceeds the maximum number of tokens")
+}
+
+/// The error object of an error body: `{"error": {…}}`, Gemini's
+/// `[{"error": {…}}]`, or the body itself.
+fn error_object(body: &[u8]) -> Option<serde_json::Value> {
+    let mut v = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    if let serde_json::Value::Array(items) = &mut v
+        && items.len() == 1
+    {
+        v = items.pop()?;
+    }
+    Some(match v.get_mut("error") {
+        Some(e) => e.take(),
+        None => v,
+    })
 }
 
 /// `Retry-After` as seconds or an HTTP date, or OpenAI's `retry-after-ms`.
@@ -560,6 +631,19 @@ mod tests {
             m(429, no_credit),
             AgentError::FailedPrecondition(_)
         ));
+        // Gemini's OpenAI-compatible endpoint: an array of one error.
+        let gemini = r#"[{"error":{"code":400,"message":"The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]"#;
+        assert!(matches!(m(400, gemini), AgentError::InvalidInput(_)));
+        // A 5xx carries the server's Retry-After.
+        let r = map_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            b"",
+            Some(Duration::from_secs(7)),
+        );
+        assert!(
+            matches!(r, AgentError::Unavailable { retry_after: Some(d), .. } if d == Duration::from_secs(7)),
+            "{r:?}"
+        );
     }
 
     #[test]
