@@ -123,7 +123,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            match cli.log_format {
+                // One JSON line like every other, so a log pipeline keeps
+                // the line that explains why the process stopped.
+                agentd::config::LogFormat::Json => tracing::error!("{e:#}"),
+                agentd::config::LogFormat::Text => eprintln!("error: {e:#}"),
+            }
             ExitCode::FAILURE
         }
     }

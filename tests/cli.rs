@@ -455,6 +455,30 @@ fn a_log_filter_that_does_not_parse_fails_at_start_up_with_one_clear_line() {
     assert!(started, "AGENTD_LOG=info serves whatever RUST_LOG says");
 }
 
+/// With JSON logs, the line that says why agentd stopped is a JSON log
+/// line too (a log pipeline would drop plain text).
+#[test]
+fn with_json_logs_a_start_up_failure_is_one_json_error_line() {
+    let out = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .args(["--admin-listen", "off", "--a2a-listen", "off"])
+        .args(["--store", "memory:", "--agents", "/nonexistent/agents.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    let last = stderr.trim().lines().last().unwrap_or_default();
+    let line: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("not a JSON line ({e}): {stderr}"));
+    assert_eq!(line["level"], "ERROR", "{line}");
+    assert!(
+        line["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("agents.toml")),
+        "{line}"
+    );
+}
+
 /// The start-up line carries what an incident asks first: the build, the
 /// store (its kind, and its URL without a password), the replica and the
 /// durations that decide how a pod stops; and `listen`, which tests and
