@@ -590,7 +590,6 @@ impl Turns {
         }
     }
 
-    /// A follower's place under [`TurnConfig::max_followers`].
     /// A place for one more run of `user`, under the process-wide cap and
     /// the user's share.
     fn run_slot(&self, user: &UserId) -> Result<RunSlot, RunError> {
@@ -608,7 +607,7 @@ impl Turns {
             });
         };
         {
-            let mut runs = self.user_runs.lock().unwrap();
+            let mut runs = self.user_runs.lock().unwrap_or_else(|p| p.into_inner());
             let n = runs.entry(user.clone()).or_default();
             if *n >= limit {
                 tracing::debug!(user = %user, limit, "run refused: the user is at --max-runs-per-user");
@@ -622,6 +621,7 @@ impl Turns {
         })
     }
 
+    /// A follower's place under [`TurnConfig::max_followers`].
     fn follower_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RunError> {
         self.followers
             .clone()
