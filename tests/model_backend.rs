@@ -386,21 +386,27 @@ async fn a_stream_cut_before_done_is_unavailable_not_a_success() {
     d.stop().await;
 }
 
+/// An error object mid-stream with `code` (echoing the prompt): the
+/// run's end status, sanitised, after the text that came before it.
 #[tokio::test]
 async fn an_error_object_mid_stream_ends_the_run_sanitised() {
-    let err = json!({"error": {"code": 500, "message": format!("parser failed on: {SECRET}")}})
-        .to_string();
-    let f = fake(vec![Reply::Sse(vec![text("partial "), err, DONE.into()])]).await;
-    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "where?", Duration::from_secs(20))
-        .await;
-    let st = status.unwrap_err();
-    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
-    assert!(!st.message().contains("4111"));
-    assert_eq!(kinds(&events), vec![EventKind::PartialText]);
-    d.stop().await;
+    // A server failure may pass; a request the server refuses will not.
+    for (code, want) in [(500, Code::Unavailable), (400, Code::FailedPrecondition)] {
+        let err =
+            json!({"error": {"code": code, "message": format!("parser failed on: {SECRET}")}})
+                .to_string();
+        let f = fake(vec![Reply::Sse(vec![text("partial "), err, DONE.into()])]).await;
+        let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+        let s = d.session("u1").await;
+        let (events, status) = d
+            .run("u1", &s, "helper", "where?", Duration::from_secs(20))
+            .await;
+        let st = status.unwrap_err();
+        assert_eq!(st.code(), want, "code {code}: {st:?}");
+        assert!(!st.message().contains("4111"));
+        assert_eq!(kinds(&events), vec![EventKind::PartialText]);
+        d.stop().await;
+    }
 }
 
 #[tokio::test]
@@ -928,6 +934,10 @@ async fn the_per_call_timeout_bounds_a_model_call() {
         .await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(
+        st.message().contains("did not finish within 300ms"),
+        "the per-call timeout, not another failure: {st:?}"
+    );
     f.call_closed("connection closed").await;
     d.stop().await;
 }
