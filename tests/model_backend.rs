@@ -441,6 +441,47 @@ async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
     d.stop().await;
 }
 
+/// Text the model streams before a tool call is part of the answer: the
+/// final answer is every partial event's text in order (what a client that
+/// renders partials showed), and the next turn's history holds it whole.
+#[tokio::test]
+async fn text_streamed_before_a_tool_call_is_part_of_the_final_answer() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
+        "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1187\"}"}}]},"finish_reason":"tool_calls"}]});
+    let f = fake(vec![
+        Reply::Sse(vec![text("Let me check. "), call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("It has "), text("shipped."), stop(), DONE.into()]),
+        Reply::Sse(vec![text("Anything else?"), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "Where is 1187?",
+            Duration::from_secs(20),
+        )
+        .await;
+    status.unwrap();
+    assert_eq!(partial_text(&events), "Let me check. It has shipped.");
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), EventKind::FinalAnswer);
+    assert_eq!(last.text, "Let me check. It has shipped.");
+    d.run("u1", &s, "helper", "thanks", Duration::from_secs(20))
+        .await
+        .1
+        .unwrap();
+    let seen = f.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3);
+    let history = &seen[2]["messages"];
+    assert_eq!(history[2]["role"], "assistant");
+    assert_eq!(history[2]["content"], "Let me check. It has shipped.");
+    d.stop().await;
+}
+
 /// One turn whose model calls `lookup_order` with `arguments` and then
 /// answers: the turn's events, and the messages of the second model call.
 async fn call_with_arguments(arguments: &str) -> (Vec<agentd::pb::AgentEvent>, Vec<Value>) {

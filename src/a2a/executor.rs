@@ -323,13 +323,13 @@ impl Mapper {
                     return vec![job.chunk(e.text, false, true)];
                 }
                 // A final answer that repeats the streamed text only adds its
-                // rest; otherwise it follows what was streamed.
-                let rest = e
-                    .text
-                    .strip_prefix(self.streamed.as_str())
-                    .map(str::to_owned)
-                    .unwrap_or(e.text);
-                vec![job.chunk(rest, true, true)]
+                // rest; one that does not replaces it: the answer artifact
+                // is the final answer, never the streamed text with the
+                // answer after it.
+                match e.text.strip_prefix(self.streamed.as_str()) {
+                    Some(rest) => vec![job.chunk(rest.to_owned(), true, true)],
+                    None => vec![job.chunk(e.text, false, true)],
+                }
             }
         }
     }
@@ -658,6 +658,16 @@ mod tests {
         assert_eq!(chunk(&a[0]), ("Hel".into(), false, false));
         assert_eq!(chunk(&b[0]), ("lo".into(), true, false));
         assert_eq!(chunk(&c[0]), (" world".into(), true, true));
+    }
+
+    #[test]
+    fn a_final_answer_that_is_not_the_streamed_text_replaces_it() {
+        let (j, mut m) = (job(), Mapper::new());
+        m.map(&j, event(pb::EventKind::PartialText, "Let me check. "));
+        m.map(&j, event(pb::EventKind::ToolCall, ""));
+        m.map(&j, event(pb::EventKind::PartialText, "Shipped."));
+        let c = m.map(&j, event(pb::EventKind::FinalAnswer, "Shipped."));
+        assert_eq!(chunk(&c[0]), ("Shipped.".into(), false, true));
     }
 
     #[test]

@@ -309,10 +309,11 @@ impl Authenticator {
         certificate_name: Option<&str>,
     ) -> Result<Caller, Unauthenticated> {
         if let Some(value) = authorization {
-            let token = value
-                .strip_prefix(b"Bearer ")
-                .or_else(|| value.strip_prefix(b"bearer "))
-                .ok_or(Unauthenticated::Malformed)?;
+            // The scheme's name is case-insensitive (RFC 9110 11.1).
+            let token = match value.split_at_checked(7) {
+                Some((scheme, token)) if scheme.eq_ignore_ascii_case(b"Bearer ") => token,
+                _ => return Err(Unauthenticated::Malformed),
+            };
             return self
                 .by_token(token)
                 .cloned()
@@ -360,6 +361,12 @@ mod tests {
             .authenticate(Some(b"Bearer tok-billing-0123456789"), None)
             .unwrap();
         assert!(c.scope.allows("anyone"));
+        // The scheme's name in any case.
+        for scheme in ["bearer", "BEARER", "bEaReR"] {
+            let header = format!("{scheme} tok-web-0123456789abc");
+            let c = a.authenticate(Some(header.as_bytes()), None).unwrap();
+            assert_eq!(&*c.name, "web", "{scheme}");
+        }
     }
 
     #[test]
@@ -370,6 +377,12 @@ mod tests {
             a.authenticate(Some(b"Basic abc"), None),
             Err(Unauthenticated::Malformed)
         );
+        for short in [&b""[..], b"Bearer", b"Bearer\ttok-web-0123456789abc"] {
+            assert_eq!(
+                a.authenticate(Some(short), None),
+                Err(Unauthenticated::Malformed)
+            );
+        }
         assert_eq!(
             a.authenticate(Some(b"Bearer tok-web-0123456789abX"), None),
             Err(Unauthenticated::BadToken)

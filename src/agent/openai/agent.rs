@@ -99,6 +99,10 @@ impl Agent for ModelAgent {
         Box::pin(async_stream::try_stream! {
             let mut messages = initial_messages(&cfg.instruction, &ctx, input);
             let mut turn: u32 = 0;
+            // Everything the model said this turn: the answer is what its
+            // partial events streamed, text before tool calls included
+            // (agents.v1: the partials concatenated are the answer).
+            let mut said = String::new();
             loop {
                 let first = turn == 0;
                 let mut sent = messages.clone();
@@ -145,7 +149,8 @@ impl Agent for ModelAgent {
                     if completion.finish == Finish::Length {
                         tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
                     }
-                    yield Event::final_answer(&cfg.name, completion.text);
+                    said.push_str(&completion.text);
+                    yield Event::final_answer(&cfg.name, said);
                     break;
                 }
                 for c in &completion.tool_calls[announced..] {
@@ -159,6 +164,7 @@ impl Agent for ModelAgent {
                     )))?;
                 }
                 let calls = completion.tool_calls;
+                said.push_str(&completion.text);
                 messages.push(Message::Assistant {
                     content: Some(completion.text).filter(|t| !t.is_empty()),
                     tool_calls: calls.iter().map(replayable).collect(),
