@@ -313,3 +313,55 @@ async fn a_replica_killed_mid_turn_leaves_the_turn_failed_unavailable_and_it_is_
     );
     b.stop().await;
 }
+
+/// Replicas of a new deployment start together on an empty database: one
+/// runs the migrations while the others wait for it, and all of them open
+/// (an index built CONCURRENTLY under the migrator's lock waited for the
+/// waiting replicas, which waited for the lock: PostgreSQL ended it as a
+/// deadlock and left the index invalid). Every index is usable after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_starting_together_on_an_empty_database_all_open_it() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let opened = futures::future::join_all((0..3).map(|_| agentd::store::open(&db.url))).await;
+    for (i, o) in opened.iter().enumerate() {
+        if let Err(e) = o {
+            panic!("replica {i} did not open the store: {e:#}");
+        }
+    }
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let invalid: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE NOT i.indisvalid",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");
+}
+
+/// A database where that deadlock left 0006's index invalid (and recorded
+/// 0006 as applied) gets the index rebuilt at the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_left_invalid_by_a_failed_concurrent_build_is_rebuilt_at_start() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    drop(db.open().await);
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = 'a2a_tasks_ended'::regclass";
+    for sql in [
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'a2a_tasks_ended'::regclass",
+        "DELETE FROM _sqlx_migrations WHERE version = 7",
+    ] {
+        sqlx::query(sql).execute(&mut c).await.unwrap();
+    }
+    let before: bool = sqlx::query_scalar(valid).fetch_one(&mut c).await.unwrap();
+    assert!(!before);
+    drop(db.open().await);
+    let after: bool = sqlx::query_scalar(valid).fetch_one(&mut c).await.unwrap();
+    assert!(after, "the index is still invalid");
+}

@@ -96,8 +96,8 @@ impl PostgresStore {
         self.write.close().await;
     }
 
-    /// Connects to `url` and runs the migrations (concurrent replicas wait on
-    /// the migrator's advisory lock).
+    /// Connects to `url` and runs the migrations (one replica at a time:
+    /// [`migrate`]).
     pub async fn connect(url: &str) -> anyhow::Result<Self> {
         let opts = PgConnectOptions::from_str(url)?.application_name("agentd");
         // One direct connection first: its error says why (refused, auth,
@@ -108,7 +108,7 @@ impl PostgresStore {
         )
         .await
         .map_err(|_| anyhow::anyhow!("no answer within {ACQUIRE_TIMEOUT:?}"))??;
-        sqlx::Connection::close(probe).await?;
+        migrate(probe).await?;
         let pool = PgPoolOptions::new()
             .max_connections(MAX_CONNECTIONS)
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -122,9 +122,6 @@ impl PostgresStore {
                 })
             })
             .connect_with(opts)
-            .await?;
-        super::migrator(sqlx::migrate!("migrations/postgres"))
-            .run(&pool)
             .await?;
         let store = Self {
             commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
@@ -144,6 +141,48 @@ impl PostgresStore {
         }
         Ok(store)
     }
+}
+
+/// The advisory lock replicas of agentd take, one at a time, to migrate.
+const MIGRATION_LOCK: i64 = 0x6167_656e_7464_0001;
+/// How often a replica asks for [`MIGRATION_LOCK`] while another holds it.
+const MIGRATION_LOCK_POLL: Duration = Duration::from_millis(100);
+
+/// Runs the migrations on `conn`, one replica at a time, then closes it.
+///
+/// Replicas wait for the lock by asking again, not in `pg_advisory_lock`
+/// (as sqlx's migrator does): an index built CONCURRENTLY waits for every
+/// statement already running, a replica's wait for the lock among them,
+/// while that wait is for the migrating replica. PostgreSQL ended that
+/// cycle as a deadlock, failing the start of all but one of the replicas of
+/// a new deployment. The migrator's own lock, taken inside this one, is
+/// then never waited for.
+async fn migrate(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
+    let started = tokio::time::Instant::now();
+    let mut said = false;
+    loop {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(MIGRATION_LOCK)
+            .fetch_one(&mut conn)
+            .await?;
+        if got {
+            break;
+        }
+        if !said && started.elapsed() >= Duration::from_secs(5) {
+            said = true;
+            tracing::info!("waiting for another replica to migrate the database");
+        }
+        tokio::time::sleep(MIGRATION_LOCK_POLL).await;
+    }
+    super::migrator(sqlx::migrate!("migrations/postgres"))
+        .run(&mut conn)
+        .await?;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut conn)
+        .await?;
+    sqlx::Connection::close(conn).await?;
+    Ok(())
 }
 
 impl PostgresStore {
