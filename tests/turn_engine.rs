@@ -109,3 +109,220 @@ async fn first_turn(store: &dyn Store, text: &str) -> (RunInput, TurnKey) {
     };
     (input, key)
 }
+
+/// How [`Late`] delays the outcome's write.
+#[derive(Clone, Copy, PartialEq)]
+enum Lateness {
+    /// The write lands, and its answer comes a whole lease later.
+    AnswersLate,
+    /// The first write lands, and is reported failed (as a write that
+    /// outlasted `--store-timeout` and committed after all).
+    ReportedFailed,
+}
+
+/// A store whose outcome writes land but answer late or wrongly; the rest
+/// is the memory store's.
+struct Late {
+    inner: Arc<MemoryStore>,
+    how: Lateness,
+    wait: std::time::Duration,
+    failed_once: std::sync::atomic::AtomicBool,
+}
+
+impl Late {
+    async fn after_write(&self, written: bool) -> agentd::store::StoreResult<bool> {
+        use std::sync::atomic::Ordering;
+        match self.how {
+            Lateness::AnswersLate => {
+                tokio::time::sleep(self.wait).await;
+                Ok(written)
+            }
+            Lateness::ReportedFailed if !self.failed_once.swap(true, Ordering::SeqCst) => Err(
+                agentd::store::StoreError::Unavailable(anyhow::anyhow!("no answer in time")),
+            ),
+            Lateness::ReportedFailed => Ok(written),
+        }
+    }
+}
+
+impl agentd::store::a2a_tasks::A2aTaskSource for Late {
+    fn a2a_tasks(&self) -> Arc<dyn agentd::store::a2a_tasks::A2aTasks> {
+        self.inner.a2a_tasks()
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Late {
+    async fn create_session(
+        &self,
+        u: &UserId,
+    ) -> agentd::store::StoreResult<agentd::store::Session> {
+        self.inner.create_session(u).await
+    }
+    async fn get_session(
+        &self,
+        id: agentd::domain::SessionId,
+    ) -> agentd::store::StoreResult<Option<agentd::store::Session>> {
+        self.inner.get_session(id).await
+    }
+    async fn claim_turn(
+        &self,
+        t: &agentd::store::NewTurn,
+    ) -> agentd::store::StoreResult<agentd::store::Claim> {
+        self.inner.claim_turn(t).await
+    }
+    async fn get_turn(
+        &self,
+        k: &TurnKey,
+    ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
+        self.inner.get_turn(k).await
+    }
+    async fn append_encoded(
+        &self,
+        k: &TurnKey,
+        e: Vec<agentd::store::EncodedEvent>,
+    ) -> agentd::store::StoreResult<()> {
+        self.inner.append_encoded(k, e).await
+    }
+    async fn finish_turn(
+        &self,
+        k: &TurnKey,
+        o: &agentd::store::TurnOutcome,
+        a: Option<&str>,
+    ) -> agentd::store::StoreResult<bool> {
+        let written = self.inner.finish_turn(k, o, a).await?;
+        self.after_write(written).await
+    }
+    async fn append_and_finish(
+        &self,
+        k: &TurnKey,
+        e: Vec<agentd::store::EncodedEvent>,
+        o: &agentd::store::TurnOutcome,
+        a: Option<&str>,
+    ) -> agentd::store::StoreResult<bool> {
+        let written = self.inner.append_and_finish(k, e, o, a).await?;
+        self.after_write(written).await
+    }
+    async fn events_after(
+        &self,
+        k: &TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::store::SeqEvent>> {
+        self.inner.events_after(k, after, limit).await
+    }
+    async fn history(
+        &self,
+        s: agentd::domain::SessionId,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::agent::PriorTurn>> {
+        self.inner.history(s, limit).await
+    }
+    async fn list_sessions(
+        &self,
+        u: &UserId,
+        limit: usize,
+        after: Option<&agentd::store::PageCursor>,
+    ) -> agentd::store::StoreResult<agentd::store::SessionPage> {
+        self.inner.list_sessions(u, limit, after).await
+    }
+    async fn delete_session(
+        &self,
+        id: agentd::domain::SessionId,
+    ) -> agentd::store::StoreResult<agentd::store::Deletion> {
+        self.inner.delete_session(id).await
+    }
+    async fn list_turns(
+        &self,
+        s: agentd::domain::SessionId,
+        after: Option<&agentd::store::TurnCursor>,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::store::TurnRecord>> {
+        self.inner.list_turns(s, after, limit).await
+    }
+    async fn renew_lease(
+        &self,
+        k: &TurnKey,
+        owner: &str,
+        until: std::time::SystemTime,
+    ) -> agentd::store::StoreResult<bool> {
+        self.inner.renew_lease(k, owner, until).await
+    }
+    async fn fail_expired(
+        &self,
+        now: std::time::SystemTime,
+        o: &agentd::store::TurnOutcome,
+    ) -> agentd::store::StoreResult<u64> {
+        self.inner.fail_expired(now, o).await
+    }
+    async fn prune(
+        &self,
+        before: std::time::SystemTime,
+        limit: usize,
+    ) -> agentd::store::StoreResult<u64> {
+        self.inner.prune(before, limit).await
+    }
+    async fn ping(&self) -> agentd::store::StoreResult<()> {
+        self.inner.ping().await
+    }
+}
+
+/// One turn of the demo agent on a [`Late`] store with a 300 ms lease:
+/// the stream's end, and the turn as stored.
+async fn run_on_late_store(
+    how: Lateness,
+) -> (Result<(), agentd::turn::Failure>, agentd::store::TurnRecord) {
+    use agentd::agent::demo::OrderHelper;
+    use futures::StreamExt;
+    let lease = std::time::Duration::from_millis(300);
+    let store = Arc::new(Late {
+        inner: Arc::new(MemoryStore::new()),
+        how,
+        wait: lease * 2,
+        failed_once: Default::default(),
+    });
+    let agent = Arc::new(OrderHelper::new(std::time::Duration::ZERO)) as Arc<dyn Agent>;
+    let agents = AgentRegistry::new(vec![agent], "order_helper").unwrap();
+    let cfg = TurnConfig {
+        lease,
+        ..TurnConfig::default()
+    };
+    let turns = Turns::new(store.clone(), agents, cfg);
+    let (input, key) = first_turn(&*store, "Where is order 1187?").await;
+    let mut stream = turns.start(input, None).await.unwrap().stream;
+    let mut end = Ok(());
+    while let Some(e) = stream.next().await {
+        if let Err(f) = e {
+            end = Err(f);
+        }
+    }
+    let stored = store.get_turn(&key).await.unwrap().unwrap();
+    turns.begin_drain();
+    turns.wait_idle().await;
+    (end, stored)
+}
+
+/// A lease renewal that finds the turn ended because its outcome's write
+/// just landed is not a lost lease: the run ends OK, as stored (it ended
+/// UNAVAILABLE "replica stopped" when the renewal came before the write's
+/// answer).
+#[tokio::test]
+async fn a_renewal_that_finds_the_outcome_written_does_not_fail_the_run() {
+    let (end, stored) = run_on_late_store(Lateness::AnswersLate).await;
+    assert_eq!(stored.outcome.unwrap().code, tonic::Code::Ok as i32);
+    if let Err(f) = end {
+        panic!("the run ended with {f:?}");
+    }
+}
+
+/// An outcome's write reported failed that landed after all: the run ends
+/// as the store has it (OK), not as a lost lease telling the client to run
+/// the turn again under a new request id.
+#[tokio::test]
+async fn an_outcome_write_reported_failed_that_landed_ends_the_run_as_stored() {
+    let (end, stored) = run_on_late_store(Lateness::ReportedFailed).await;
+    assert_eq!(stored.outcome.unwrap().code, tonic::Code::Ok as i32);
+    if let Err(f) = end {
+        panic!("the run ended with {f:?}");
+    }
+}

@@ -76,6 +76,7 @@ pub(super) fn spawn(
 
     let span = run.span;
     let renewing = CancellationToken::new();
+    let finishing = CancellationToken::new();
     let lease_lost = CancellationToken::new();
     // What stops the run from outside: the shutdown's cut, or a lost lease
     // (which also sets `lease_lost`, to tell the two apart). One token, so
@@ -86,6 +87,7 @@ pub(super) fn spawn(
             turns.clone(),
             key.clone(),
             renewing.clone(),
+            finishing.clone(),
             lease_lost.clone(),
             stop.clone(),
         )
@@ -97,6 +99,7 @@ pub(super) fn spawn(
         rx: writer_rx,
         progress: progress_tx,
         renewing,
+        finishing,
         finish_late: finish_rx,
     };
     turns.tracker.spawn(writer.run().instrument(span.clone()));
@@ -113,6 +116,7 @@ pub(super) fn spawn(
         finish_late: Some(finish_tx),
         encoded: bytes::BytesMut::new(),
         kinds: turns.store.kind_encoding(),
+        store: turns.store.clone(),
         answer: None,
         end: end.clone(),
         deadline,
@@ -149,6 +153,8 @@ struct Pump {
     encoded: bytes::BytesMut,
     /// How the store writes an event's kind.
     kinds: crate::store::KindEncoding,
+    /// Where the turn's outcome is read back from ([`Pump::as_stored`]).
+    store: Arc<dyn Store>,
     /// The text of the final answer, once there is one.
     answer: Option<String>,
     end: Arc<End>,
@@ -211,13 +217,11 @@ impl Pump {
             }
             stored
         };
+        let superseded = self.stored.borrow().superseded;
         let result = match result {
-            // The turn was failed under this run (its lease ran out before
-            // the outcome was stored): the caller gets what was recorded.
-            _ if self.stored.borrow().superseded => {
-                tracing::warn!(turn = %self.key, "the turn's lease ran out before its outcome was stored; it ends as recorded (replica stopped)");
-                Err(Failure::LeaseLost)
-            }
+            // The outcome's write found the turn ended already: the caller
+            // gets what the store holds, as a retry would.
+            r if superseded => as_stored(self.store.clone(), self.key.clone(), r).await,
             Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
@@ -410,6 +414,39 @@ fn next_event(
     })
 }
 
+/// How a run whose outcome's write found its turn ended already ends:
+/// as the store has it. Either the turn was failed under this run (its
+/// lease ran out: replica stopped), or an earlier write of this run's
+/// own outcome, reported failed (it outlasted `--store-timeout`),
+/// landed after all; a client told "replica stopped" then would run
+/// again a turn that completed.
+async fn as_stored(
+    store: Arc<dyn Store>,
+    key: TurnKey,
+    result: Result<(), Failure>,
+) -> Result<(), Failure> {
+    let stored = match store.get_turn(&key).await {
+        Ok(t) => t.and_then(|t| t.outcome),
+        Err(e) => {
+            tracing::warn!(turn = %key, error = %format!("{e:#}"), "could not read the turn's stored outcome");
+            None
+        }
+    };
+    match stored {
+        Some(o) if o.code == tonic::Code::Ok as i32 => {
+            tracing::info!(turn = %key, "the turn's outcome was stored by an earlier write of this run, which had been reported failed");
+            result
+        }
+        Some(o) => {
+            tracing::warn!(turn = %key, code = ?tonic::Code::from(o.code), message = %o.message, "the turn had ended before this write of its outcome (its lease ran out, or an earlier write landed late); it ends as recorded");
+            Err(Failure::Stored(o))
+        }
+        None => Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
+            "the turn's outcome could not be read back"
+        )))),
+    }
+}
+
 async fn closed(tx: Option<&mpsc::Sender<Box<pb::AgentEvent>>>) {
     match tx {
         Some(tx) => tx.closed().await,
@@ -426,6 +463,10 @@ struct Writer {
     progress: watch::Sender<Progress>,
     /// Cancelled when the writer ends: [`keep_lease`] stops.
     renewing: CancellationToken,
+    /// Cancelled as the writer starts writing the outcome: from then on a
+    /// renewal that finds the turn ended is that write landing, not a
+    /// lost lease (the write's own answer says which).
+    finishing: CancellationToken,
     /// The outcome, when the pump found the queue full.
     finish_late: tokio::sync::oneshot::Receiver<Box<Finish>>,
 }
@@ -433,11 +474,15 @@ struct Writer {
 /// Renews the turn's lease every third of it until `renewing` is
 /// cancelled, so no replica takes the turn for dead. If the lease was lost
 /// anyway (the turn was marked failed: a store stall or a clock jump longer
-/// than two thirds of the lease), fires `lost`, which stops the run.
+/// than two thirds of the lease), fires `lost`, which stops the run. Not
+/// once the outcome is being written (`finishing`): a renewal then finds
+/// the turn ended by that write, which tells itself whether the turn had
+/// been failed under it.
 async fn keep_lease(
     turns: Arc<Turns>,
     key: TurnKey,
     renewing: CancellationToken,
+    finishing: CancellationToken,
     lost: CancellationToken,
     stop: CancellationToken,
 ) {
@@ -456,8 +501,8 @@ async fn keep_lease(
         };
         match renewed {
             Ok(true) => {}
-            // The turn ended meanwhile: its outcome is stored.
-            Ok(false) if renewing.is_cancelled() => return,
+            // The turn ended meanwhile: its outcome is stored, or being so.
+            Ok(false) if renewing.is_cancelled() || finishing.is_cancelled() => return,
             Ok(false) => {
                 tracing::warn!(turn = %key, "the turn's lease was lost (it was marked failed); stopping its run");
                 lost.cancel();
@@ -512,6 +557,7 @@ impl Writer {
                     if !events.is_empty() && !self.progress.borrow().store_failed =>
                 {
                     let last = events.last().map(|e| e.seq);
+                    self.finishing.cancel();
                     match store
                         .append_and_finish(
                             &self.key,
@@ -555,6 +601,7 @@ impl Writer {
             } else {
                 outcome
             };
+        self.finishing.cancel();
         let written = store
             .finish_turn(&self.key, &outcome, answer.as_deref())
             .await;

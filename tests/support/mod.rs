@@ -568,12 +568,15 @@ impl Proxy {
                 let mut freeze = frozen_rx.clone();
                 let task = tokio::spawn(async move {
                     if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        // Biased: bytes that arrive with the freeze (one
+                        // wake-up for both) are held, not passed first.
                         tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            biased;
                             _ = async { freeze.wait_for(|f| *f).await.map(|_| ()) } => {
                                 // Both ends held open, nothing passed.
                                 std::future::pending::<()>().await;
                             }
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
                         }
                     }
                 });
