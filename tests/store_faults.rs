@@ -548,3 +548,44 @@ async fn a_read_only_postgres_is_unavailable_until_it_takes_writes_again() {
     })
     .await;
 }
+
+/// A statement PostgreSQL cancels (its `statement_timeout`, a
+/// `lock_timeout`, an operator's `pg_cancel_backend`) is a store that
+/// cannot answer now: UNAVAILABLE, which clients retry, not INTERNAL. Claims
+/// waiting together fail together, not retried one at a time (each waiting
+/// out the timeout again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_postgres_cancels_is_unavailable() {
+    use agentd::domain::UserId;
+    use agentd::store::StoreError;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    drop(db.open().await);
+    let timeout = Duration::from_millis(300);
+    let url = format!(
+        "{}?options=-c%20statement_timeout%3D{}ms",
+        db.url,
+        timeout.as_millis()
+    );
+    let store = agentd::store::open(&url).await.unwrap();
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    let held = db.hold_writes().await;
+    let started = std::time::Instant::now();
+    let turns: Vec<_> = (0..4)
+        .map(|i| new_turn(session.id, &format!("r{i}")))
+        .collect();
+    let claims = futures::future::join_all(turns.iter().map(|t| store.claim_turn(t))).await;
+    let took = started.elapsed();
+    drop(held);
+    for c in claims {
+        assert!(matches!(c, Err(StoreError::Unavailable(_))), "{c:?}");
+    }
+    assert!(
+        took < timeout * 4,
+        "the claims took {took:?}: retried one at a time"
+    );
+}

@@ -37,12 +37,19 @@ pub(super) fn unavailable(e: &sqlx::Error) -> bool {
                 .code()
                 .and_then(|c| c.parse::<i32>().ok())
                 .is_some_and(|c| sqlite_unavailable(c & 0xff)),
-            // PostgreSQL: class 08 connection exception, 57P0x shutdown /
-            // cannot connect now, 53 insufficient resources (53100: disk
-            // full), 25006 read-only transaction (a connection left on a
-            // primary that failed over and is now a standby).
+            // PostgreSQL: class 08 connection exception, 57 operator
+            // intervention (57014: a statement cancelled by its
+            // statement_timeout or by an operator; 57P0x: shutdown, cannot
+            // connect now), 53 insufficient resources (53100: disk full),
+            // 25006 read-only transaction (a connection left on a primary
+            // that failed over and is now a standby), 55P03 lock not
+            // available (lock_timeout), 40001 and 40P01 (a serialization
+            // failure, a deadlock: the transaction may pass if run again).
             None => d.code().is_some_and(|c| {
-                c.starts_with("08") || c.starts_with("57P") || c.starts_with("53") || c == "25006"
+                c.starts_with("08")
+                    || c.starts_with("57")
+                    || c.starts_with("53")
+                    || matches!(&*c, "25006" | "55P03" | "40001" | "40P01")
             }),
         },
         _ => false,
