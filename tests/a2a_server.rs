@@ -77,7 +77,8 @@ async fn sdk_client_against_our_server(binding: &str) {
     assert_eq!(out["get"]["artifacts"]["answer"], stream[4]["text"]);
 
     // chunks: the three partials append to one artifact (partials waiting
-    // together go out as one chunk); the final answer is the last chunk.
+    // together go out as one chunk); the final answer is the last chunk,
+    // which replaces them (the stream agent's answer is not its partials).
     let chunks: Vec<&Value> = out["chunks"]
         .as_array()
         .unwrap()
@@ -86,13 +87,15 @@ async fn sdk_client_against_our_server(binding: &str) {
         .collect();
     assert!((2..=4).contains(&chunks.len()), "{:?}", out["chunks"]);
     assert_eq!(chunks[0]["append"], false);
+    let (last, partials) = chunks.split_last().unwrap();
     assert!(
-        chunks[1..]
+        partials[1..]
             .iter()
             .all(|c| c["append"] == true && c["artifact_id"] == "answer")
     );
-    let (last, partials) = chunks.split_last().unwrap();
     assert_eq!(last["last_chunk"], true);
+    assert_eq!(last["append"], false);
+    assert_eq!(last["artifact_id"], "answer");
     assert_eq!(last["text"], "sent 3 events");
     let streamed: String = partials
         .iter()

@@ -308,6 +308,30 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
         on_b.get_task(&running).await.unwrap().status.state,
         TaskState::Working
     );
+    // A message into the working task is refused on either replica (B,
+    // where it does not run, started a second run of it beside A's).
+    for c in [&on_b, &on_a] {
+        let more = SendMessageRequest {
+            message: Message {
+                task_id: Some(running.clone()),
+                ..user_message(FOLLOW_UP, None)
+            },
+            configuration: None,
+            metadata: None,
+            tenant: None,
+        };
+        let err = c.raw().send_message(&more).await.unwrap_err();
+        assert_eq!(err.code, a2a::error_code::UNSUPPORTED_OPERATION, "{err:?}");
+        assert!(err.message.contains("still working"), "{err:?}");
+    }
+    let history = on_b.get_task(&running).await.unwrap().history;
+    assert!(
+        !history
+            .iter()
+            .flatten()
+            .any(|m| parts_text(&m.parts) == FOLLOW_UP),
+        "a refused message is in the task: {history:?}"
+    );
     let mut followed = on_b
         .raw()
         .subscribe_to_task(&SubscribeToTaskRequest {

@@ -98,6 +98,23 @@ impl Handler {
         }
     }
 
+    /// A message into an existing task continues it only where the task
+    /// waits for one (INPUT_REQUIRED, AUTH_REQUIRED). One still submitted or
+    /// working is refused here, on every replica: the handler refuses it
+    /// only on the replica that runs it, and elsewhere started a second run
+    /// of the task beside the first. A terminal task is the handler's to
+    /// refuse.
+    async fn check_continuable(&self, task_id: &str) -> Result<(), A2AError> {
+        match self.tasks.get(task_id).await? {
+            Some(t) if matches!(t.status.state, TaskState::Submitted | TaskState::Working) => {
+                Err(A2AError::unsupported_operation(format!(
+                    "task {task_id} is still working; send the next message once it ends or asks for input"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The task's latest turn: the last of its session's whose request id
     /// starts with `prefix`.
     async fn latest_turn(
@@ -407,6 +424,7 @@ impl RequestHandler for Handler {
                 let caller = self.caller(params)?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
+                    self.check_continuable(id).await?;
                 }
                 let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
                 match as_caller(caller, self.inner.send_message(params, req)).await {
@@ -435,6 +453,7 @@ impl RequestHandler for Handler {
                 let caller = self.caller(params)?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
+                    self.check_continuable(id).await?;
                 }
                 as_caller(caller, self.inner.send_streaming_message(params, req))
                     .await
