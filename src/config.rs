@@ -325,9 +325,16 @@ impl ServeArgs {
             ("--max-message-bytes", self.max_message_bytes),
             ("--max-input-bytes", self.max_input_bytes),
         ];
+        // Each is a semaphore's permits or a channel's capacity: past
+        // tokio's bound they would panic when the server starts, or on the
+        // first Run.
+        let most = tokio::sync::Semaphore::MAX_PERMITS;
         for (flag, v) in positive {
             if v == 0 {
                 return Err(format!("{flag} must be at least 1"));
+            }
+            if v > most {
+                return Err(format!("{flag} must be at most {most}"));
             }
         }
         if self.max_concurrent_streams == 0 {
@@ -673,6 +680,20 @@ mod tests {
     #[test]
     fn zero_capacity_is_refused() {
         assert!(serve(&["--channel-capacity", "0"]).validate().is_err());
+    }
+
+    #[test]
+    fn capacities_past_what_tokio_can_hold_are_refused() {
+        let huge = usize::MAX.to_string();
+        for flag in [
+            "--channel-capacity",
+            "--max-connections",
+            "--max-concurrent-runs",
+            "--max-followers",
+        ] {
+            let err = serve(&[flag, &huge]).validate().unwrap_err();
+            assert!(err.contains(flag) && err.contains("at most"), "{err}");
+        }
     }
 
     #[test]

@@ -118,6 +118,9 @@ enum Lateness {
     /// The first write lands, and is reported failed (as a write that
     /// outlasted `--store-timeout` and committed after all).
     ReportedFailed,
+    /// Events are never stored: every append waits for ever (a store that
+    /// stopped answering, without its timeout).
+    Stalled,
 }
 
 /// A store whose outcome writes land but answer late or wrongly; the rest
@@ -140,7 +143,7 @@ impl Late {
             Lateness::ReportedFailed if !self.failed_once.swap(true, Ordering::SeqCst) => Err(
                 agentd::store::StoreError::Unavailable(anyhow::anyhow!("no answer in time")),
             ),
-            Lateness::ReportedFailed => Ok(written),
+            Lateness::ReportedFailed | Lateness::Stalled => Ok(written),
         }
     }
 }
@@ -182,6 +185,9 @@ impl Store for Late {
         k: &TurnKey,
         e: Vec<agentd::store::EncodedEvent>,
     ) -> agentd::store::StoreResult<()> {
+        if self.how == Lateness::Stalled {
+            std::future::pending::<()>().await;
+        }
         self.inner.append_encoded(k, e).await
     }
     async fn finish_turn(
@@ -325,4 +331,75 @@ async fn an_outcome_write_reported_failed_that_landed_ends_the_run_as_stored() {
     if let Err(f) = end {
         panic!("the run ended with {f:?}");
     }
+}
+
+/// Streams text for ever; says when its stream is dropped.
+struct Endless(Arc<std::sync::atomic::AtomicBool>);
+
+struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Agent for Endless {
+    fn name(&self) -> &str {
+        "endless"
+    }
+    fn description(&self) -> &str {
+        "Streams text for ever."
+    }
+    fn run(&self, _ctx: agentd::agent::RunContext, _input: String) -> agentd::agent::EventStream {
+        let guard = SetOnDrop(self.0.clone());
+        Box::pin(async_stream::stream! {
+            let _guard = guard;
+            loop {
+                yield Ok(agentd::agent::Event::partial("endless", "x".into()));
+                tokio::task::yield_now().await;
+            }
+        })
+    }
+}
+
+/// A client that goes away while its run waits for room in the turn
+/// writer's queue (the store stalled, the queue full) stops the run at
+/// once: the agent's stream (its model call, its tools) is dropped, not
+/// kept until the store answers again.
+#[tokio::test]
+async fn a_client_gone_while_its_run_waits_on_a_stalled_store_stops_the_run() {
+    use futures::StreamExt;
+    use std::sync::atomic::Ordering;
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store = Arc::new(Late {
+        inner: Arc::new(MemoryStore::new()),
+        how: Lateness::Stalled,
+        wait: std::time::Duration::ZERO,
+        failed_once: Default::default(),
+    });
+    let agent = Arc::new(Endless(dropped.clone())) as Arc<dyn Agent>;
+    let agents = AgentRegistry::new(vec![agent], "endless").unwrap();
+    let turns = Turns::new(store.clone(), agents, TurnConfig::default());
+    let (input, _key) = first_turn(&*store, "go").await;
+    let mut stream = turns.start(input, None).await.unwrap().stream;
+    // Read until no event comes for a while: the run waits on the store.
+    let mut read = 0u64;
+    while let Ok(Some(e)) =
+        tokio::time::timeout(std::time::Duration::from_millis(300), stream.next()).await
+    {
+        e.unwrap();
+        read += 1;
+    }
+    assert!(read > 1000, "read {read} events");
+    assert!(!dropped.load(Ordering::SeqCst));
+    drop(stream);
+    let stopped = async {
+        while !dropped.load(Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), stopped)
+        .await
+        .expect("the agent's stream was not dropped when its client went away");
 }

@@ -306,15 +306,25 @@ impl Pump {
             // A slow store fills the writer's queue: waiting for room, the
             // run still ends at its deadline, a shutdown's cut or a lost
             // lease.
+            // So does a client that goes away (the model call and the
+            // tools stop now, not when the store answers again).
             let writer = self.writer.as_ref().expect("held until the outcome");
             let queued = match writer.try_send(ToWriter::Event(stored)) {
                 Ok(()) => Ok(()),
-                Err(mpsc::error::TrySendError::Full(event)) => tokio::select! {
-                    biased;
-                    _ = &mut cut => return Err(self.stopped()),
-                    _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
-                    r = writer.send(event) => r.map_err(drop),
-                },
+                Err(mpsc::error::TrySendError::Full(event)) => {
+                    let writer = writer.clone();
+                    let send = writer.send(event);
+                    tokio::pin!(send);
+                    loop {
+                        tokio::select! {
+                            biased;
+                            _ = &mut cut => return Err(self.stopped()),
+                            _ = &mut deadline => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
+                            _ = closed(self.client.as_ref()) => self.client_gone()?,
+                            r = &mut send => break r.map_err(drop),
+                        }
+                    }
+                }
                 Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
             };
             if queued.is_err() {
