@@ -122,3 +122,50 @@ async fn a_reader_that_stalls_under_wait_back_pressures_the_agent_and_then_gets_
     assert_eq!(received, n + 1);
     server.stop().await;
 }
+
+/// A follower's reader (here an Attach replaying a turn that ended) that
+/// stops reading is ended under `fail` too, after the stall timeout: it
+/// held a `--max-followers` permit until its deadline. The turn itself is
+/// not touched: its outcome stays OK.
+#[tokio::test]
+async fn an_attached_reader_that_stalls_under_fail_gets_resource_exhausted() {
+    let mut server = TestServer::tcp(opts(SlowConsumer::Fail)).await;
+    let s = server.session("alice").await;
+    let n = 20_000u64; // 20 MiB: far more than the channel and the windows hold.
+    let req = with_agent(
+        run_request("alice", &s, "r1", &format!("n={n} size={SIZE}")),
+        "stream",
+    );
+    let mut call = server.client.run(req, DEADLINE).await.unwrap();
+    while call.events.message().await.unwrap().is_some() {}
+
+    let attach = agentd::pb::AttachRequest {
+        user_id: "alice".into(),
+        session_id: s.clone(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    let mut attached = server
+        .client
+        .raw()
+        .attach(attach)
+        .await
+        .unwrap()
+        .into_inner();
+    attached.message().await.unwrap().unwrap();
+    // Stop reading for longer than the stall timeout.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut received = 1u64;
+    let status = loop {
+        match attached.message().await {
+            Ok(Some(_)) => received += 1,
+            Ok(None) => panic!("the attach ended with OK after {received} events"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(received < n, "received {received} of {n}");
+    let t = server.turn(&s, "r1").await.unwrap();
+    assert_eq!(t.outcome.unwrap().code, Code::Ok as i32);
+    server.stop().await;
+}

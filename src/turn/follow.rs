@@ -37,6 +37,8 @@ pub(super) fn spawn(
         tx,
         deadline,
         cut: turns.cut.clone(),
+        policy: turns.cfg.slow_consumer,
+        stall_timeout: turns.cfg.stall_timeout,
     };
     let end2 = end.clone();
     let span = crate::telemetry::trace::run_span(
@@ -77,6 +79,11 @@ struct Follower {
     tx: mpsc::Sender<Box<pb::AgentEvent>>,
     deadline: Deadline,
     cut: tokio_util::sync::CancellationToken,
+    /// A reader that stops reading is waited for, or (`Fail`) dropped after
+    /// `stall_timeout`, as a run's own client is: a follower holds a
+    /// `--max-followers` permit and a page of events while it waits.
+    policy: super::SlowConsumer,
+    stall_timeout: std::time::Duration,
 }
 
 impl Follower {
@@ -133,11 +140,26 @@ impl Follower {
             for e in page {
                 self.cursor = Some(e.seq);
                 let wire = Box::new(convert::into_wire(e.seq, e.event));
+                let wire = match self.tx.try_send(wire) {
+                    Ok(()) => {
+                        n += 1;
+                        continue;
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
+                    Err(mpsc::error::TrySendError::Full(w)) => w,
+                };
+                let stall = async {
+                    match self.policy {
+                        super::SlowConsumer::Fail => tokio::time::sleep(self.stall_timeout).await,
+                        super::SlowConsumer::Wait => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     _ = self.cut.cancelled() => return Err(Failure::Shutdown),
                     _ = tokio::time::sleep_until(self.deadline.at) => return Err(Failure::Deadline { by_server: self.deadline.by_server }),
                     r = self.tx.send(wire) => r.map_err(|_| Failure::ClientGone)?,
+                    _ = stall => return Err(Failure::SlowConsumer),
                 }
                 n += 1;
             }
