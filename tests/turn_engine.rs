@@ -121,6 +121,8 @@ enum Lateness {
     /// Events are never stored: every append waits for ever (a store that
     /// stopped answering, without its timeout).
     Stalled,
+    /// The first two outcome writes fail without writing (a failover).
+    RefusesTwice,
 }
 
 /// A store whose outcome writes land but answer late or wrongly; the rest
@@ -130,6 +132,7 @@ struct Late {
     how: Lateness,
     wait: std::time::Duration,
     failed_once: std::sync::atomic::AtomicBool,
+    refused: std::sync::atomic::AtomicUsize,
 }
 
 impl Late {
@@ -143,8 +146,14 @@ impl Late {
             Lateness::ReportedFailed if !self.failed_once.swap(true, Ordering::SeqCst) => Err(
                 agentd::store::StoreError::Unavailable(anyhow::anyhow!("no answer in time")),
             ),
-            Lateness::ReportedFailed | Lateness::Stalled => Ok(written),
+            Lateness::ReportedFailed | Lateness::Stalled | Lateness::RefusesTwice => Ok(written),
         }
+    }
+
+    /// Whether this outcome write is refused, unwritten.
+    fn refuses(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.how == Lateness::RefusesTwice && self.refused.fetch_add(1, Ordering::SeqCst) < 2
     }
 }
 
@@ -196,6 +205,11 @@ impl Store for Late {
         o: &agentd::store::TurnOutcome,
         a: Option<&str>,
     ) -> agentd::store::StoreResult<bool> {
+        if self.refuses() {
+            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                "failover"
+            )));
+        }
         let written = self.inner.finish_turn(k, o, a).await?;
         self.after_write(written).await
     }
@@ -206,6 +220,11 @@ impl Store for Late {
         o: &agentd::store::TurnOutcome,
         a: Option<&str>,
     ) -> agentd::store::StoreResult<bool> {
+        if self.refuses() {
+            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                "failover"
+            )));
+        }
         let written = self.inner.append_and_finish(k, e, o, a).await?;
         self.after_write(written).await
     }
@@ -286,6 +305,7 @@ async fn run_on_late_store(
         how,
         wait: lease * 2,
         failed_once: Default::default(),
+        refused: Default::default(),
     });
     let agent = Arc::new(OrderHelper::new(std::time::Duration::ZERO)) as Arc<dyn Agent>;
     let agents = AgentRegistry::new(vec![agent], "order_helper").unwrap();
@@ -377,6 +397,7 @@ async fn a_client_gone_while_its_run_waits_on_a_stalled_store_stops_the_run() {
         how: Lateness::Stalled,
         wait: std::time::Duration::ZERO,
         failed_once: Default::default(),
+        refused: Default::default(),
     });
     let agent = Arc::new(Endless(dropped.clone())) as Arc<dyn Agent>;
     let agents = AgentRegistry::new(vec![agent], "endless").unwrap();
@@ -402,4 +423,25 @@ async fn a_client_gone_while_its_run_waits_on_a_stalled_store_stops_the_run() {
     tokio::time::timeout(std::time::Duration::from_secs(5), stopped)
         .await
         .expect("the agent's stream was not dropped when its client went away");
+}
+
+/// An outcome whose writes fail for a moment (a failover) is written again
+/// while the turn's lease would last: the turn ends with a definite
+/// outcome, not left running until its lease makes it "replica stopped".
+#[tokio::test]
+async fn an_outcome_write_that_fails_for_a_moment_is_written_again() {
+    let (end, stored) = run_on_late_store(Lateness::RefusesTwice).await;
+    assert!(
+        stored.state.is_terminal(),
+        "the turn was left {:?}",
+        stored.state
+    );
+    // Its events' write failed with the first outcome's: it ends
+    // UNAVAILABLE, stored so, and the run says the same.
+    let outcome = stored.outcome.unwrap();
+    assert_eq!(outcome.code, tonic::Code::Unavailable as i32);
+    assert!(
+        matches!(end, Err(agentd::turn::Failure::Store(_))),
+        "{end:?}"
+    );
 }

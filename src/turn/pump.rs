@@ -612,11 +612,11 @@ impl Writer {
                 outcome
             };
         self.finishing.cancel();
-        let written = store
-            .finish_turn(&self.key, &outcome, answer.as_deref())
+        let written = self
+            .write_outcome(&*store, &outcome, answer.as_deref())
             .await;
         if let Err(e) = &written {
-            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn");
+            tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn; it ends when its lease does (replica stopped)");
         }
         self.progress.send_modify(|p| {
             p.superseded = matches!(written, Ok(false));
@@ -624,6 +624,32 @@ impl Writer {
             p.done = true;
         });
         self.forget();
+    }
+
+    /// Records the outcome, again after a failure (a connection reset, a
+    /// failover), for as long as a lease lasts: given up, the turn stays
+    /// running until its lease ends it as "replica stopped", and a retry
+    /// of its client would be told to run it again under a new request id.
+    /// A write that failed but landed shows as `Ok(false)` on the next one
+    /// ([`as_stored`] reads what it stored).
+    async fn write_outcome(
+        &self,
+        store: &dyn Store,
+        outcome: &TurnOutcome,
+        answer: Option<&str>,
+    ) -> crate::store::StoreResult<bool> {
+        let give_up = Instant::now() + self.turns.cfg.lease;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match store.finish_turn(&self.key, outcome, answer).await {
+                Err(e) if Instant::now() + backoff < give_up => {
+                    tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// The turn is over here: a repeated request id no longer attaches live.
