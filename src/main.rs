@@ -190,6 +190,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 grpc_addr,
                 l.local_addr()?,
                 args.a2a_advertise_host.as_deref(),
+                opts.security.tls.is_some(),
             );
             Some(agentd::server::A2aHttp {
                 listener: l,

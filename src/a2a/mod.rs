@@ -138,8 +138,9 @@ fn capabilities() -> AgentCapabilities {
 pub struct Advertised {
     /// The JSON-RPC endpoint, e.g. `http://agents.internal:8080/`.
     pub jsonrpc_url: String,
-    /// The gRPC endpoint as `host:port` (A2A's form for gRPC interfaces).
-    pub grpc_host_port: String,
+    /// The gRPC endpoint: `host:port` in plaintext, `https://host:port`
+    /// with TLS.
+    pub grpc_url: String,
 }
 
 /// The public agent card: both interfaces, streaming, one skill per agent;
@@ -170,7 +171,7 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> Age
         version: env!("CARGO_PKG_VERSION").into(),
         supported_interfaces: vec![
             AgentInterface::new(at.jsonrpc_url.clone(), TRANSPORT_PROTOCOL_JSONRPC),
-            AgentInterface::new(at.grpc_host_port.clone(), TRANSPORT_PROTOCOL_GRPC),
+            AgentInterface::new(at.grpc_url.clone(), TRANSPORT_PROTOCOL_GRPC),
         ],
         capabilities: capabilities(),
         default_input_modes: INPUT_MODES.iter().map(|s| s.to_string()).collect(),
@@ -257,10 +258,13 @@ pub async fn serve_http(
 
 /// The card's addresses for servers bound to `grpc` and `http`: `host` when
 /// given, else the bound IP, or the machine's name for an unspecified IP.
+/// With `grpc_tls` the gRPC interface is an `https://` URL: A2A clients
+/// (the official crate's among them) take a bare `host:port` for plaintext.
 pub fn advertised(
     grpc: std::net::SocketAddr,
     http: std::net::SocketAddr,
     host: Option<&str>,
+    grpc_tls: bool,
 ) -> Advertised {
     let at = |addr: std::net::SocketAddr| match host {
         Some(h) => format!("{h}:{}", addr.port()),
@@ -269,7 +273,10 @@ pub fn advertised(
     };
     Advertised {
         jsonrpc_url: format!("http://{}/", at(http)),
-        grpc_host_port: at(grpc),
+        grpc_url: match grpc_tls {
+            true => format!("https://{}", at(grpc)),
+            false => at(grpc),
+        },
     }
 }
 
@@ -283,4 +290,24 @@ fn machine_name() -> String {
         })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grpc_interface_is_an_https_url_with_tls_and_host_port_without() {
+        let grpc: std::net::SocketAddr = "10.0.0.7:50051".parse().unwrap();
+        let http: std::net::SocketAddr = "10.0.0.7:8080".parse().unwrap();
+        let plain = advertised(grpc, http, Some("agentd.agents"), false);
+        assert_eq!(plain.grpc_url, "agentd.agents:50051");
+        assert_eq!(plain.jsonrpc_url, "http://agentd.agents:8080/");
+        let tls = advertised(grpc, http, Some("agentd.agents"), true);
+        assert_eq!(tls.grpc_url, "https://agentd.agents:50051");
+        assert_eq!(
+            advertised(grpc, http, None, true).grpc_url,
+            "https://10.0.0.7:50051"
+        );
+    }
 }

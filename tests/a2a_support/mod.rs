@@ -108,7 +108,7 @@ impl A2aServer {
         );
         let a2a = A2aHttp {
             listener: http_listener,
-            advertised: agentd::a2a::advertised(grpc, http, None),
+            advertised: agentd::a2a::advertised(grpc, http, None, false),
         };
         let opts = ServerOptions {
             drain_delay: Duration::ZERO,
