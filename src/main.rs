@@ -236,7 +236,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::spawn(async move {
                 shutdown_signal().await;
                 tracing::warn!(
-                    in_flight = turns.in_flight(),
+                    runs = turns.runs_in_flight(),
+                    followers = turns.followers_in_flight(),
                     "second signal: cutting the runs still in flight"
                 );
                 // New Runs are refused (UNAVAILABLE, retryable elsewhere)

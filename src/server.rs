@@ -258,13 +258,14 @@ where
     turns.begin_drain();
     let _ = stop_accepting.send(());
     let _ = stop_a2a.send(());
-    tracing::info!(in_flight = turns.in_flight(), grace = ?opts.shutdown_grace, "shutdown: stopped accepting; waiting for in-flight runs");
+    tracing::info!(runs = turns.runs_in_flight(), followers = turns.followers_in_flight(), grace = ?opts.shutdown_grace, "shutdown: stopped accepting; waiting for in-flight runs");
     if tokio::time::timeout(opts.shutdown_grace, turns.wait_idle())
         .await
         .is_err()
     {
         tracing::warn!(
-            cut = turns.in_flight(),
+            runs = turns.runs_in_flight(),
+            followers = turns.followers_in_flight(),
             "shutdown: grace passed; cutting the runs still in flight (they end with UNAVAILABLE)"
         );
         turns.cut_all();
@@ -273,7 +274,8 @@ where
             .is_err()
         {
             tracing::error!(
-                left = turns.in_flight(),
+                runs = turns.runs_in_flight(),
+                followers = turns.followers_in_flight(),
                 "shutdown: runs did not stop after being cut"
             );
         }

@@ -445,3 +445,27 @@ async fn an_outcome_write_that_fails_for_a_moment_is_written_again() {
         "{end:?}"
     );
 }
+
+/// What the shutdown's logs count: agent runs and followers, not the
+/// engine's tasks (a run is three: its pump, writer and lease keeper).
+#[tokio::test]
+async fn runs_and_followers_in_flight_count_calls_not_tasks() {
+    let store = Arc::new(MemoryStore::new());
+    let agent = Arc::new(Endless(Default::default())) as Arc<dyn Agent>;
+    let agents = AgentRegistry::new(vec![agent], "endless").unwrap();
+    let turns = Turns::new(store.clone(), agents, TurnConfig::default());
+    assert_eq!(
+        (turns.runs_in_flight(), turns.followers_in_flight()),
+        (0, 0)
+    );
+    let (input, _key) = first_turn(&*store, "go").await;
+    let run = turns.start(input.clone(), None).await.unwrap();
+    let repeat = turns.start(input, None).await.unwrap();
+    assert_eq!(repeat.mode, agentd::turn::Mode::Attach);
+    assert_eq!(
+        (turns.runs_in_flight(), turns.followers_in_flight()),
+        (1, 1)
+    );
+    assert!(turns.in_flight() > 2, "{}", turns.in_flight());
+    drop((run, repeat));
+}

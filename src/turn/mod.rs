@@ -672,14 +672,27 @@ impl Turns {
         self.tracker.close();
     }
 
-    /// Runs, writers and followers still in flight.
     /// Whether [`Turns::begin_drain`] was called.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
 
+    /// Tasks of the engine: runs, their writers and lease keepers,
+    /// followers. Zero when nothing runs; not a count of runs (see
+    /// [`Turns::runs_in_flight`]).
     pub fn in_flight(&self) -> usize {
         self.tracker.len()
+    }
+
+    /// Agent runs in flight (each holds a `--max-concurrent-runs` permit
+    /// until its stream ends).
+    pub fn runs_in_flight(&self) -> usize {
+        self.cfg.max_concurrent_runs - self.permits.available_permits()
+    }
+
+    /// Streams following a turn (Attach, repeats that joined one).
+    pub fn followers_in_flight(&self) -> usize {
+        self.cfg.max_followers - self.followers.available_permits()
     }
 
     /// Resolves when every task has ended (after [`Turns::begin_drain`]).
