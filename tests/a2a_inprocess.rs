@@ -121,3 +121,69 @@ async fn a_client_deadline_cancels_our_run_through_the_drop_path() {
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }
+
+/// A message part our agents cannot read is ContentTypeNotSupported before
+/// any task is made (a data part declares no media type, which the
+/// handler's own check lets through); bytes declared text/plain are read
+/// as text.
+#[tokio::test]
+async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task() {
+    use a2a::{Message, Part, Role, SendMessageRequest, SendMessageResponse};
+    let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
+    let send = |parts: Vec<Part>| SendMessageRequest {
+        message: Message::new(Role::User, parts),
+        configuration: None,
+        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+        tenant: None,
+    };
+    for parts in [
+        vec![Part::data(serde_json::json!({"order": 1187}))],
+        vec![
+            Part::text("see this"),
+            Part::url("https://example.com/x.png"),
+        ],
+        vec![Part::raw(vec![0xff, 0xfe]).with_media_type("text/plain")],
+    ] {
+        let err = client
+            .raw()
+            .send_message(&send(parts.clone()))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code,
+            a2a::error_code::CONTENT_TYPE_NOT_SUPPORTED,
+            "{parts:?}: {err:?}"
+        );
+    }
+    let listed = client
+        .raw()
+        .list_tasks(&a2a::ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: None,
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    assert!(listed.tasks.is_empty(), "{:?}", listed.tasks);
+
+    let text = Part::raw(b"hello as bytes".to_vec()).with_media_type("text/plain");
+    let SendMessageResponse::Task(t) = client.raw().send_message(&send(vec![text])).await.unwrap()
+    else {
+        panic!("not a task")
+    };
+    assert_eq!(t.status.state, TaskState::Completed);
+    let answer: String = t
+        .artifacts
+        .iter()
+        .flatten()
+        .map(|a| parts_text(&a.parts))
+        .collect();
+    assert_eq!(answer, "hello as bytes");
+    let _ = stop.send(());
+    handle.await.unwrap().unwrap();
+}

@@ -256,18 +256,34 @@ fn agent_name(message: &Message) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The message's text: its text parts, joined by newlines. `None` when it has
-/// no text part (only files or data, which our agents do not read).
+/// The message's text: its text parts (and bytes declared `text/plain`),
+/// joined by newlines. `None` when it has none (the handler refuses other
+/// parts before a task is made).
 fn message_text(message: &Message) -> Option<String> {
     let texts: Vec<&str> = message
         .parts
         .iter()
         .filter_map(|p| match &p.content {
             PartContent::Text(t) => Some(t.as_str()),
+            PartContent::Raw(_) => raw_text(p),
             _ => None,
         })
         .collect();
     (!texts.is_empty()).then(|| texts.join("\n"))
+}
+
+/// The text of a part of bytes declared `text/plain` (a charset parameter
+/// allowed) that are UTF-8.
+pub(crate) fn raw_text(p: &Part) -> Option<&str> {
+    let PartContent::Raw(bytes) = &p.content else {
+        return None;
+    };
+    let media = p.media_type.as_deref()?;
+    let essence = media.split(';').next().unwrap_or_default().trim();
+    if !essence.eq_ignore_ascii_case("text/plain") {
+        return None;
+    }
+    std::str::from_utf8(bytes).ok()
 }
 
 /// Maps the turn's events to A2A updates, one agents.v1 event at a time.

@@ -98,6 +98,29 @@ impl Handler {
         }
     }
 
+    /// Every part of a message must be text our agents read: a text part,
+    /// or bytes declared `text/plain` that are UTF-8. A data part (JSON),
+    /// a URL or other bytes is ContentTypeNotSupported, before any task is
+    /// made (the handler checks only the media types parts declare: a data
+    /// part declares none, and was made a task only to be REJECTED; a URL
+    /// beside text was dropped unread).
+    fn check_parts(message: &Message) -> Result<(), A2AError> {
+        for (i, p) in message.parts.iter().enumerate() {
+            let what = match &p.content {
+                PartContent::Text(_) => continue,
+                PartContent::Raw(_) if executor::raw_text(p).is_some() => continue,
+                PartContent::Raw(_) => "bytes that are not UTF-8 text/plain",
+                PartContent::Url(_) => "a URL (not fetched)",
+                PartContent::Data(_) => "structured data",
+            };
+            return Err(A2AError::new(
+                error_code::CONTENT_TYPE_NOT_SUPPORTED,
+                format!("part {i} is {what}; the agents read text parts (text/plain) only"),
+            ));
+        }
+        Ok(())
+    }
+
     /// A message into an existing task continues it only where the task
     /// waits for one (INPUT_REQUIRED, AUTH_REQUIRED). One still submitted or
     /// working is refused here, on every replica: the handler refuses it
@@ -422,6 +445,7 @@ impl RequestHandler for Handler {
         obs.unary(
             async {
                 let caller = self.caller(params)?;
+                Self::check_parts(&req.message)?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                     self.check_continuable(id).await?;
@@ -451,6 +475,7 @@ impl RequestHandler for Handler {
         obs.stream(
             async {
                 let caller = self.caller(params)?;
+                Self::check_parts(&req.message)?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                     self.check_continuable(id).await?;
