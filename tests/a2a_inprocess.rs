@@ -187,3 +187,37 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }
+
+/// A stream's task snapshots keep at most `historyLength` messages, as the
+/// blocking answer's task does.
+#[tokio::test]
+async fn a_streams_task_snapshot_keeps_at_most_history_length_messages() {
+    use a2a::{Message, Part, Role, SendMessageConfiguration, SendMessageRequest};
+    use futures::StreamExt;
+    let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
+    for (history_length, want) in [(Some(0), 0), (None, 1)] {
+        let req = SendMessageRequest {
+            message: Message::new(Role::User, vec![Part::text("hello")]),
+            configuration: Some(SendMessageConfiguration {
+                accepted_output_modes: None,
+                task_push_notification_config: None,
+                history_length,
+                return_immediately: None,
+            }),
+            metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+            tenant: None,
+        };
+        let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+        let mut snapshots = 0;
+        while let Some(ev) = events.next().await {
+            if let StreamResponse::Task(t) = ev.unwrap() {
+                snapshots += 1;
+                let n = t.history.map_or(0, |h| h.len());
+                assert_eq!(n, want, "historyLength {history_length:?}");
+            }
+        }
+        assert!(snapshots > 0);
+    }
+    let _ = stop.send(());
+    handle.await.unwrap().unwrap();
+}

@@ -480,9 +480,25 @@ impl RequestHandler for Handler {
                     self.check_owner(&caller, id).await?;
                     self.check_continuable(id).await?;
                 }
+                // The task snapshots the stream carries keep at most
+                // historyLength messages, as the blocking answer does (the
+                // handler trims only that one).
+                let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
                 as_caller(caller, self.inner.send_streaming_message(params, req))
                     .await
                     .map(|events| ending_as_stored(self.tasks.clone(), events))
+                    .map(|events| -> EventStream {
+                        match history_length {
+                            None => events,
+                            Some(_) => Box::pin(events.map(move |ev| match ev {
+                                Ok(StreamResponse::Task(mut t)) => {
+                                    trim_history(&mut t, history_length);
+                                    Ok(StreamResponse::Task(t))
+                                }
+                                other => other,
+                            })),
+                        }
+                    })
             }
             .await,
         )
