@@ -1854,6 +1854,47 @@ async fn a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn
     s.stop().await;
 }
 
+/// A retry sent while the claim of a caller that left is still being
+/// written (and then withdrawn) is never told the turn is gone (NOT_FOUND)
+/// or broken (INTERNAL): it runs the turn, or gets UNAVAILABLE without the
+/// recorded trailer, and a retry after that runs it.
+async fn a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may_retry(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let held = db.hold_writes().await;
+    let mut client = s.client.clone();
+    let req = run_request(ALICE, &sid, "r1", ORDER_Q);
+    let gone =
+        tokio::spawn(async move { client.run(req, Duration::from_secs(30)).await.map(drop) });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let retry = {
+        let client = s.client.clone();
+        let sid = sid.clone();
+        tokio::spawn(async move { run_on(&client, ALICE, &sid, "r1", ORDER_Q).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release().await;
+    let (events, end) = retry.await.unwrap();
+    match end {
+        Ok(()) => assert!(events.last().is_some_and(|e| e.is_final), "{events:?}"),
+        Err(st) => {
+            assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+            assert!(
+                st.metadata().get("agentd-turn-outcome").is_none(),
+                "a retryable status carries no recorded trailer: {st:?}"
+            );
+            let (events, end) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
+            end.unwrap();
+            assert!(events.last().is_some_and(|e| e.is_final), "{events:?}");
+        }
+    }
+    assert_eq!(s.stats.started(), 1, "the agent ran once");
+    s.stop().await;
+}
+
 /// SQLite (one claimer): a claim whose caller went away while it waited
 /// behind another (it cancelled, or its store call timed out and it was told
 /// to retry) is not stored at all: a retry claims the turn anew.
@@ -2520,5 +2561,6 @@ on_sqlite_and_postgres!(
     a2a_tasks_that_ended_are_pruned_after_the_retention,
     a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
     a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn,
+    a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may_retry,
     a_database_migrated_by_a_later_release_is_served,
 );

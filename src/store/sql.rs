@@ -734,34 +734,15 @@ macro_rules! sql_store {
             }
 
             async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
-                let now = std::time::SystemTime::now();
-                let (done, stored) = tokio::sync::oneshot::channel();
-                let claim = $crate::store::sql::PendingClaim {
-                    sid: t.key.session_id.to_string(),
-                    rid: t.key.request_id.as_str().to_owned(),
-                    user_text: t.user_text.clone(),
-                    agent: t.agent.clone(),
-                    owner: t.owner.clone(),
-                    lease: t.lease,
-                    at: to_micros(now),
-                    done,
-                };
-                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's claimer stopped"));
-                self.claims.send(claim).await.map_err(|_| stopped())?;
-                if stored.await.map_err(|_| stopped())?.map_err(StoreError::from)? {
-                    return Ok(Claim::New);
+                // A claim that conflicted with a row gone by the time it is
+                // read (another caller's claim, withdrawn because that
+                // caller left while it was written) is made again.
+                for _ in 0..3 {
+                    if let Some(claim) = self.claim_once(t).await? {
+                        return Ok(claim);
+                    }
                 }
-                // Read on the writer: the winner's row is committed there.
-                let row = sqlx::query(&format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 AND request_id = $2"))
-                    .bind(t.key.session_id.to_string())
-                    .bind(t.key.request_id.as_str())
-                    .fetch_optional(&self.write)
-                    .await
-                    .map_err(db_err)?;
-                match row {
-                    Some(r) => Ok(Claim::Existing(turn_from_row(&r)?)),
-                    None => Err(StoreError::Unexpected(anyhow::anyhow!("turn {} conflicted but is not stored", t.key))),
-                }
+                Err(StoreError::Unavailable(anyhow::anyhow!("turn {} conflicted but is not stored", t.key)))
             }
 
             async fn get_turn(&self, key: &TurnKey) -> StoreResult<Option<TurnRecord>> {
@@ -1050,6 +1031,39 @@ macro_rules! sql_store {
             /// holds the session (asking the database whether the turn is
             /// stored only where the cache cannot tell), else from the
             /// database in one statement, offered to the cache.
+            /// One claim: `None` when it conflicted with a row that is gone
+            /// by the time it is read.
+            async fn claim_once(&self, t: &NewTurn) -> StoreResult<Option<Claim>> {
+                let now = std::time::SystemTime::now();
+                let (done, stored) = tokio::sync::oneshot::channel();
+                let claim = $crate::store::sql::PendingClaim {
+                    sid: t.key.session_id.to_string(),
+                    rid: t.key.request_id.as_str().to_owned(),
+                    user_text: t.user_text.clone(),
+                    agent: t.agent.clone(),
+                    owner: t.owner.clone(),
+                    lease: t.lease,
+                    at: to_micros(now),
+                    done,
+                };
+                let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's claimer stopped"));
+                self.claims.send(claim).await.map_err(|_| stopped())?;
+                if stored.await.map_err(|_| stopped())?.map_err(StoreError::from)? {
+                    return Ok(Some(Claim::New));
+                }
+                // Read on the writer: the winner's row is committed there.
+                let row = sqlx::query(&format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = $1 AND request_id = $2"))
+                    .bind(t.key.session_id.to_string())
+                    .bind(t.key.request_id.as_str())
+                    .fetch_optional(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                match row {
+                    Some(r) => Ok(Some(Claim::Existing(turn_from_row(&r)?))),
+                    None => Ok(None),
+                }
+            }
+
             async fn read_for_run(&self, id: SessionId, limit: usize, turn: Option<&str>) -> StoreResult<Option<RunRead>> {
                 let Some(cache) = &self.sessions else {
                     return self.read_session(id, limit, turn).await;

@@ -122,10 +122,19 @@ impl Follower {
     }
 
     async fn record(&self) -> Result<TurnRecord, Failure> {
-        self.store
-            .get_turn(&self.key)
-            .await?
-            .ok_or(Failure::Removed)
+        if let Some(r) = self.store.get_turn(&self.key).await? {
+            return Ok(r);
+        }
+        // Gone with its session (deleted), or pruned: nothing more to tell.
+        // Gone while its session stays, it was a claim withdrawn because
+        // its caller left while it was written: it never ran, and the
+        // request may be sent again (a retry runs it).
+        match self.store.get_session(self.key.session_id).await? {
+            None => Err(Failure::Removed),
+            Some(_) => Err(Failure::Store(crate::store::StoreError::Unavailable(
+                anyhow::anyhow!("the turn was withdrawn before it ran"),
+            ))),
+        }
     }
 
     /// Sends every stored event after the cursor.
