@@ -39,6 +39,7 @@ pub(super) fn spawn(
         cut: turns.cut.clone(),
         policy: turns.cfg.slow_consumer,
         stall_timeout: turns.cfg.stall_timeout,
+        ran: mode == Mode::Replay,
     };
     let end2 = end.clone();
     let span = crate::telemetry::trace::run_span(
@@ -84,6 +85,9 @@ struct Follower {
     /// `--max-followers` permit and a page of events while it waits.
     policy: super::SlowConsumer,
     stall_timeout: std::time::Duration,
+    /// The turn is known to have run: it had ended when the follower
+    /// started, or it has stored events.
+    ran: bool,
 }
 
 impl Follower {
@@ -126,15 +130,15 @@ impl Follower {
             return Ok(r);
         }
         // Gone with its session (deleted), or pruned: nothing more to tell.
-        // Gone while its session stays, it was a claim withdrawn because
-        // its caller left while it was written: it never ran, and the
+        // Gone before it ran, while its session stays, it was a claim
+        // withdrawn because its caller left while it was written: the
         // request may be sent again (a retry runs it).
-        match self.store.get_session(self.key.session_id).await? {
-            None => Err(Failure::Removed),
-            Some(_) => Err(Failure::Store(crate::store::StoreError::Unavailable(
-                anyhow::anyhow!("the turn was withdrawn before it ran"),
-            ))),
+        if self.ran || self.store.get_session(self.key.session_id).await?.is_none() {
+            return Err(Failure::Removed);
         }
+        Err(Failure::Store(crate::store::StoreError::Unavailable(
+            anyhow::anyhow!("the turn was withdrawn before it ran"),
+        )))
     }
 
     /// Sends every stored event after the cursor.
@@ -146,6 +150,7 @@ impl Follower {
                 .events_after(&self.key, self.cursor, PAGE)
                 .await?;
             let full = page.len() == PAGE;
+            self.ran |= !page.is_empty();
             for e in page {
                 self.cursor = Some(e.seq);
                 let wire = Box::new(convert::into_wire(e.seq, e.event));
