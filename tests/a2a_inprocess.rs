@@ -2,6 +2,7 @@
 
 mod a2a_support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use a2a::{PartContent, StreamResponse, TaskState};
@@ -220,4 +221,269 @@ async fn a_streams_task_snapshot_keeps_at_most_history_length_messages() {
     }
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
+}
+
+/// Which update of a task's [`Failing`] store refuses, once.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Refuse {
+    /// The update that stores the task's terminal state.
+    Terminal,
+    /// The first update that stores an artifact chunk.
+    Chunk,
+}
+
+/// The memory store, whose A2A task store refuses one update.
+struct Failing {
+    inner: Arc<agentd::store::memory::MemoryStore>,
+    tasks: Arc<FailingTasks>,
+}
+
+struct FailingTasks {
+    inner: Arc<dyn agentd::store::a2a_tasks::A2aTasks>,
+    refuse: Refuse,
+    refused: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl a2a_server::TaskStore for FailingTasks {
+    async fn create(
+        &self,
+        t: a2a::Task,
+    ) -> Result<a2a_server::task_store::TaskVersion, a2a::A2AError> {
+        self.inner.create(t).await
+    }
+    async fn update(
+        &self,
+        t: a2a::Task,
+    ) -> Result<a2a_server::task_store::TaskVersion, a2a::A2AError> {
+        use std::sync::atomic::Ordering;
+        let hit = match self.refuse {
+            Refuse::Terminal => t.status.state.is_terminal(),
+            Refuse::Chunk => t.artifacts.as_ref().is_some_and(|a| !a.is_empty()),
+        };
+        if hit && !self.refused.swap(true, Ordering::SeqCst) {
+            return Err(a2a::A2AError::internal("the task store failed over"));
+        }
+        self.inner.update(t).await
+    }
+    async fn get(&self, id: &str) -> Result<Option<a2a::Task>, a2a::A2AError> {
+        self.inner.get(id).await
+    }
+    async fn list(
+        &self,
+        r: &a2a::ListTasksRequest,
+    ) -> Result<a2a::ListTasksResponse, a2a::A2AError> {
+        self.inner.list(r).await
+    }
+    async fn begin_cancel(&self, id: &str) -> Result<a2a::Task, a2a::A2AError> {
+        self.inner.begin_cancel(id).await
+    }
+}
+
+#[async_trait::async_trait]
+impl agentd::store::a2a_tasks::A2aTasks for FailingTasks {
+    async fn ensure_session(
+        &self,
+        id: agentd::domain::SessionId,
+        user: &agentd::domain::UserId,
+    ) -> agentd::store::StoreResult<()> {
+        self.inner.ensure_session(id, user).await
+    }
+    async fn create_for(
+        &self,
+        owner: &agentd::domain::UserId,
+        t: a2a::Task,
+    ) -> Result<a2a_server::task_store::TaskVersion, a2a::A2AError> {
+        self.inner.create_for(owner, t).await
+    }
+    async fn list_for(
+        &self,
+        owner: &agentd::domain::UserId,
+        r: &a2a::ListTasksRequest,
+    ) -> Result<a2a::ListTasksResponse, a2a::A2AError> {
+        self.inner.list_for(owner, r).await
+    }
+    async fn owner(&self, id: &str) -> Result<Option<agentd::domain::UserId>, a2a::A2AError> {
+        self.inner.owner(id).await
+    }
+}
+
+impl agentd::store::a2a_tasks::A2aTaskSource for Failing {
+    fn a2a_tasks(&self) -> Arc<dyn agentd::store::a2a_tasks::A2aTasks> {
+        self.tasks.clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl agentd::store::Store for Failing {
+    async fn create_session(
+        &self,
+        u: &agentd::domain::UserId,
+    ) -> agentd::store::StoreResult<agentd::store::Session> {
+        self.inner.create_session(u).await
+    }
+    async fn get_session(
+        &self,
+        id: agentd::domain::SessionId,
+    ) -> agentd::store::StoreResult<Option<agentd::store::Session>> {
+        self.inner.get_session(id).await
+    }
+    async fn claim_turn(
+        &self,
+        t: &agentd::store::NewTurn,
+    ) -> agentd::store::StoreResult<agentd::store::Claim> {
+        self.inner.claim_turn(t).await
+    }
+    async fn get_turn(
+        &self,
+        k: &agentd::domain::TurnKey,
+    ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
+        self.inner.get_turn(k).await
+    }
+    async fn append_encoded(
+        &self,
+        k: &agentd::domain::TurnKey,
+        e: Vec<agentd::store::EncodedEvent>,
+    ) -> agentd::store::StoreResult<()> {
+        self.inner.append_encoded(k, e).await
+    }
+    async fn finish_turn(
+        &self,
+        k: &agentd::domain::TurnKey,
+        o: &agentd::store::TurnOutcome,
+        a: Option<&str>,
+    ) -> agentd::store::StoreResult<bool> {
+        self.inner.finish_turn(k, o, a).await
+    }
+    async fn events_after(
+        &self,
+        k: &agentd::domain::TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::store::SeqEvent>> {
+        self.inner.events_after(k, after, limit).await
+    }
+    async fn history(
+        &self,
+        s: agentd::domain::SessionId,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::agent::PriorTurn>> {
+        self.inner.history(s, limit).await
+    }
+    async fn list_sessions(
+        &self,
+        u: &agentd::domain::UserId,
+        limit: usize,
+        after: Option<&agentd::store::PageCursor>,
+    ) -> agentd::store::StoreResult<agentd::store::SessionPage> {
+        self.inner.list_sessions(u, limit, after).await
+    }
+    async fn delete_session(
+        &self,
+        id: agentd::domain::SessionId,
+    ) -> agentd::store::StoreResult<agentd::store::Deletion> {
+        self.inner.delete_session(id).await
+    }
+    async fn list_turns(
+        &self,
+        s: agentd::domain::SessionId,
+        after: Option<&agentd::store::TurnCursor>,
+        limit: usize,
+    ) -> agentd::store::StoreResult<Vec<agentd::store::TurnRecord>> {
+        self.inner.list_turns(s, after, limit).await
+    }
+    async fn renew_lease(
+        &self,
+        k: &agentd::domain::TurnKey,
+        owner: &str,
+        until: std::time::SystemTime,
+    ) -> agentd::store::StoreResult<bool> {
+        self.inner.renew_lease(k, owner, until).await
+    }
+    async fn fail_expired(
+        &self,
+        now: std::time::SystemTime,
+        o: &agentd::store::TurnOutcome,
+    ) -> agentd::store::StoreResult<u64> {
+        self.inner.fail_expired(now, o).await
+    }
+    async fn prune(
+        &self,
+        before: std::time::SystemTime,
+        limit: usize,
+    ) -> agentd::store::StoreResult<u64> {
+        self.inner.prune(before, limit).await
+    }
+    async fn ping(&self) -> agentd::store::StoreResult<()> {
+        self.inner.ping().await
+    }
+}
+
+/// A task whose run ended while its updates could not be stored (the
+/// handler stops at the first it cannot store) still gets its end: the
+/// task does not read WORKING for ever. Its answer is the turn's.
+#[tokio::test]
+async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
+    use a2a::{Message, Part, Role, SendMessageRequest};
+    use agentd::store::a2a_tasks::A2aTaskSource;
+    use futures::StreamExt;
+    for refuse in [Refuse::Terminal, Refuse::Chunk] {
+        let inner = Arc::new(agentd::store::memory::MemoryStore::new());
+        let store = Arc::new(Failing {
+            tasks: Arc::new(FailingTasks {
+                inner: inner.a2a_tasks(),
+                refuse,
+                refused: Default::default(),
+            }),
+            inner,
+        });
+        let server = a2a_support::A2aServer::start_on(store).await;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
+            a2a_grpc::GrpcTransport::from_channel(channel),
+        ));
+        let req = SendMessageRequest {
+            message: Message::new(Role::User, vec![Part::text("hello there")]),
+            configuration: None,
+            metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+            tenant: None,
+        };
+        let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+        let mut task_id = None;
+        while let Some(ev) = events.next().await {
+            match ev {
+                Ok(StreamResponse::Task(t)) => task_id = Some(t.id),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let task_id = task_id.expect("the stream named its task");
+        let mut task = client.get_task(&task_id).await.unwrap();
+        for _ in 0..200 {
+            if task.status.state.is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+            task = client.get_task(&task_id).await.unwrap();
+        }
+        assert!(
+            task.status.state.is_terminal(),
+            "{refuse:?}: the task reads {:?}",
+            task.status.state
+        );
+        if task.status.state == TaskState::Completed {
+            let answer: String = task
+                .artifacts
+                .iter()
+                .flatten()
+                .map(|a| parts_text(&a.parts))
+                .collect();
+            assert_eq!(answer, "hello there", "{refuse:?}");
+        }
+        server.stop().await;
+    }
 }

@@ -400,9 +400,10 @@ impl Shared {
                     return;
                 }
             };
+            let key = TurnKey { session_id, request_id };
             let input = RunInput {
                 user_id: job.user.clone(),
-                key: TurnKey { session_id, request_id },
+                key: key.clone(),
                 generated_request_id: false,
                 text,
                 agent,
@@ -425,6 +426,9 @@ impl Shared {
                     return;
                 }
             };
+            // From here the task's end is stored even if the handler stops
+            // storing its updates (see `settle`).
+            let mut settle = super::settle::Settle::new(self.turns.clone(), job.task_id.clone(), job.context_id.clone(), key);
             yield Ok(job.submitted(Some(session_id)));
             yield Ok(job.status(TaskState::Working, None));
             let task_id = job.task_id.clone();
@@ -437,6 +441,7 @@ impl Shared {
                         // pump sees the channel close and cancels the agent.
                         // CancelTask reports CANCELED itself.
                         tracing::info!(task = %task_id, "a2a: task cancelled; run dropped");
+                        settle.disarm();
                         return;
                     }
                     next = updates.next() => next,

@@ -16,6 +16,7 @@ pub mod auth;
 pub mod conformance;
 pub mod executor;
 pub mod follow;
+mod settle;
 pub mod version;
 
 use std::sync::Arc;

@@ -45,6 +45,11 @@ impl A2aServer {
         .await
     }
 
+    /// On `store`, without authentication.
+    pub async fn start_on(store: Arc<dyn agentd::store::Store>) -> Self {
+        Self::start_full(Duration::ZERO, None, None, store, "test").await
+    }
+
     /// With authentication on: bearer tokens from `tokens_json` (the
     /// `--auth-tokens` format) on every face.
     pub async fn start_secured(tokens_json: &str) -> Self {

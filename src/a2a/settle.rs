@@ -1,0 +1,171 @@
+//! A task whose run ended without its end being stored gets it here.
+//!
+//! The handler stores every update the executor streams, and stops at the
+//! first it cannot store (a store that failed over, a connection reset):
+//! it drops the executor's stream, which cancels the run, and nothing
+//! writes the task's end. Nor when the update it could not store was the
+//! terminal one. The task would read SUBMITTED or WORKING for ever (and
+//! never be pruned), while a subscriber following its turn sees it end.
+//!
+//! So when the executor's stream is dropped, a [`Settle`] looks again once
+//! the turn has ended: a task still not terminal then gets the end the turn
+//! had (COMPLETED with the turn's answer, or FAILED), written until the
+//! store takes it (for at most [`SETTLE_FOR`]). A task that ended is not
+//! written (the store refuses to change a terminal task anyway). The
+//! cancel path (CancelTask) stores CANCELED itself and disarms it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a::{Artifact, Message, Part, Role, Task, TaskState, TaskStatus};
+
+use crate::domain::TurnKey;
+use crate::store::TurnState;
+use crate::store::a2a_tasks::A2aTasks;
+use crate::turn::Turns;
+
+/// How long a task's end is retried for before it is left to the next
+/// reader's eyes (and the log).
+pub(crate) const SETTLE_FOR: Duration = Duration::from_secs(600);
+/// Earlier turns searched for the answer of the task's turn.
+const ANSWER_SEARCH: usize = 64;
+
+/// Armed while a run's stream is live; settles the task when dropped.
+pub(crate) struct Settle {
+    armed: Option<(Arc<Turns>, String, String, TurnKey)>,
+}
+
+impl Settle {
+    pub(crate) fn new(
+        turns: Arc<Turns>,
+        task_id: String,
+        context_id: String,
+        key: TurnKey,
+    ) -> Self {
+        Settle {
+            armed: Some((turns, task_id, context_id, key)),
+        }
+    }
+
+    /// The task's end is someone else's to store (CancelTask's).
+    pub(crate) fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        let Some((turns, task_id, context_id, key)) = self.armed.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(settle(turns, task_id, context_id, key));
+    }
+}
+
+async fn settle(turns: Arc<Turns>, task_id: String, context_id: String, key: TurnKey) {
+    let tasks = turns.store().a2a_tasks();
+    let give_up = tokio::time::Instant::now() + SETTLE_FOR;
+    let mut wait = Duration::from_millis(50);
+    loop {
+        match settle_once(&turns, &*tasks, &task_id, &context_id, &key).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(why) => {
+                tracing::debug!(task = %task_id, error = %why, "a2a: cannot settle the task yet");
+            }
+        }
+        if tokio::time::Instant::now() + wait > give_up {
+            tracing::warn!(task = %task_id, "a2a: the task's end could not be stored; it reads as not ended");
+            return;
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// True when there is nothing left to do: the task ended, or is gone, or
+/// now has the end its turn had.
+async fn settle_once(
+    turns: &Turns,
+    tasks: &dyn A2aTasks,
+    task_id: &str,
+    context_id: &str,
+    key: &TurnKey,
+) -> Result<bool, String> {
+    let Some(mut task) = tasks.get(task_id).await.map_err(|e| e.message)? else {
+        return Ok(true);
+    };
+    if !matches!(task.status.state, TaskState::Submitted | TaskState::Working) {
+        return Ok(true);
+    }
+    let store = turns.store();
+    let turn = store.get_turn(key).await.map_err(|e| e.to_string())?;
+    let outcome = match turn {
+        Some(t) if t.state.is_terminal() => t.outcome,
+        // Running: look again once it has ended.
+        Some(_) => return Ok(false),
+        // Gone (its claim withdrawn, its session deleted): it never ended.
+        None => None,
+    };
+    let (state, why) = match &outcome {
+        Some(o) if o.code == tonic::Code::Ok as i32 => (TaskState::Completed, None),
+        Some(o) if o.state == TurnState::Cancelled => (
+            TaskState::Failed,
+            Some("the task's updates could not be stored; its run was stopped".to_owned()),
+        ),
+        Some(o) => (TaskState::Failed, Some(o.message.clone())),
+        None => (
+            TaskState::Failed,
+            Some("the task's run is gone; send the message again".to_owned()),
+        ),
+    };
+    if state == TaskState::Completed {
+        // The answer as the turn stored it: the artifact may lack the
+        // chunks whose updates were not stored.
+        let history = store
+            .history(key.session_id, ANSWER_SEARCH)
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(t) = history
+            .iter()
+            .find(|t| t.request_id == key.request_id.as_str())
+        {
+            set_answer(&mut task, &t.answer);
+        }
+    }
+    task.status = TaskStatus {
+        state: state.clone(),
+        message: why.map(|w| Message {
+            context_id: Some(context_id.to_owned()),
+            task_id: Some(task_id.to_owned()),
+            ..Message::new(Role::Agent, vec![Part::text(w)])
+        }),
+        timestamp: Some(chrono::Utc::now()),
+    };
+    tasks.update(task).await.map_err(|e| e.message)?;
+    tracing::warn!(task = %task_id, state = ?state, "a2a: stored the end of a task whose run ended without it");
+    Ok(true)
+}
+
+/// The answer artifact, replaced by `answer` whole.
+fn set_answer(task: &mut Task, answer: &str) {
+    let artifact = Artifact {
+        artifact_id: super::executor::ANSWER_ARTIFACT_ID.into(),
+        name: Some("answer".into()),
+        description: None,
+        parts: vec![Part::text(answer)],
+        metadata: None,
+        extensions: None,
+    };
+    let artifacts = task.artifacts.get_or_insert_with(Vec::new);
+    match artifacts
+        .iter_mut()
+        .find(|a| a.artifact_id == artifact.artifact_id)
+    {
+        Some(a) => *a = artifact,
+        None => artifacts.push(artifact),
+    }
+}
