@@ -269,6 +269,13 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_A2A_ADVERTISE_HOST")]
     pub a2a_advertise_host: Option<String>,
 
+    /// URL the agent card gives for the JSON-RPC interface, when clients
+    /// reach it through a proxy (another scheme, host or port), e.g.
+    /// `https://agents.example.com/`. Default: http://HOST:PORT/ of
+    /// `--a2a-listen` and `--a2a-advertise-host`.
+    #[arg(long, env = "AGENTD_A2A_ADVERTISE_URL")]
+    pub a2a_advertise_url: Option<String>,
+
     /// Serve A2A's `conformance` agent: a message whose messageId starts with
     /// `tck-` (or `test-resubscribe-`) gets the scripted answer conformance
     /// suites expect; other messages reach the agents as usual.
@@ -297,6 +304,25 @@ fn listen_or_off(s: &str) -> Result<ListenAddr, String> {
 /// Where the admin HTTP port listens, if anywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdminListen(pub Option<SocketAddr>);
+
+/// An agent card URL clients can use: absolute http(s), a host, no
+/// credentials, no fragment.
+fn advertise_url(s: &str) -> Result<(), String> {
+    let url = reqwest::Url::parse(s).map_err(|e| format!("not a URL ({e})"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err("must be an http:// or https:// URL".into());
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("must name a host".into());
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("must not carry credentials (the card is public)".into());
+    }
+    if url.fragment().is_some() {
+        return Err("must not have a #fragment".into());
+    }
+    Ok(())
+}
 
 fn admin_listen(s: &str) -> Result<AdminListen, String> {
     if s == "off" || s.is_empty() {
@@ -362,6 +388,9 @@ impl ServeArgs {
         }
         if self.turn_lease < Duration::from_millis(300) {
             return Err("--turn-lease must be at least 300ms".into());
+        }
+        if let Some(u) = &self.a2a_advertise_url {
+            advertise_url(u).map_err(|why| format!("--a2a-advertise-url: {why}"))?;
         }
         Ok(())
     }
@@ -680,6 +709,23 @@ mod tests {
     #[test]
     fn zero_capacity_is_refused() {
         assert!(serve(&["--channel-capacity", "0"]).validate().is_err());
+    }
+
+    #[test]
+    fn an_advertised_url_must_be_one_clients_can_use() {
+        serve(&["--a2a-advertise-url", "https://agents.example.com/"])
+            .validate()
+            .unwrap();
+        for bad in [
+            "agents.example.com",
+            "ftp://agents.example.com/",
+            "https://user:secret@agents.example.com/",
+            "https://agents.example.com/#x",
+        ] {
+            let err = serve(&["--a2a-advertise-url", bad]).validate().unwrap_err();
+            assert!(err.starts_with("--a2a-advertise-url"), "{bad}: {err}");
+            assert!(!err.contains("secret"), "{err}");
+        }
     }
 
     #[test]

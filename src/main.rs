@@ -191,6 +191,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 l.local_addr()?,
                 args.a2a_advertise_host.as_deref(),
                 opts.security.tls.is_some(),
+                args.a2a_advertise_url.as_deref(),
             );
             Some(agentd::server::A2aHttp {
                 listener: l,

@@ -14,6 +14,10 @@ struct Served {
 
 impl Served {
     fn start() -> Self {
+        Self::start_with_env(&[])
+    }
+
+    fn start_with_env(env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BIN)
             .args([
                 "--log-format",
@@ -30,6 +34,7 @@ impl Served {
                 "0s",
             ])
             .env("AGENTD_STORE", "memory:")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -179,4 +184,28 @@ fn the_deadline_covers_fetching_the_card_of_a_server_that_never_answers() {
         .read_to_string(&mut stderr)
         .unwrap();
     assert!(stderr.contains("deadline"), "{stderr}");
+}
+
+/// Behind a proxy, the card gives the URL clients use for JSON-RPC.
+#[tokio::test]
+async fn the_card_gives_the_advertised_url_for_json_rpc() {
+    let served =
+        Served::start_with_env(&[("AGENTD_A2A_ADVERTISE_URL", "https://agents.example.com/a2a")]);
+    // reqwest is built without a default crypto provider; agentd installs ring.
+    agentd::auth::tls::install_crypto_provider();
+    let card: serde_json::Value =
+        reqwest::get(format!("{}/.well-known/agent-card.json", served.a2a_url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    let jsonrpc = card["supportedInterfaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["protocolBinding"] == "JSONRPC")
+        .expect("a JSON-RPC interface");
+    assert_eq!(jsonrpc["url"], "https://agents.example.com/a2a", "{card}");
+    assert!(served.terminate().success());
 }

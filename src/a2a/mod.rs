@@ -261,11 +261,14 @@ pub async fn serve_http(
 /// given, else the bound IP, or the machine's name for an unspecified IP.
 /// With `grpc_tls` the gRPC interface is an `https://` URL: A2A clients
 /// (the official crate's among them) take a bare `host:port` for plaintext.
+/// `jsonrpc_url`, when given, is the JSON-RPC interface's URL as is (a
+/// proxy in front of it).
 pub fn advertised(
     grpc: std::net::SocketAddr,
     http: std::net::SocketAddr,
     host: Option<&str>,
     grpc_tls: bool,
+    jsonrpc_url: Option<&str>,
 ) -> Advertised {
     let at = |addr: std::net::SocketAddr| match host {
         Some(h) => format!("{h}:{}", addr.port()),
@@ -273,7 +276,9 @@ pub fn advertised(
         None => addr.to_string(),
     };
     Advertised {
-        jsonrpc_url: format!("http://{}/", at(http)),
+        jsonrpc_url: jsonrpc_url
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("http://{}/", at(http))),
         grpc_url: match grpc_tls {
             true => format!("https://{}", at(grpc)),
             false => at(grpc),
@@ -301,13 +306,15 @@ mod tests {
     fn the_grpc_interface_is_an_https_url_with_tls_and_host_port_without() {
         let grpc: std::net::SocketAddr = "10.0.0.7:50051".parse().unwrap();
         let http: std::net::SocketAddr = "10.0.0.7:8080".parse().unwrap();
-        let plain = advertised(grpc, http, Some("agentd.agents"), false);
+        let plain = advertised(grpc, http, Some("agentd.agents"), false, None);
         assert_eq!(plain.grpc_url, "agentd.agents:50051");
         assert_eq!(plain.jsonrpc_url, "http://agentd.agents:8080/");
-        let tls = advertised(grpc, http, Some("agentd.agents"), true);
+        let tls = advertised(grpc, http, Some("agentd.agents"), true, None);
         assert_eq!(tls.grpc_url, "https://agentd.agents:50051");
+        let proxied = advertised(grpc, http, None, false, Some("https://agents.example.com/"));
+        assert_eq!(proxied.jsonrpc_url, "https://agents.example.com/");
         assert_eq!(
-            advertised(grpc, http, None, true).grpc_url,
+            advertised(grpc, http, None, true, None).grpc_url,
             "https://10.0.0.7:50051"
         );
     }

@@ -113,7 +113,7 @@ impl A2aServer {
         );
         let a2a = A2aHttp {
             listener: http_listener,
-            advertised: agentd::a2a::advertised(grpc, http, None, false),
+            advertised: agentd::a2a::advertised(grpc, http, None, false, None),
         };
         let opts = ServerOptions {
             drain_delay: Duration::ZERO,
