@@ -351,9 +351,9 @@ impl ServeArgs {
             ("--max-message-bytes", self.max_message_bytes),
             ("--max-input-bytes", self.max_input_bytes),
         ];
-        // Each is a semaphore's permits or a channel's capacity: past
-        // tokio's bound they would panic when the server starts, or on the
-        // first Run.
+        // The first four are a semaphore's permits or a channel's
+        // capacity: past tokio's bound they would panic when the server
+        // starts, or on the first Run (no message comes near it either).
         let most = tokio::sync::Semaphore::MAX_PERMITS;
         for (flag, v) in positive {
             if v == 0 {

@@ -164,6 +164,7 @@ async fn an_attached_reader_that_stalls_under_fail_gets_resource_exhausted() {
         }
     };
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("goes on"), "{status:?}");
     assert!(received < n, "received {received} of {n}");
     let t = server.turn(&s, "r1").await.unwrap();
     assert_eq!(t.outcome.unwrap().code, Code::Ok as i32);

@@ -1,7 +1,9 @@
 -- 0006 builds its index CONCURRENTLY. A build that fails (replicas of a new
 -- deployment starting together deadlocked it, before they took turns to
 -- migrate) leaves the index behind, invalid: never used, and skipped by
--- 0006's IF NOT EXISTS when it runs again. Rebuilt here if so.
+-- 0006's IF NOT EXISTS when it runs again. Rebuilt here if so, holding
+-- writes to a2a_tasks while it is built: only on such a database (a new
+-- deployment whose first start failed, with few tasks yet).
 DO $$
 BEGIN
   IF EXISTS (

@@ -143,6 +143,11 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
                 Code::Unavailable,
                 "the server shut down while following the turn; attach to it again".into(),
             ),
+            Failure::SlowConsumer => (
+                TurnState::Failed,
+                Code::ResourceExhausted,
+                "the client stopped reading events; it stopped following the turn, which goes on (attach to it again)".into(),
+            ),
             ref f => return failure_outcome(f),
         },
         Failure::ClientGone => (

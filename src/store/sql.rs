@@ -56,6 +56,16 @@ pub(super) fn unavailable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// A PostgreSQL deadlock or serialization failure: one transaction of the
+/// cycle was rolled back, and a group so failed is written again one item
+/// at a time (each may pass), where a database away fails it whole.
+pub(crate) fn conflict(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| matches!(&*c, "40001" | "40P01")),
+        _ => false,
+    }
+}
+
 /// SQLite's primary result codes that say the file cannot take the
 /// statement now, not that the statement is bad: BUSY and LOCKED (after the
 /// busy timeout), NOMEM, READONLY (the file or its folder no longer
@@ -530,7 +540,7 @@ macro_rules! sql_store {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
                         // One claim at a time, so that only a bad one fails
                         // (the database away fails them all at once).
-                        Err(e) if first.len() > 1 && !$crate::store::sql::unavailable(&e) => {
+                        Err(e) if first.len() > 1 && (!$crate::store::sql::unavailable(&e) || $crate::store::sql::conflict(&e)) => {
                             let mut results = Vec::with_capacity(first.len());
                             for c in &first {
                                 let r = $crate::store::sql::bounded(Self::insert_claims(&pool, std::slice::from_ref(c))).await;
@@ -678,7 +688,7 @@ macro_rules! sql_store {
                             // One batch at a time, so that only a bad one fails
                             // (the database away fails them all at once)
                             // (without its events again if the group's are stored).
-                            Err(e) if group.len() > 1 && !$crate::store::sql::unavailable(&e.error) => {
+                            Err(e) if group.len() > 1 && (!$crate::store::sql::unavailable(&e.error) || $crate::store::sql::conflict(&e.error)) => {
                                 for mut p in group.drain(..) {
                                     if e.events_stored {
                                         p.events.clear();
@@ -1026,11 +1036,6 @@ macro_rules! sql_store {
         }
 
         impl $store {
-            /// The session, its last `limit` ended turns and whether turn
-            /// `turn` (if given) is stored: from the session cache where it
-            /// holds the session (asking the database whether the turn is
-            /// stored only where the cache cannot tell), else from the
-            /// database in one statement, offered to the cache.
             /// One claim: `None` when it conflicted with a row that is gone
             /// by the time it is read.
             async fn claim_once(&self, t: &NewTurn) -> StoreResult<Option<Claim>> {
@@ -1064,6 +1069,11 @@ macro_rules! sql_store {
                 }
             }
 
+            /// The session, its last `limit` ended turns and whether turn
+            /// `turn` (if given) is stored: from the session cache where it
+            /// holds the session (asking the database whether the turn is
+            /// stored only where the cache cannot tell), else from the
+            /// database in one statement, offered to the cache.
             async fn read_for_run(&self, id: SessionId, limit: usize, turn: Option<&str>) -> StoreResult<Option<RunRead>> {
                 let Some(cache) = &self.sessions else {
                     return self.read_session(id, limit, turn).await;

@@ -39,7 +39,7 @@ pub(super) fn spawn(
         cut: turns.cut.clone(),
         policy: turns.cfg.slow_consumer,
         stall_timeout: turns.cfg.stall_timeout,
-        ran: mode == Mode::Replay,
+        ran: mode == Mode::Replay || after.is_some(),
     };
     let end2 = end.clone();
     let span = crate::telemetry::trace::run_span(

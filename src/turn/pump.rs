@@ -221,7 +221,29 @@ impl Pump {
         let result = match result {
             // The outcome's write found the turn ended already: the caller
             // gets what the store holds, as a retry would.
-            r if superseded => as_stored(self.store.clone(), self.key.clone(), r).await,
+            // Bounded as the wait for the outcome is, and cut short by the
+            // shutdown's cut: not read, the end is the store's failure.
+            r if superseded => {
+                let read = as_stored(self.store.clone(), self.key.clone(), r);
+                // The shutdown's cut, not a lost lease (which fires the
+                // same token, and whose outcome is the one to read).
+                let shutdown = async {
+                    self.cut.cancelled().await;
+                    if self.lease_lost.is_cancelled() {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                tokio::select! {
+                    r = tokio::time::timeout(OUTCOME_WAIT, read) => r.unwrap_or_else(|_| {
+                        Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
+                            "the turn's outcome could not be read back in time"
+                        ))))
+                    }),
+                    _ = shutdown => Err(Failure::Store(StoreError::Unavailable(
+                        anyhow::anyhow!("the turn's outcome could not be read back before the shutdown's cut"),
+                    ))),
+                }
+            }
             Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
@@ -626,8 +648,9 @@ impl Writer {
         self.forget();
     }
 
-    /// Records the outcome, again after a failure (a connection reset, a
-    /// failover), for as long as a lease lasts: given up, the turn stays
+    /// Records the outcome, again after the store was unavailable (a
+    /// connection reset, a failover), for as long as a lease lasts, or
+    /// until the shutdown's cut: given up, the turn stays
     /// running until its lease ends it as "replica stopped", and a retry
     /// of its client would be told to run it again under a new request id.
     /// A write that failed but landed shows as `Ok(false)` on the next one
@@ -642,9 +665,14 @@ impl Writer {
         let mut backoff = Duration::from_millis(50);
         loop {
             match store.finish_turn(&self.key, outcome, answer).await {
-                Err(e) if Instant::now() + backoff < give_up => {
+                Err(e @ StoreError::Unavailable(_))
+                    if Instant::now() + backoff < give_up && !self.turns.cut.is_cancelled() =>
+                {
                     tracing::warn!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn; trying again");
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = self.turns.cut.cancelled() => return Err(e),
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
                 r => return r,
