@@ -60,12 +60,12 @@ fn a_bad_agents_file_stops_start_up_with_file_line_and_reason() {
 fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
     let dir = tempfile::tempdir().unwrap();
     // Nothing listens on the model's port: the file's agent answers
-    // UNAVAILABLE, which tells it apart from order_helper.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // UNAVAILABLE, which tells it apart from order_helper. The port is held
+    // (bound, not listening: connections are refused) so that no other
+    // test's server takes it meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     let path = write(
         dir.path(),
         "agents.toml",

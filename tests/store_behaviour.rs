@@ -1895,6 +1895,40 @@ async fn a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may
     s.stop().await;
 }
 
+/// A claim whose caller left after the claimer handed its answer over but
+/// before the caller read it (its call dropped in between) is removed too:
+/// nobody would run the turn, which stayed `running` until its lease made
+/// it "replica stopped".
+async fn a_claim_answered_but_never_read_is_removed(db: TestDb) {
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    let turn = new_turn(&key, "replica-a");
+    let held = db.hold_writes().await;
+    let mut claim = Box::pin(store.claim_turn(&turn));
+    assert!(futures::poll!(&mut claim).is_pending());
+    held.release().await;
+    // The claimer writes the claim and hands the answer over; the claim's
+    // future is not polled again to read it.
+    eventually("the claim to be written", || async {
+        store.get_turn(&key).await.unwrap().map(drop)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(claim);
+    eventually("the unread claim to be removed", || async {
+        store.get_turn(&key).await.unwrap().is_none().then_some(())
+    })
+    .await;
+}
+
 /// SQLite (one claimer): a claim whose caller went away while it waited
 /// behind another (it cancelled, or its store call timed out and it was told
 /// to retry) is not stored at all: a retry claims the turn anew.
@@ -2562,5 +2596,6 @@ on_sqlite_and_postgres!(
     a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
     a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn,
     a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may_retry,
+    a_claim_answered_but_never_read_is_removed,
     a_database_migrated_by_a_later_release_is_served,
 );

@@ -290,6 +290,47 @@ pub(super) struct PendingClaim {
     pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
 }
 
+/// A claim's answer, awaited by its caller. The claimer removes a claim
+/// whose caller left before the answer could be handed over; this covers a
+/// caller that leaves after it was handed over but before it was read (its
+/// future dropped between the two): nobody will run the turn it claimed, so
+/// `release` removes it the same way.
+pub(super) struct ClaimAnswer {
+    rx: Option<tokio::sync::oneshot::Receiver<Result<bool, Failed>>>,
+    release: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl ClaimAnswer {
+    pub fn new(
+        rx: tokio::sync::oneshot::Receiver<Result<bool, Failed>>,
+        release: Box<dyn FnOnce() + Send>,
+    ) -> Self {
+        Self {
+            rx: Some(rx),
+            release: Some(release),
+        }
+    }
+
+    pub async fn recv(
+        &mut self,
+    ) -> Result<Result<bool, Failed>, tokio::sync::oneshot::error::RecvError> {
+        let answer = self.rx.as_mut().expect("received once").await;
+        self.rx = None;
+        answer
+    }
+}
+
+impl Drop for ClaimAnswer {
+    fn drop(&mut self) {
+        if let Some(mut rx) = self.rx.take()
+            && matches!(rx.try_recv(), Ok(Ok(true)))
+            && let Some(release) = self.release.take()
+        {
+            release();
+        }
+    }
+}
+
 impl PendingClaim {
     /// The lease, in microseconds (the claim statements' bind).
     pub fn lease_micros(&self) -> i64 {
@@ -1051,9 +1092,21 @@ macro_rules! sql_store {
                     at: to_micros(now),
                     done,
                 };
+                let release: Box<dyn FnOnce() + Send> = {
+                    let (pool, sessions) = (self.write.clone(), self.sessions.clone());
+                    let abandoned = (t.key.session_id.to_string(), t.key.request_id.as_str().to_owned(), t.owner.clone());
+                    Box::new(move || {
+                        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                            rt.spawn(async move {
+                                Self::release_abandoned(&pool, &[abandoned], sessions.as_deref()).await;
+                            });
+                        }
+                    })
+                };
+                let mut stored = $crate::store::sql::ClaimAnswer::new(stored, release);
                 let stopped = || StoreError::Unavailable(anyhow::anyhow!("the store's claimer stopped"));
                 self.claims.send(claim).await.map_err(|_| stopped())?;
-                if stored.await.map_err(|_| stopped())?.map_err(StoreError::from)? {
+                if stored.recv().await.map_err(|_| stopped())?.map_err(StoreError::from)? {
                     return Ok(Some(Claim::New));
                 }
                 // Read on the writer: the winner's row is committed there.
