@@ -1,6 +1,7 @@
 //! Our A2A client against our own server, in-process over its gRPC face.
 
 mod a2a_support;
+mod store_wrap;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -232,12 +233,6 @@ enum Refuse {
     Chunk,
 }
 
-/// The memory store, whose A2A task store refuses one update.
-struct Failing {
-    inner: Arc<agentd::store::memory::MemoryStore>,
-    tasks: Arc<FailingTasks>,
-}
-
 struct FailingTasks {
     inner: Arc<dyn agentd::store::a2a_tasks::A2aTasks>,
     refuse: Refuse,
@@ -308,114 +303,15 @@ impl agentd::store::a2a_tasks::A2aTasks for FailingTasks {
     }
 }
 
-impl agentd::store::a2a_tasks::A2aTaskSource for Failing {
-    fn a2a_tasks(&self) -> Arc<dyn agentd::store::a2a_tasks::A2aTasks> {
-        self.tasks.clone()
-    }
-}
+/// The memory store's A2A task store, refusing one update.
+struct Failing(Arc<FailingTasks>);
 
-#[async_trait::async_trait]
-impl agentd::store::Store for Failing {
-    async fn create_session(
+impl store_wrap::Hooks for Failing {
+    fn a2a_tasks(
         &self,
-        u: &agentd::domain::UserId,
-    ) -> agentd::store::StoreResult<agentd::store::Session> {
-        self.inner.create_session(u).await
-    }
-    async fn get_session(
-        &self,
-        id: agentd::domain::SessionId,
-    ) -> agentd::store::StoreResult<Option<agentd::store::Session>> {
-        self.inner.get_session(id).await
-    }
-    async fn claim_turn(
-        &self,
-        t: &agentd::store::NewTurn,
-    ) -> agentd::store::StoreResult<agentd::store::Claim> {
-        self.inner.claim_turn(t).await
-    }
-    async fn get_turn(
-        &self,
-        k: &agentd::domain::TurnKey,
-    ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
-        self.inner.get_turn(k).await
-    }
-    async fn append_encoded(
-        &self,
-        k: &agentd::domain::TurnKey,
-        e: Vec<agentd::store::EncodedEvent>,
-    ) -> agentd::store::StoreResult<()> {
-        self.inner.append_encoded(k, e).await
-    }
-    async fn finish_turn(
-        &self,
-        k: &agentd::domain::TurnKey,
-        o: &agentd::store::TurnOutcome,
-        a: Option<&str>,
-    ) -> agentd::store::StoreResult<bool> {
-        self.inner.finish_turn(k, o, a).await
-    }
-    async fn events_after(
-        &self,
-        k: &agentd::domain::TurnKey,
-        after: Option<u64>,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::store::SeqEvent>> {
-        self.inner.events_after(k, after, limit).await
-    }
-    async fn history(
-        &self,
-        s: agentd::domain::SessionId,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::agent::PriorTurn>> {
-        self.inner.history(s, limit).await
-    }
-    async fn list_sessions(
-        &self,
-        u: &agentd::domain::UserId,
-        limit: usize,
-        after: Option<&agentd::store::PageCursor>,
-    ) -> agentd::store::StoreResult<agentd::store::SessionPage> {
-        self.inner.list_sessions(u, limit, after).await
-    }
-    async fn delete_session(
-        &self,
-        id: agentd::domain::SessionId,
-    ) -> agentd::store::StoreResult<agentd::store::Deletion> {
-        self.inner.delete_session(id).await
-    }
-    async fn list_turns(
-        &self,
-        s: agentd::domain::SessionId,
-        after: Option<&agentd::store::TurnCursor>,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::store::TurnRecord>> {
-        self.inner.list_turns(s, after, limit).await
-    }
-    async fn renew_lease(
-        &self,
-        k: &agentd::domain::TurnKey,
-        owner: &str,
-        until: std::time::SystemTime,
-    ) -> agentd::store::StoreResult<bool> {
-        self.inner.renew_lease(k, owner, until).await
-    }
-    async fn fail_expired(
-        &self,
-        now: std::time::SystemTime,
-        o: &agentd::store::TurnOutcome,
-    ) -> agentd::store::StoreResult<u64> {
-        self.inner.fail_expired(now, o).await
-    }
-    async fn prune(
-        &self,
-        before: std::time::SystemTime,
-        limit: usize,
-    ) -> agentd::store::StoreResult<u64> {
-        self.inner.prune(before, limit).await
-    }
-    async fn ping(&self) -> agentd::store::StoreResult<()> {
-        self.inner.ping().await
+        _inner: &dyn agentd::store::Store,
+    ) -> Arc<dyn agentd::store::a2a_tasks::A2aTasks> {
+        self.0.clone()
     }
 }
 
@@ -429,12 +325,12 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
     use futures::StreamExt;
     for refuse in [Refuse::Terminal, Refuse::Chunk] {
         let inner = Arc::new(agentd::store::memory::MemoryStore::new());
-        let store = Arc::new(Failing {
-            tasks: Arc::new(FailingTasks {
+        let store = Arc::new(store_wrap::Wrapped {
+            hooks: Arc::new(Failing(Arc::new(FailingTasks {
                 inner: inner.a2a_tasks(),
                 refuse,
                 refused: Default::default(),
-            }),
+            }))),
             inner,
         });
         let server = a2a_support::A2aServer::start_on(store).await;

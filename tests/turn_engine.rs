@@ -1,5 +1,7 @@
 //! The turn engine as a library: what a server does not expose over the wire.
 
+mod store_wrap;
+
 use std::sync::Arc;
 
 use agentd::agent::synthetic::Echo;
@@ -125,10 +127,9 @@ enum Lateness {
     RefusesTwice,
 }
 
-/// A store whose outcome writes land but answer late or wrongly; the rest
-/// is the memory store's.
+/// The outcome writes and event appends of a memory store, landing but
+/// answering late or wrongly ([`Lateness`]).
 struct Late {
-    inner: Arc<MemoryStore>,
     how: Lateness,
     wait: std::time::Duration,
     failed_once: std::sync::atomic::AtomicBool,
@@ -136,6 +137,19 @@ struct Late {
 }
 
 impl Late {
+    /// A memory store with these hooks.
+    fn store(how: Lateness, wait: std::time::Duration) -> Arc<store_wrap::Wrapped> {
+        Arc::new(store_wrap::Wrapped {
+            inner: Arc::new(MemoryStore::new()),
+            hooks: Arc::new(Late {
+                how,
+                wait,
+                failed_once: Default::default(),
+                refused: Default::default(),
+            }),
+        })
+    }
+
     async fn after_write(&self, written: bool) -> agentd::store::StoreResult<bool> {
         use std::sync::atomic::Ordering;
         match self.how {
@@ -157,50 +171,22 @@ impl Late {
     }
 }
 
-impl agentd::store::a2a_tasks::A2aTaskSource for Late {
-    fn a2a_tasks(&self) -> Arc<dyn agentd::store::a2a_tasks::A2aTasks> {
-        self.inner.a2a_tasks()
-    }
-}
-
 #[async_trait::async_trait]
-impl Store for Late {
-    async fn create_session(
-        &self,
-        u: &UserId,
-    ) -> agentd::store::StoreResult<agentd::store::Session> {
-        self.inner.create_session(u).await
-    }
-    async fn get_session(
-        &self,
-        id: agentd::domain::SessionId,
-    ) -> agentd::store::StoreResult<Option<agentd::store::Session>> {
-        self.inner.get_session(id).await
-    }
-    async fn claim_turn(
-        &self,
-        t: &agentd::store::NewTurn,
-    ) -> agentd::store::StoreResult<agentd::store::Claim> {
-        self.inner.claim_turn(t).await
-    }
-    async fn get_turn(
-        &self,
-        k: &TurnKey,
-    ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
-        self.inner.get_turn(k).await
-    }
+impl store_wrap::Hooks for Late {
     async fn append_encoded(
         &self,
+        inner: &dyn Store,
         k: &TurnKey,
         e: Vec<agentd::store::EncodedEvent>,
     ) -> agentd::store::StoreResult<()> {
         if self.how == Lateness::Stalled {
             std::future::pending::<()>().await;
         }
-        self.inner.append_encoded(k, e).await
+        inner.append_encoded(k, e).await
     }
     async fn finish_turn(
         &self,
+        inner: &dyn Store,
         k: &TurnKey,
         o: &agentd::store::TurnOutcome,
         a: Option<&str>,
@@ -210,11 +196,12 @@ impl Store for Late {
                 "failover"
             )));
         }
-        let written = self.inner.finish_turn(k, o, a).await?;
+        let written = inner.finish_turn(k, o, a).await?;
         self.after_write(written).await
     }
     async fn append_and_finish(
         &self,
+        inner: &dyn Store,
         k: &TurnKey,
         e: Vec<agentd::store::EncodedEvent>,
         o: &agentd::store::TurnOutcome,
@@ -225,70 +212,8 @@ impl Store for Late {
                 "failover"
             )));
         }
-        let written = self.inner.append_and_finish(k, e, o, a).await?;
+        let written = inner.append_and_finish(k, e, o, a).await?;
         self.after_write(written).await
-    }
-    async fn events_after(
-        &self,
-        k: &TurnKey,
-        after: Option<u64>,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::store::SeqEvent>> {
-        self.inner.events_after(k, after, limit).await
-    }
-    async fn history(
-        &self,
-        s: agentd::domain::SessionId,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::agent::PriorTurn>> {
-        self.inner.history(s, limit).await
-    }
-    async fn list_sessions(
-        &self,
-        u: &UserId,
-        limit: usize,
-        after: Option<&agentd::store::PageCursor>,
-    ) -> agentd::store::StoreResult<agentd::store::SessionPage> {
-        self.inner.list_sessions(u, limit, after).await
-    }
-    async fn delete_session(
-        &self,
-        id: agentd::domain::SessionId,
-    ) -> agentd::store::StoreResult<agentd::store::Deletion> {
-        self.inner.delete_session(id).await
-    }
-    async fn list_turns(
-        &self,
-        s: agentd::domain::SessionId,
-        after: Option<&agentd::store::TurnCursor>,
-        limit: usize,
-    ) -> agentd::store::StoreResult<Vec<agentd::store::TurnRecord>> {
-        self.inner.list_turns(s, after, limit).await
-    }
-    async fn renew_lease(
-        &self,
-        k: &TurnKey,
-        owner: &str,
-        until: std::time::SystemTime,
-    ) -> agentd::store::StoreResult<bool> {
-        self.inner.renew_lease(k, owner, until).await
-    }
-    async fn fail_expired(
-        &self,
-        now: std::time::SystemTime,
-        o: &agentd::store::TurnOutcome,
-    ) -> agentd::store::StoreResult<u64> {
-        self.inner.fail_expired(now, o).await
-    }
-    async fn prune(
-        &self,
-        before: std::time::SystemTime,
-        limit: usize,
-    ) -> agentd::store::StoreResult<u64> {
-        self.inner.prune(before, limit).await
-    }
-    async fn ping(&self) -> agentd::store::StoreResult<()> {
-        self.inner.ping().await
     }
 }
 
@@ -300,13 +225,7 @@ async fn run_on_late_store(
     use agentd::agent::demo::OrderHelper;
     use futures::StreamExt;
     let lease = std::time::Duration::from_millis(300);
-    let store = Arc::new(Late {
-        inner: Arc::new(MemoryStore::new()),
-        how,
-        wait: lease * 2,
-        failed_once: Default::default(),
-        refused: Default::default(),
-    });
+    let store = Late::store(how, lease * 2);
     let agent = Arc::new(OrderHelper::new(std::time::Duration::ZERO)) as Arc<dyn Agent>;
     let agents = AgentRegistry::new(vec![agent], "order_helper").unwrap();
     let cfg = TurnConfig {
@@ -392,13 +311,7 @@ async fn a_client_gone_while_its_run_waits_on_a_stalled_store_stops_the_run() {
     use futures::StreamExt;
     use std::sync::atomic::Ordering;
     let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let store = Arc::new(Late {
-        inner: Arc::new(MemoryStore::new()),
-        how: Lateness::Stalled,
-        wait: std::time::Duration::ZERO,
-        failed_once: Default::default(),
-        refused: Default::default(),
-    });
+    let store = Late::store(Lateness::Stalled, std::time::Duration::ZERO);
     let agent = Arc::new(Endless(dropped.clone())) as Arc<dyn Agent>;
     let agents = AgentRegistry::new(vec![agent], "endless").unwrap();
     let turns = Turns::new(store.clone(), agents, TurnConfig::default());

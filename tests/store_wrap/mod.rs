@@ -1,0 +1,138 @@
+//! A store that is another store but for what a test changes in it: the
+//! outcome writes, the event appends, or the A2A task store ([`Hooks`]).
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use agentd::agent::PriorTurn;
+use agentd::domain::{SessionId, TurnKey, UserId};
+use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
+use agentd::store::{
+    Claim, Deletion, EncodedEvent, NewTurn, PageCursor, SeqEvent, Session, SessionPage, Store,
+    StoreResult, TurnCursor, TurnOutcome, TurnRecord,
+};
+
+/// What a test changes; each defaults to the inner store's own.
+#[async_trait::async_trait]
+pub trait Hooks: Send + Sync + 'static {
+    async fn append_encoded(
+        &self,
+        inner: &dyn Store,
+        k: &TurnKey,
+        e: Vec<EncodedEvent>,
+    ) -> StoreResult<()> {
+        inner.append_encoded(k, e).await
+    }
+    async fn finish_turn(
+        &self,
+        inner: &dyn Store,
+        k: &TurnKey,
+        o: &TurnOutcome,
+        a: Option<&str>,
+    ) -> StoreResult<bool> {
+        inner.finish_turn(k, o, a).await
+    }
+    async fn append_and_finish(
+        &self,
+        inner: &dyn Store,
+        k: &TurnKey,
+        e: Vec<EncodedEvent>,
+        o: &TurnOutcome,
+        a: Option<&str>,
+    ) -> StoreResult<bool> {
+        inner.append_and_finish(k, e, o, a).await
+    }
+    fn a2a_tasks(&self, inner: &dyn Store) -> Arc<dyn A2aTasks> {
+        inner.a2a_tasks()
+    }
+}
+
+pub struct Wrapped {
+    pub inner: Arc<dyn Store>,
+    pub hooks: Arc<dyn Hooks>,
+}
+
+impl A2aTaskSource for Wrapped {
+    fn a2a_tasks(&self) -> Arc<dyn A2aTasks> {
+        self.hooks.a2a_tasks(&*self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Wrapped {
+    async fn create_session(&self, u: &UserId) -> StoreResult<Session> {
+        self.inner.create_session(u).await
+    }
+    async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
+        self.inner.get_session(id).await
+    }
+    async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
+        self.inner.claim_turn(t).await
+    }
+    async fn get_turn(&self, k: &TurnKey) -> StoreResult<Option<TurnRecord>> {
+        self.inner.get_turn(k).await
+    }
+    async fn append_encoded(&self, k: &TurnKey, e: Vec<EncodedEvent>) -> StoreResult<()> {
+        self.hooks.append_encoded(&*self.inner, k, e).await
+    }
+    async fn finish_turn(
+        &self,
+        k: &TurnKey,
+        o: &TurnOutcome,
+        a: Option<&str>,
+    ) -> StoreResult<bool> {
+        self.hooks.finish_turn(&*self.inner, k, o, a).await
+    }
+    async fn append_and_finish(
+        &self,
+        k: &TurnKey,
+        e: Vec<EncodedEvent>,
+        o: &TurnOutcome,
+        a: Option<&str>,
+    ) -> StoreResult<bool> {
+        self.hooks.append_and_finish(&*self.inner, k, e, o, a).await
+    }
+    async fn events_after(
+        &self,
+        k: &TurnKey,
+        after: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<SeqEvent>> {
+        self.inner.events_after(k, after, limit).await
+    }
+    async fn history(&self, s: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
+        self.inner.history(s, limit).await
+    }
+    async fn list_sessions(
+        &self,
+        u: &UserId,
+        limit: usize,
+        after: Option<&PageCursor>,
+    ) -> StoreResult<SessionPage> {
+        self.inner.list_sessions(u, limit, after).await
+    }
+    async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion> {
+        self.inner.delete_session(id).await
+    }
+    async fn list_turns(
+        &self,
+        s: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnRecord>> {
+        self.inner.list_turns(s, after, limit).await
+    }
+    async fn renew_lease(&self, k: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool> {
+        self.inner.renew_lease(k, owner, until).await
+    }
+    async fn fail_expired(&self, now: SystemTime, o: &TurnOutcome) -> StoreResult<u64> {
+        self.inner.fail_expired(now, o).await
+    }
+    async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        self.inner.prune(before, limit).await
+    }
+    async fn ping(&self) -> StoreResult<()> {
+        self.inner.ping().await
+    }
+}
