@@ -378,14 +378,6 @@ async fn card_listing(server: &a2a_support::A2aServer, interfaces: &[(&str, Stri
     url
 }
 
-/// An address on 127.0.0.1 nothing listens on.
-fn nothing_listens() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn the_client_takes_the_first_interface_of_the_card_it_speaks_unless_told_which() {
     use a2a::{TRANSPORT_PROTOCOL_GRPC as GRPC, TRANSPORT_PROTOCOL_JSONRPC as JSONRPC};
@@ -397,10 +389,11 @@ async fn the_client_takes_the_first_interface_of_the_card_it_speaks_unless_told_
                 .collect(),
         )
     };
+    let (_held, port) = a2a_support::refusing_port();
     let (grpc, jsonrpc, dead) = (
         server.grpc.to_string(),
         format!("{}/", server.base_url()),
-        nothing_listens(),
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
     );
     // Each card's second interface leads nowhere: a call succeeds only
     // over the one chosen.

@@ -330,10 +330,7 @@ async fn remote_failures_are_sanitised_and_input_required_is_an_answer_that_says
 async fn an_unreachable_remote_is_unavailable_and_not_a_start_up_failure() {
     let dir = tempfile::tempdir().unwrap();
     // A port nothing listens on.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let (_held, port) = support::refusing_port();
     let agents = write_agents(
         &dir,
         &format!(

@@ -42,12 +42,8 @@ async fn serve_fails(store: &str) -> (bool, String) {
 
 #[tokio::test]
 async fn an_unreachable_postgres_at_start_up_exits_with_one_clear_line() {
-    // A port nothing listens on: bind one, then free it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port nothing listens on.
+    let (_held, port) = refusing_port();
     let (ok, stderr) =
         serve_fails(&format!("postgres://agentd:secret@127.0.0.1:{port}/agentd")).await;
     assert!(!ok);

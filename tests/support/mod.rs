@@ -725,3 +725,13 @@ impl Child {
             .expect("wait for agentd")
     }
 }
+
+/// A port on 127.0.0.1 that refuses connections, held (bound, not
+/// listening) for as long as the socket lives, so that no other test's
+/// server takes it meanwhile.
+pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
+    (held, port)
+}
