@@ -13,7 +13,7 @@ use a2a::{
     A2AError, ListTasksRequest, Message, Part, Role, SendMessageRequest, StreamResponse,
     SubscribeToTaskRequest, TaskState,
 };
-use a2a_support::A2aServer;
+use a2a_support::{A2aServer, all_tasks};
 use agentd::client::a2a::{A2aClient, Binding, CallError, CallOptions, Outcome, parts_text};
 use agentd::domain::UserId;
 use futures::StreamExt;
@@ -335,19 +335,6 @@ async fn a_client_cannot_name_its_own_caller() {
     assert_eq!(sessions_of(&open, "mallory").await, 0);
     assert_eq!(sessions_of(&open, "a2a-anonymous").await, 1);
     open.stop().await;
-}
-
-fn all_tasks() -> ListTasksRequest {
-    ListTasksRequest {
-        context_id: None,
-        status: None,
-        page_size: None,
-        page_token: None,
-        history_length: None,
-        status_timestamp_after: None,
-        include_artifacts: None,
-        tenant: None,
-    }
 }
 
 fn send_request(message: Message) -> SendMessageRequest {

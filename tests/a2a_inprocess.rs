@@ -159,16 +159,7 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
     }
     let listed = client
         .raw()
-        .list_tasks(&a2a::ListTasksRequest {
-            context_id: None,
-            status: None,
-            page_size: None,
-            page_token: None,
-            history_length: None,
-            status_timestamp_after: None,
-            include_artifacts: None,
-            tenant: None,
-        })
+        .list_tasks(&a2a_support::all_tasks())
         .await
         .unwrap();
     assert!(listed.tasks.is_empty(), "{:?}", listed.tasks);

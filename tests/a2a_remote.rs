@@ -13,7 +13,7 @@ mod support;
 
 use std::time::Duration;
 
-use a2a::{ListTasksRequest, TaskState};
+use a2a::TaskState;
 use a2a_support::{A2aServer, PyAgent, python};
 use agentd::client::a2a::A2aClient;
 use agentd::pb;
@@ -34,16 +34,7 @@ async fn remote_tasks(remote: &A2aServer) -> Vec<a2a::Task> {
     let client = A2aClient::connect(&remote.base_url(), None).await.unwrap();
     client
         .raw()
-        .list_tasks(&ListTasksRequest {
-            context_id: None,
-            status: None,
-            page_size: None,
-            page_token: None,
-            history_length: None,
-            status_timestamp_after: None,
-            include_artifacts: None,
-            tenant: None,
-        })
+        .list_tasks(&a2a_support::all_tasks())
         .await
         .unwrap()
         .tasks

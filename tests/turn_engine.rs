@@ -164,10 +164,20 @@ impl Late {
         }
     }
 
-    /// Whether this outcome write is refused, unwritten.
-    fn refuses(&self) -> bool {
+    /// An outcome write (`write`, not started yet): refused unwritten, or
+    /// written and then answered as [`Lateness`] says.
+    async fn outcome_write(
+        &self,
+        write: impl std::future::Future<Output = agentd::store::StoreResult<bool>>,
+    ) -> agentd::store::StoreResult<bool> {
         use std::sync::atomic::Ordering;
-        self.how == Lateness::RefusesTwice && self.refused.fetch_add(1, Ordering::SeqCst) < 2
+        if self.how == Lateness::RefusesTwice && self.refused.fetch_add(1, Ordering::SeqCst) < 2 {
+            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                "failover"
+            )));
+        }
+        let written = write.await?;
+        self.after_write(written).await
     }
 }
 
@@ -191,13 +201,7 @@ impl store_wrap::Hooks for Late {
         o: &agentd::store::TurnOutcome,
         a: Option<&str>,
     ) -> agentd::store::StoreResult<bool> {
-        if self.refuses() {
-            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
-                "failover"
-            )));
-        }
-        let written = inner.finish_turn(k, o, a).await?;
-        self.after_write(written).await
+        self.outcome_write(inner.finish_turn(k, o, a)).await
     }
     async fn append_and_finish(
         &self,
@@ -207,13 +211,8 @@ impl store_wrap::Hooks for Late {
         o: &agentd::store::TurnOutcome,
         a: Option<&str>,
     ) -> agentd::store::StoreResult<bool> {
-        if self.refuses() {
-            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
-                "failover"
-            )));
-        }
-        let written = inner.append_and_finish(k, e, o, a).await?;
-        self.after_write(written).await
+        self.outcome_write(inner.append_and_finish(k, e, o, a))
+            .await
     }
 }
 

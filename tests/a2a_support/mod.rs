@@ -342,3 +342,17 @@ pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
     let port = held.local_addr().unwrap().port();
     (held, port)
 }
+
+/// ListTasks with no filter: every task of the caller, without artifacts.
+pub fn all_tasks() -> a2a::ListTasksRequest {
+    a2a::ListTasksRequest {
+        context_id: None,
+        status: None,
+        page_size: None,
+        page_token: None,
+        history_length: None,
+        status_timestamp_after: None,
+        include_artifacts: None,
+        tenant: None,
+    }
+}
