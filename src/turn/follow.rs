@@ -162,12 +162,7 @@ impl Follower {
                     Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
                     Err(mpsc::error::TrySendError::Full(w)) => w,
                 };
-                let stall = async {
-                    match self.policy {
-                        super::SlowConsumer::Fail => tokio::time::sleep(self.stall_timeout).await,
-                        super::SlowConsumer::Wait => std::future::pending().await,
-                    }
-                };
+                let stall = self.policy.given_up(self.stall_timeout);
                 tokio::select! {
                     biased;
                     _ = self.cut.cancelled() => return Err(Failure::Shutdown),

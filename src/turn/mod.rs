@@ -44,6 +44,17 @@ pub enum SlowConsumer {
     Fail,
 }
 
+impl SlowConsumer {
+    /// Resolves when a reader that has not made room for `stall_timeout`
+    /// is to be given up on: never under `Wait`.
+    pub(crate) async fn given_up(self, stall_timeout: Duration) {
+        match self {
+            SlowConsumer::Fail => tokio::time::sleep(stall_timeout).await,
+            SlowConsumer::Wait => std::future::pending().await,
+        }
+    }
+}
+
 /// The knobs of the bridge. See `config::ServeArgs` for what each means.
 #[derive(Debug, Clone)]
 pub struct TurnConfig {

@@ -413,12 +413,7 @@ impl Sink<'_> {
             Err(mpsc::error::TrySendError::Closed(_)) => return Err(Failure::ClientGone),
             Err(mpsc::error::TrySendError::Full(w)) => w,
         };
-        let stall = async {
-            match self.policy {
-                SlowConsumer::Fail => tokio::time::sleep(self.stall_timeout).await,
-                SlowConsumer::Wait => std::future::pending().await,
-            }
-        };
+        let stall = self.policy.given_up(self.stall_timeout);
         tokio::select! {
             biased;
             _ = cut => Err(Failure::Shutdown),
