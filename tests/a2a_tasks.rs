@@ -52,6 +52,16 @@ fn user_message(text: &str, context_id: Option<&str>) -> Message {
     }
 }
 
+/// A SendMessage request of `message` alone.
+fn send_request(message: Message) -> SendMessageRequest {
+    SendMessageRequest {
+        message,
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    }
+}
+
 /// Sends `text` (in `context_id`, if given) and returns (task id, context
 /// id, answer text) of the completed task.
 async fn ask(client: &A2aClient, text: &str, context_id: Option<&str>) -> (String, String, String) {
@@ -151,12 +161,7 @@ async fn a_task_cut_by_a_killed_process_is_failed_at_the_next_start_on_sqlite() 
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let first = serve(&db.url, &["--tool-delay", "60s"]).await;
     let client = a2a_at(first.addr).await;
-    let req = SendMessageRequest {
-        message: user_message(ORDER_Q, None),
-        configuration: None,
-        metadata: None,
-        tenant: None,
-    };
+    let req = send_request(user_message(ORDER_Q, None));
     let mut stream = client.raw().send_streaming_message(&req).await.unwrap();
     let running = match stream.next().await.unwrap().unwrap() {
         StreamResponse::Task(t) => t.id,
@@ -280,12 +285,7 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     assert_eq!(answer, ANSWER);
 
     // A task that runs on A (its tool takes 60 s), followed from B.
-    let req = SendMessageRequest {
-        message: user_message(ORDER_Q, None),
-        configuration: None,
-        metadata: None,
-        tenant: None,
-    };
+    let req = send_request(user_message(ORDER_Q, None));
     let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
     let running = match on_a_stream.next().await.unwrap().unwrap() {
         StreamResponse::Task(t) => t.id,
@@ -311,15 +311,10 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     // A message into the working task is refused on either replica (B,
     // where it does not run, started a second run of it beside A's).
     for c in [&on_b, &on_a] {
-        let more = SendMessageRequest {
-            message: Message {
-                task_id: Some(running.clone()),
-                ..user_message(FOLLOW_UP, None)
-            },
-            configuration: None,
-            metadata: None,
-            tenant: None,
-        };
+        let more = send_request(Message {
+            task_id: Some(running.clone()),
+            ..user_message(FOLLOW_UP, None)
+        });
         let err = c.raw().send_message(&more).await.unwrap_err();
         assert_eq!(err.code, a2a::error_code::UNSUPPORTED_OPERATION, "{err:?}");
         assert!(err.message.contains("still working"), "{err:?}");
@@ -398,31 +393,81 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     b.kill9().await;
 }
 
+/// Replica "replica-a" on `store`, its turns' lease `lease`, whose order
+/// tool takes a minute: a task sent to it is still running when the test
+/// kills it.
+async fn dying_replica(store: &str, lease: &str) -> Child {
+    serve(
+        store,
+        &[
+            "--replica-id",
+            "replica-a",
+            "--turn-lease",
+            lease,
+            "--tool-delay",
+            "60s",
+        ],
+    )
+    .await
+}
+
+/// A replica killed while it runs a task nobody follows: once the task's
+/// turn lease expires, a replica still alive fails the turn and ends the
+/// task with it (FAILED, "the serving replica stopped"). The task used to
+/// read WORKING for ever, and refuse every follow-up message as still
+/// working, until someone subscribed to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_replica_died_is_ended_failed_by_the_replica_that_fails_its_turn() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = dying_replica(&db.url, "1s").await;
+    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    let req = send_request(user_message(ORDER_Q, None));
+    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let mut running = None;
+    while let Some(ev) = on_a_stream.next().await {
+        match ev.unwrap() {
+            StreamResponse::Task(t) => running = Some(t.id),
+            StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working => break,
+            _ => {}
+        }
+    }
+    let running = running.expect("the stream named its task");
+    assert_eq!(
+        on_b.get_task(&running).await.unwrap().status.state,
+        TaskState::Working,
+        "the tool runs on A"
+    );
+    a.kill9().await;
+    drop(on_a_stream);
+    // A's lease is 1 s; B sweeps expired leases every second.
+    let mut task = on_b.get_task(&running).await.unwrap();
+    for _ in 0..200 {
+        if task.status.state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        task = on_b.get_task(&running).await.unwrap();
+    }
+    assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("serving replica stopped"), "{why}");
+    b.kill9().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    let a = serve(
-        &db.url,
-        &[
-            "--replica-id",
-            "replica-a",
-            "--turn-lease",
-            "1s",
-            "--tool-delay",
-            "60s",
-        ],
-    )
-    .await;
+    // A lease long enough that B's subscription starts before it expires
+    // (B would then end the task itself, and refuse the subscription).
+    let a = dying_replica(&db.url, "3s").await;
     let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
-    let req = SendMessageRequest {
-        message: user_message(ORDER_Q, None),
-        configuration: None,
-        metadata: None,
-        tenant: None,
-    };
+    let req = send_request(user_message(ORDER_Q, None));
     let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
     let running = match on_a_stream.next().await.unwrap().unwrap() {
         StreamResponse::Task(t) => t.id,
@@ -490,15 +535,10 @@ async fn a_task_cancelled_through_another_replica_ends_canceled_on_every_stream_
     let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
     // A chunk every 50 ms for half a minute, on A.
-    let req = SendMessageRequest {
-        message: Message {
-            metadata: Some([("agent".to_owned(), serde_json::json!("stream"))].into()),
-            ..user_message("n=600 size=1 rate=20", None)
-        },
-        configuration: None,
-        metadata: None,
-        tenant: None,
-    };
+    let req = send_request(Message {
+        metadata: Some([("agent".to_owned(), serde_json::json!("stream"))].into()),
+        ..user_message("n=600 size=1 rate=20", None)
+    });
     let mut sent = on_a.raw().send_streaming_message(&req).await.unwrap();
     let task = match sent.next().await.unwrap().unwrap() {
         StreamResponse::Task(t) => t,

@@ -19,9 +19,9 @@
 //!                        snapshot's), then the terminal status
 //! ```
 //!
-//! A task whose replica died is ended by its follower: the turn's lease
-//! expires, the turn fails with UNAVAILABLE, and the follower writes FAILED
-//! into the task, which nobody else would.
+//! A task whose replica died is ended when its turn's lease expires: the
+//! replica that fails the turn (UNAVAILABLE) writes FAILED into the task
+//! (see `settle`), and so does a follower that sees the turn end so.
 //!
 //! A task another replica cancels (CancelTask served there marks it CANCELED
 //! in the store) is noticed here when its run's next update is refused: the

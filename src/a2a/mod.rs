@@ -65,6 +65,7 @@ impl A2a {
         auth: Option<Arc<crate::auth::Authenticator>>,
     ) -> Self {
         let tasks = turns.store().a2a_tasks();
+        settle::settle_expired(&turns);
         let executor = TurnExecutor::new(turns.clone(), max_input_bytes, auth.is_some());
         let store = SharedTasks(tasks.clone());
         let handler = match conformance {

@@ -13,6 +13,13 @@
 //! store takes it (for at most [`SETTLE_FOR`]). A task that ended is not
 //! written (the store refuses to change a terminal task anyway). The
 //! cancel path (CancelTask) stores CANCELED itself and disarms it.
+//!
+//! A task whose replica died mid-run has nobody to settle it: its turn's
+//! lease expires and a replica still alive marks the turn failed ("the
+//! serving replica stopped"). That replica hears of each turn it failed
+//! ([`Turns::expired_turns`]) and settles the turn's task the same way
+//! ([`settle_expired`]), so the task reads FAILED and takes follow-ups as
+//! a task that ended.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +28,7 @@ use a2a::{Artifact, Message, Part, Role, Task, TaskState, TaskStatus};
 
 use crate::domain::TurnKey;
 use crate::store::TurnState;
-use crate::store::a2a_tasks::A2aTasks;
+use crate::store::a2a_tasks::{A2aTasks, named_session};
 use crate::turn::Turns;
 
 /// How long a task's end is retried for before it is left to the next
@@ -61,16 +68,60 @@ impl Drop for Settle {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        rt.spawn(settle(turns, task_id, context_id, key));
+        rt.spawn(settle(turns, task_id, Some(context_id), key));
     }
 }
 
-async fn settle(turns: Arc<Turns>, task_id: String, context_id: String, key: TurnKey) {
+/// Settles the task of every turn this process marks failed because its
+/// replica stopped, for as long as `turns` lives.
+pub(crate) fn settle_expired(turns: &Arc<Turns>) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let mut expired = turns.expired_turns();
+    let turns = Arc::downgrade(turns);
+    rt.spawn(async move {
+        use tokio::sync::broadcast::error::RecvError;
+        loop {
+            let key = match expired.recv().await {
+                Ok(key) => key,
+                Err(RecvError::Lagged(missed)) => {
+                    tracing::warn!(
+                        turns = missed,
+                        "a2a: too many turns failed at once to settle their tasks; those tasks end when subscribed to"
+                    );
+                    continue;
+                }
+                Err(RecvError::Closed) => return,
+            };
+            let Some(task_id) = task_of(&key) else {
+                continue;
+            };
+            let Some(turns) = turns.upgrade() else {
+                return;
+            };
+            tokio::spawn(settle(turns, task_id.to_owned(), None, key));
+        }
+    });
+}
+
+/// The task a turn of the A2A face belongs to: its request id is
+/// `<task id>.<turn index>`.
+fn task_of(key: &TurnKey) -> Option<&str> {
+    let (task, index) = key.request_id.as_str().rsplit_once('.')?;
+    (!task.is_empty() && !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+        .then_some(task)
+}
+
+/// `context_id`: the task's context as its executor knows it; `None` for a
+/// turn that only names the task ([`settle_expired`]), whose task must then
+/// be of the turn's session.
+async fn settle(turns: Arc<Turns>, task_id: String, context_id: Option<String>, key: TurnKey) {
     let tasks = turns.store().a2a_tasks();
     let give_up = tokio::time::Instant::now() + SETTLE_FOR;
     let mut wait = Duration::from_millis(50);
     loop {
-        match settle_once(&turns, &*tasks, &task_id, &context_id, &key).await {
+        match settle_once(&turns, &*tasks, &task_id, context_id.as_deref(), &key).await {
             Ok(true) => return,
             Ok(false) => {}
             Err(why) => {
@@ -92,7 +143,7 @@ async fn settle_once(
     turns: &Turns,
     tasks: &dyn A2aTasks,
     task_id: &str,
-    context_id: &str,
+    context_id: Option<&str>,
     key: &TurnKey,
 ) -> Result<bool, String> {
     let Some(mut task) = tasks.get(task_id).await.map_err(|e| e.message)? else {
@@ -101,6 +152,11 @@ async fn settle_once(
     if !matches!(task.status.state, TaskState::Submitted | TaskState::Working) {
         return Ok(true);
     }
+    if context_id.is_none() && named_session(&task).is_some_and(|s| s != key.session_id) {
+        // A turn of another session whose request id looks like a task's.
+        return Ok(true);
+    }
+    let context_id = context_id.unwrap_or(&task.context_id).to_owned();
     let store = turns.store();
     let turn = store.get_turn(key).await.map_err(|e| e.to_string())?;
     let outcome = match turn {
@@ -139,7 +195,7 @@ async fn settle_once(
     task.status = TaskStatus {
         state: state.clone(),
         message: why.map(|w| Message {
-            context_id: Some(context_id.to_owned()),
+            context_id: Some(context_id),
             task_id: Some(task_id.to_owned()),
             ..Message::new(Role::Agent, vec![Part::text(w)])
         }),
@@ -167,5 +223,27 @@ fn set_answer(task: &mut Task, answer: &str) {
     {
         Some(a) => *a = artifact,
         None => artifacts.push(artifact),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{RequestId, SessionId};
+
+    fn key(rid: &str) -> TurnKey {
+        TurnKey {
+            session_id: SessionId::generate(),
+            request_id: RequestId::parse(rid).unwrap(),
+        }
+    }
+
+    #[test]
+    fn only_a_request_id_shaped_like_a_tasks_turn_names_a_task() {
+        assert_eq!(task_of(&key("0d1f-task.0")), Some("0d1f-task"));
+        assert_eq!(task_of(&key("a.b.12")), Some("a.b"));
+        for not in ["r1", "r1.", ".3", "r1.x", "r1.3a"] {
+            assert_eq!(task_of(&key(not)), None, "{not}");
+        }
     }
 }

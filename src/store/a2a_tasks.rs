@@ -90,7 +90,7 @@ pub fn task_session(task: &Task) -> SessionId {
 
 /// The session `task`'s metadata names, if any. The handler stores a task
 /// before its executor runs; the executor's first snapshot names it.
-fn named_session(task: &Task) -> Option<SessionId> {
+pub(crate) fn named_session(task: &Task) -> Option<SessionId> {
     task.metadata
         .as_ref()
         .and_then(|m| m.get(SESSION_METADATA_KEY))

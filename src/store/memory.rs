@@ -344,18 +344,22 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
+    async fn fail_expired(
+        &self,
+        now: SystemTime,
+        outcome: &TurnOutcome,
+    ) -> StoreResult<Vec<TurnKey>> {
         let mut inner = self.lock();
-        let mut n = 0;
+        let mut failed = Vec::new();
         for r in inner.turns.values_mut().filter_map(|t| t.record.as_mut()) {
             if r.state == TurnState::Running && r.lease_expires_at < now {
                 r.state = outcome.state;
                 r.outcome = Some(outcome.clone());
                 r.updated_at = now;
-                n += 1;
+                failed.push(r.key.clone());
             }
         }
-        Ok(n)
+        Ok(failed)
     }
 
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {

@@ -251,7 +251,11 @@ impl Store for Metered {
             .await
     }
 
-    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
+    async fn fail_expired(
+        &self,
+        now: SystemTime,
+        outcome: &TurnOutcome,
+    ) -> StoreResult<Vec<TurnKey>> {
         self.timed(Op::FailExpired, self.inner.fail_expired(now, outcome))
             .await
     }

@@ -526,8 +526,13 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime)
     -> StoreResult<bool>;
     /// Ends every running turn whose lease expired before `now` with
-    /// `outcome`; returns how many. Such a turn is never run again.
-    async fn fail_expired(&self, now: SystemTime, outcome: &TurnOutcome) -> StoreResult<u64>;
+    /// `outcome`; returns those turns (each is returned to one caller
+    /// only). Such a turn is never run again.
+    async fn fail_expired(
+        &self,
+        now: SystemTime,
+        outcome: &TurnOutcome,
+    ) -> StoreResult<Vec<TurnKey>>;
     /// Deletes at most `limit` of the terminal turns (and their events)
     /// last updated before `before`, oldest first; returns how many. A
     /// bounded batch keeps each call short: on SQLite the writer is held

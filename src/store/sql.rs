@@ -1005,24 +1005,34 @@ macro_rules! sql_store {
                 Ok(done.rows_affected() == 1)
             }
 
-            async fn fail_expired(&self, now: std::time::SystemTime, outcome: &TurnOutcome) -> StoreResult<u64> {
-                let done = sqlx::query(
+            async fn fail_expired(&self, now: std::time::SystemTime, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+                let rows = sqlx::query(
                     "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-                     WHERE state = 'running' AND lease_expires_at < $4",
+                     WHERE state = 'running' AND lease_expires_at < $4 \
+                     RETURNING session_id, request_id",
                 )
                 .bind(outcome.state.as_str())
                 .bind(outcome.code as i64)
                 .bind(&outcome.message)
                 .bind(to_micros(now))
-                .execute(&self.write)
+                .fetch_all(&self.write)
                 .await
                 .map_err(db_err)?;
-                if done.rows_affected() > 0 {
+                if !rows.is_empty() {
                     if let Some(cache) = &self.sessions {
                         cache.clear();
                     }
                 }
-                Ok(done.rows_affected())
+                rows.iter()
+                    .map(|r| {
+                        let sid: String = r.try_get("session_id").map_err(db_err)?;
+                        let rid: String = r.try_get("request_id").map_err(db_err)?;
+                        Ok(TurnKey {
+                            session_id: SessionId::parse(&sid).map_err(|_| bad_row("session id"))?,
+                            request_id: RequestId::parse(rid).map_err(|_| bad_row("request id"))?,
+                        })
+                    })
+                    .collect()
             }
 
             async fn prune(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {

@@ -29,6 +29,7 @@ pub(super) fn spawn(
     let (tx, rx) = mpsc::channel(turns.cfg.channel_capacity);
     let end = Arc::new(End::default());
     let follower = Follower {
+        turns: turns.clone(),
         store: turns.store.clone(),
         live: turns.live_progress(&key),
         poll: turns.cfg.follow_poll,
@@ -69,6 +70,8 @@ pub(super) fn spawn(
 }
 
 struct Follower {
+    /// For ending a turn whose replica stopped ([`Turns::fail_expired`]).
+    turns: Arc<Turns>,
     store: Arc<dyn Store>,
     /// Progress of the pump in this process, if the turn runs here.
     live: Option<watch::Receiver<Progress>>,
@@ -106,8 +109,8 @@ impl Follower {
             {
                 // Its replica stopped renewing: end it for everyone, then
                 // re-read (another follower may have done so first).
-                self.store
-                    .fail_expired(std::time::SystemTime::now(), &status::replica_stopped())
+                self.turns
+                    .fail_expired(std::time::SystemTime::now())
                     .await?;
                 continue;
             }

@@ -326,7 +326,15 @@ pub struct Turns {
     /// Whether the store answered its last health check; while it did not,
     /// new Runs are refused with UNAVAILABLE without waiting on it.
     store_ok: watch::Sender<bool>,
+    /// Turns this process ended because their replica stopped renewing
+    /// them ([`Store::fail_expired`]), for what else must end with them
+    /// ([`Turns::expired_turns`]).
+    expired: tokio::sync::broadcast::Sender<TurnKey>,
 }
+
+/// Expired turns [`Turns::expired_turns`] holds for a listener that has not
+/// read them yet; past that it is told how many it missed.
+const EXPIRED_BACKLOG: usize = 4096;
 
 impl Turns {
     pub fn new(store: Arc<dyn Store>, agents: AgentRegistry, cfg: TurnConfig) -> Arc<Self> {
@@ -343,7 +351,29 @@ impl Turns {
             cut: CancellationToken::new(),
             draining: AtomicBool::new(false),
             store_ok: watch::Sender::new(true),
+            expired: tokio::sync::broadcast::Sender::new(EXPIRED_BACKLOG),
         })
+    }
+
+    /// The turns this process marks failed from now on because the replica
+    /// running them stopped (its lease expired): the A2A face ends their
+    /// tasks, which nobody else would.
+    pub fn expired_turns(&self) -> tokio::sync::broadcast::Receiver<TurnKey> {
+        self.expired.subscribe()
+    }
+
+    /// Ends every turn whose lease expired (as of `now`) with "the serving
+    /// replica stopped", and tells [`Self::expired_turns`] which.
+    async fn fail_expired(&self, now: std::time::SystemTime) -> Result<usize, StoreError> {
+        let failed = self
+            .store
+            .fail_expired(now, &crate::grpc::status::replica_stopped())
+            .await?;
+        for key in &failed {
+            // No listener (the A2A face off) is not an error.
+            let _ = self.expired.send(key.clone());
+        }
+        Ok(failed.len())
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {

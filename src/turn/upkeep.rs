@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::Turns;
-use crate::grpc::status;
 use crate::store::{Store, StoreError};
 use crate::telemetry::metrics;
 
@@ -56,11 +55,7 @@ async fn check(turns: Arc<Turns>) {
         if !ok {
             continue;
         }
-        match turns
-            .store
-            .fail_expired(SystemTime::now(), &status::replica_stopped())
-            .await
-        {
+        match turns.fail_expired(SystemTime::now()).await {
             Ok(0) => {}
             Ok(n) => tracing::warn!(
                 turns = n,

@@ -126,7 +126,7 @@ impl Store for Wrapped {
     async fn renew_lease(&self, k: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool> {
         self.inner.renew_lease(k, owner, until).await
     }
-    async fn fail_expired(&self, now: SystemTime, o: &TurnOutcome) -> StoreResult<u64> {
+    async fn fail_expired(&self, now: SystemTime, o: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
         self.inner.fail_expired(now, o).await
     }
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
