@@ -216,6 +216,13 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_RETAIN_TURNS", value_parser = duration, default_value = "7days")]
     pub retain_turns: Duration,
 
+    /// How long a session with no turns left (never used, or every turn
+    /// pruned) is kept after its last turn started (or its creation) before
+    /// it is deleted; a Run in it is NOT_FOUND after that (0s keeps them
+    /// forever).
+    #[arg(long, env = "AGENTD_RETAIN_SESSIONS", value_parser = duration, default_value = "30days")]
+    pub retain_sessions: Duration,
+
     /// A running turn's lease in the shared store, renewed by its replica
     /// every third of it. A replica that dies mid-turn stops renewing; once
     /// the lease expires the turn ends with UNAVAILABLE (never re-run).
@@ -410,6 +417,7 @@ impl ServeArgs {
             claim_first: self.claim_first,
             lease: self.turn_lease,
             retain_turns: (!self.retain_turns.is_zero()).then_some(self.retain_turns),
+            retain_sessions: (!self.retain_sessions.is_zero()).then_some(self.retain_sessions),
             ..TurnConfig::default()
         }
     }
@@ -750,6 +758,16 @@ mod tests {
         serve(&["--store", "postgres://u@h/db"]).validate().unwrap();
         assert_eq!(
             serve(&["--retain-turns", "0s"]).turn_config().retain_turns,
+            None
+        );
+        assert_eq!(
+            serve(&[]).turn_config().retain_sessions,
+            Some(Duration::from_secs(30 * 86_400))
+        );
+        assert_eq!(
+            serve(&["--retain-sessions", "0s"])
+                .turn_config()
+                .retain_sessions,
             None
         );
     }

@@ -1972,6 +1972,79 @@ async fn on_sqlite_a_claim_whose_caller_left_while_it_was_queued_is_not_stored()
     );
 }
 
+/// Sessions that hold no turns (never used, or every turn pruned) go once
+/// they were last updated (created, or given a turn) before the bound,
+/// oldest first, a batch at a time; a session with a turn, running or
+/// ended, stays, and so does one updated after the bound.
+async fn sessions_left_with_no_turns_are_pruned_oldest_first(db: TestDb) {
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = || async { store.create_session(&alice).await.unwrap().id };
+    let turn = |s: SessionId| TurnKey {
+        session_id: s,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    let used = session().await;
+    store
+        .claim_turn(&new_turn(&turn(used), "replica-a"))
+        .await
+        .unwrap();
+    end_turn(&*store, &turn(used), Some("done")).await;
+    let running = session().await;
+    store
+        .claim_turn(&new_turn(&turn(running), "replica-a"))
+        .await
+        .unwrap();
+    let empty = session().await;
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let mid = SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let newer = session().await;
+    // Every session read once, so SQLite's cache holds them.
+    for s in [used, running, empty, newer] {
+        assert!(store.session_with_history(s, 5).await.unwrap().is_some());
+    }
+    let exists = |s: SessionId| {
+        let store = store.clone();
+        async move { store.session_with_history(s, 5).await.unwrap().is_some() }
+    };
+
+    assert_eq!(store.prune_sessions(mid, usize::MAX).await.unwrap(), 1);
+    assert!(!exists(empty).await, "never used, older than the bound");
+    assert!(store.get_session(empty).await.unwrap().is_none());
+    for s in [used, running, newer] {
+        assert!(exists(s).await);
+    }
+
+    let later = SystemTime::now() + Duration::from_secs(3600);
+    assert_eq!(store.prune(later, usize::MAX).await.unwrap(), 1);
+    assert_eq!(store.prune_sessions(later, 1).await.unwrap(), 1, "a batch");
+    assert!(!exists(used).await, "its turn pruned, the oldest left");
+    assert!(exists(newer).await);
+    assert_eq!(store.prune_sessions(later, 1).await.unwrap(), 1);
+    assert!(!exists(newer).await);
+    assert_eq!(store.prune_sessions(later, 1).await.unwrap(), 0);
+    assert!(exists(running).await, "a running turn keeps its session");
+    assert!(store.get_turn(&turn(running)).await.unwrap().is_some());
+}
+
+/// A server with a session retention deletes a session left unused past it.
+async fn an_unused_session_is_deleted_past_the_session_retention(db: TestDb) {
+    let store = db.open().await;
+    let opts = Opts {
+        retain_sessions: Some(Duration::from_millis(300)),
+        ..Opts::default()
+    };
+    let s = Server::start(store.clone(), opts).await;
+    let sid = s.session(ALICE).await;
+    assert!(s.get_session(ALICE, &sid).await.is_ok());
+    eventually("the unused session to be pruned", || async {
+        (s.get_session(ALICE, &sid).await.err()?.code() == Code::NotFound).then_some(())
+    })
+    .await;
+    s.stop().await;
+}
+
 /// A prune that takes a full batch, then one that finds nothing more: the
 /// history a Run reads has none of the pruned turns (SQLite's cache of
 /// sessions let go of them too).
@@ -2440,6 +2513,8 @@ per_backend!(
     a_run_whose_lease_was_lost_stops_and_ends_as_recorded,
     a_run_whose_task_panics_ends_internal_not_ok,
     a_turn_pruned_by_a_full_batch_leaves_the_history_a_run_reads,
+    sessions_left_with_no_turns_are_pruned_oldest_first,
+    an_unused_session_is_deleted_past_the_session_retention,
     a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,

@@ -384,6 +384,24 @@ impl Store for MemoryStore {
         Ok(old.len() as u64)
     }
 
+    async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        let mut inner = self.lock();
+        let mut old: Vec<(SystemTime, SessionId)> = inner
+            .sessions
+            .values()
+            .filter(|s| s.updated_at < before)
+            .filter(|s| inner.by_session.get(&s.id).is_none_or(|k| k.is_empty()))
+            .map(|s| (s.updated_at, s.id))
+            .collect();
+        old.sort();
+        old.truncate(limit);
+        for (_, id) in &old {
+            inner.sessions.remove(id);
+            inner.by_session.remove(id);
+        }
+        Ok(old.len() as u64)
+    }
+
     async fn ping(&self) -> StoreResult<()> {
         Ok(())
     }

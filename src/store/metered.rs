@@ -63,6 +63,7 @@ ops! {
     RenewLease => "renew_lease",
     FailExpired => "fail_expired",
     Prune => "prune",
+    PruneSessions => "prune_sessions",
     Ping => "ping",
 }
 
@@ -262,6 +263,11 @@ impl Store for Metered {
 
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         self.timed(Op::Prune, self.inner.prune(before, limit)).await
+    }
+
+    async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        self.timed(Op::PruneSessions, self.inner.prune_sessions(before, limit))
+            .await
     }
 
     async fn ping(&self) -> StoreResult<()> {

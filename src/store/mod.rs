@@ -538,6 +538,10 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// bounded batch keeps each call short: on SQLite the writer is held
     /// while it runs.
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64>;
+    /// Deletes at most `limit` of the sessions that hold no turns (never
+    /// used, or every turn pruned) and were last updated (created, or
+    /// given a turn) before `before`, oldest first; returns how many.
+    async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64>;
     /// Cheap round trip: is the backend reachable now?
     async fn ping(&self) -> StoreResult<()>;
     /// Closes the store's connections at shutdown, once no run uses it:

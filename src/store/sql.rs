@@ -1068,6 +1068,32 @@ macro_rules! sql_store {
                 Ok(ended.len() as u64)
             }
 
+            async fn prune_sessions(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {
+                // The outer `updated_at` is checked again on the row as it is
+                // when deleted: a turn claimed meanwhile (on PostgreSQL, by
+                // another replica, after this statement's snapshot) touched
+                // it, and keeps its session.
+                let gone: Vec<String> = sqlx::query_scalar(
+                    "DELETE FROM sessions WHERE id IN \
+                       (SELECT s.id FROM sessions s WHERE s.updated_at < $1 \
+                          AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.id) \
+                        ORDER BY s.updated_at LIMIT $2) \
+                     AND updated_at < $1 \
+                     RETURNING id",
+                )
+                .bind(to_micros(before))
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.write)
+                .await
+                .map_err(db_err)?;
+                if let Some(cache) = &self.sessions {
+                    for id in &gone {
+                        cache.forget(id);
+                    }
+                }
+                Ok(gone.len() as u64)
+            }
+
             async fn ping(&self) -> StoreResult<()> {
                 let writable: bool = sqlx::query_scalar(Self::SQL.ping)
                     .fetch_one(&self.read)

@@ -92,6 +92,9 @@ pub struct TurnConfig {
     pub lease: Duration,
     /// Terminal turns older than this are pruned; `None` keeps them forever.
     pub retain_turns: Option<Duration>,
+    /// Sessions with no turns, last updated longer ago than this, are
+    /// deleted; `None` keeps them forever.
+    pub retain_sessions: Option<Duration>,
     /// How often the store is pinged (health) and expired leases are swept.
     pub store_check: Duration,
 }
@@ -113,6 +116,7 @@ impl Default for TurnConfig {
             follow_poll: Duration::from_millis(50),
             lease: Duration::from_secs(10),
             retain_turns: None,
+            retain_sessions: None,
             store_check: Duration::from_secs(1),
         }
     }
@@ -613,7 +617,8 @@ impl Turns {
     }
 
     /// The background upkeep of this engine: store health checks, failing
-    /// turns whose replica's lease expired, pruning past `retain_turns`.
+    /// turns whose replica's lease expired, pruning past `retain_turns` and
+    /// `retain_sessions`.
     /// Runs until dropped.
     pub fn upkeep(self: &Arc<Self>) -> impl std::future::Future<Output = ()> + Send + 'static {
         upkeep::run(self.clone())

@@ -68,39 +68,73 @@ async fn check(turns: Arc<Turns>) {
     }
 }
 
-/// Pruning past the retention, at most every [`PRUNE_EVERY_MAX`] and at
-/// least once per retention/4, while the store answers its health checks.
+/// Pruning past the retentions, at most every [`PRUNE_EVERY_MAX`] and at
+/// least once per retention/4 (the shorter one's), while the store answers
+/// its health checks.
 async fn prune(turns: Arc<Turns>) {
     let cfg = turns.cfg.clone();
-    let Some(retain) = cfg.retain_turns else {
+    let Some(shortest) = [cfg.retain_turns, cfg.retain_sessions]
+        .into_iter()
+        .flatten()
+        .min()
+    else {
         return;
     };
-    let mut tick = tokio::time::interval((retain / 4).clamp(cfg.store_check, PRUNE_EVERY_MAX));
+    let mut tick = tokio::time::interval((shortest / 4).clamp(cfg.store_check, PRUNE_EVERY_MAX));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut healthy = turns.store_health();
+    let ago = |retain: Duration| {
+        SystemTime::now()
+            .checked_sub(retain)
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+    };
     loop {
         tick.tick().await;
         if healthy.wait_for(|ok| *ok).await.is_err() {
             return;
         }
-        let before = SystemTime::now()
-            .checked_sub(retain)
-            .unwrap_or(SystemTime::UNIX_EPOCH);
-        let (n, failed) = prune_all(&*turns.store, before, PRUNE_BATCH).await;
-        if n > 0 {
-            tracing::info!(turns = n, "pruned turns past the retention");
+        if let Some(retain) = cfg.retain_turns {
+            let before = ago(retain);
+            let (n, failed) = prune_all(&*turns.store, before, PRUNE_BATCH).await;
+            if n > 0 {
+                tracing::info!(turns = n, "pruned turns past the retention");
+            }
+            if let Some(e) = failed {
+                tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old turns");
+            }
+            let (n, failed) = prune_tasks(&*turns.store.a2a_tasks(), before, PRUNE_BATCH).await;
+            if n > 0 {
+                tracing::info!(tasks = n, "pruned A2A tasks past the retention");
+            }
+            if let Some(e) = failed {
+                tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old A2A tasks");
+            }
         }
-        if let Some(e) = failed {
-            tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old turns");
-        }
-        let (n, failed) = prune_tasks(&*turns.store.a2a_tasks(), before, PRUNE_BATCH).await;
-        if n > 0 {
-            tracing::info!(tasks = n, "pruned A2A tasks past the retention");
-        }
-        if let Some(e) = failed {
-            tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old A2A tasks");
+        // Last: a session whose turns were all pruned above goes in the same
+        // pass, once its own retention has passed too.
+        if let Some(retain) = cfg.retain_sessions {
+            let (n, failed) = prune_sessions(&*turns.store, ago(retain), PRUNE_BATCH).await;
+            if n > 0 {
+                tracing::info!(
+                    sessions = n,
+                    "pruned sessions with no turns past the retention"
+                );
+            }
+            if let Some(e) = failed {
+                tracing::warn!(error = %format!("{e:#}"), pruned = n, "could not prune old sessions");
+            }
         }
     }
+}
+
+/// Deletes every session with no turns last updated before `before`,
+/// `batch` per store call (as [`prune_all`] does turns).
+async fn prune_sessions(
+    store: &dyn Store,
+    before: SystemTime,
+    batch: usize,
+) -> (u64, Option<StoreError>) {
+    in_batches(batch, || store.prune_sessions(before, batch)).await
 }
 
 /// Deletes every ended A2A task last updated before `before`, `batch` per

@@ -132,6 +132,9 @@ impl Store for Wrapped {
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         self.inner.prune(before, limit).await
     }
+    async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        self.inner.prune_sessions(before, limit).await
+    }
     async fn ping(&self) -> StoreResult<()> {
         self.inner.ping().await
     }

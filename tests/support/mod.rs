@@ -250,6 +250,7 @@ pub struct Opts {
     pub replica_id: String,
     pub lease: Duration,
     pub retain_turns: Option<Duration>,
+    pub retain_sessions: Option<Duration>,
     pub store_check: Duration,
 }
 
@@ -260,6 +261,7 @@ impl Default for Opts {
             replica_id: "replica-a".into(),
             lease: Duration::from_secs(10),
             retain_turns: None,
+            retain_sessions: None,
             store_check: Duration::from_millis(100),
         }
     }
@@ -335,6 +337,7 @@ impl Server {
             replica_id: opts.replica_id,
             lease: opts.lease,
             retain_turns: opts.retain_turns,
+            retain_sessions: opts.retain_sessions,
             store_check: opts.store_check,
             follow_poll: Duration::from_millis(20),
             max_run_duration: Duration::from_secs(60),
