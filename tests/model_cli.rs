@@ -70,7 +70,7 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
         dir.path(),
         "agents.toml",
         &format!(
-            "default = \"smart\"\n[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:{port}/v1\"\nmodel = \"m\"\n"
+            "default = \"smart\"\n[agents.smart]\n[agents.smart.model]\nbase_url = \"http://127.0.0.1:{port}/v1?key=SEKRET-77\"\nmodel = \"m\"\n"
         ),
     );
     let mut child = KillOnDrop(
@@ -108,7 +108,16 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
             break v["listen"].as_str().unwrap().to_owned();
         }
     };
-    std::thread::spawn(move || for _ in lines {});
+    // The server's log, kept for the checks below.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let kept = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            let mut log = kept.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
     let url = format!("http://{addr}");
     let cli = |args: &[&str]| {
         Command::new(BIN)
@@ -138,6 +147,18 @@ fn the_files_agents_are_served_by_name_and_its_default_serves_an_empty_agent() {
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("Unavailable"),
         "{out:?}"
+    );
+    // The refused connection is logged, without the base URL's query (it
+    // may carry a key; reqwest's own message ends with the whole URL).
+    let until = Instant::now() + Duration::from_secs(10);
+    while !log.lock().unwrap().contains("model server unreachable") {
+        assert!(Instant::now() < until, "no log of the refused connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !log.lock().unwrap().contains("SEKRET"),
+        "{}",
+        log.lock().unwrap()
     );
 
     let out = cli(&[

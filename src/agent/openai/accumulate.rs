@@ -66,6 +66,13 @@ pub const MAX_TEXT_BYTES: usize = 2 << 20;
 pub const MAX_ARGUMENTS_BYTES: usize = 1 << 20;
 /// The most tool calls one answer may make (each runs, at once).
 pub const MAX_TOOL_CALLS: usize = 128;
+/// The most bytes of one tool call's name (a name streamed in pieces is
+/// put together; no tool's name comes near it).
+pub const MAX_NAME_BYTES: usize = 4 << 10;
+/// The most bytes of the fields of one tool call agentd does not know (kept
+/// and sent back; see [`Accumulator::call`]), counted as JSON each time a
+/// fragment carries them.
+pub const MAX_EXTRA_BYTES: usize = 1 << 20;
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -76,6 +83,8 @@ struct Slot {
     arguments: String,
     extra: Map<String, Value>,
     function_extra: Map<String, Value>,
+    /// What the fragments' unknown fields took, replaced ones included.
+    extra_bytes: usize,
 }
 
 /// Accumulates one streamed completion.
@@ -201,6 +210,12 @@ impl Accumulator {
                 } else if s.name != name {
                     s.name.push_str(&name);
                 }
+                if s.name.len() > MAX_NAME_BYTES {
+                    return Err(StreamError::TooLarge {
+                        what: "bytes of a tool call's name",
+                        limit: MAX_NAME_BYTES,
+                    });
+                }
             }
             match f.arguments {
                 Some(Value::String(piece)) => s.arguments.push_str(&piece),
@@ -213,9 +228,17 @@ impl Accumulator {
                     limit: MAX_ARGUMENTS_BYTES,
                 });
             }
+            s.extra_bytes += extra_bytes(&f.extra);
             s.function_extra.extend(f.extra);
         }
+        s.extra_bytes += extra_bytes(&d.extra);
         s.extra.extend(d.extra);
+        if s.extra_bytes > MAX_EXTRA_BYTES {
+            return Err(StreamError::TooLarge {
+                what: "bytes of unknown fields in one tool call",
+                limit: MAX_EXTRA_BYTES,
+            });
+        }
         Ok(())
     }
 
@@ -313,6 +336,14 @@ fn clip(s: &str) -> String {
         end -= 1;
     }
     format!("{}... ({} bytes)", &s[..end], s.len())
+}
+
+/// The JSON bytes of `fields` (keys and values).
+fn extra_bytes(fields: &Map<String, Value>) -> usize {
+    fields
+        .iter()
+        .map(|(k, v)| k.len() + serde_json::to_string(v).map_or(0, |j| j.len()))
+        .sum()
 }
 
 #[cfg(test)]
@@ -519,6 +550,51 @@ data: [DONE]
             acc.push(&args.to_string()),
             Err(StreamError::TooLarge { .. })
         ));
+    }
+
+    /// A call's name and its unknown fields are bounded across fragments
+    /// too: a server repeating a name that differs each time, or sending
+    /// new unknown fields on every fragment, fails the answer instead of
+    /// growing it without end.
+    #[test]
+    fn a_calls_name_and_unknown_fields_are_bounded_across_fragments() {
+        let pushes_until_refused = |fragment: &dyn Fn(usize) -> serde_json::Value| {
+            let mut acc = Accumulator::new("c");
+            (0..64).find(|&i| {
+                let chunk = serde_json::json!({"choices":[{"index":0,"delta":{"tool_calls":[fragment(i)]}}]});
+                matches!(
+                    acc.push(&chunk.to_string()),
+                    Err(StreamError::TooLarge { .. })
+                )
+            })
+        };
+        let piece = MAX_NAME_BYTES / 4;
+        let refused = pushes_until_refused(
+            &|i| serde_json::json!({"index":0,"id":"a","function":{"name":format!("{i}{}", "n".repeat(piece))}}),
+        );
+        assert_eq!(refused, Some(3), "a name past {MAX_NAME_BYTES} bytes");
+        let piece = MAX_EXTRA_BYTES / 4;
+        let refused = pushes_until_refused(
+            &|i| serde_json::json!({"index":0,"id":"a",format!("k{i}"):"v".repeat(piece)}),
+        );
+        assert_eq!(
+            refused,
+            Some(3),
+            "unknown fields past {MAX_EXTRA_BYTES} bytes"
+        );
+        let refused = pushes_until_refused(
+            &|i| serde_json::json!({"index":0,"id":"a","function":{"name":"f",format!("k{i}"):"v".repeat(piece)}}),
+        );
+        assert_eq!(refused, Some(3), "unknown fields of the function too");
+        // A name sent again whole, and a small field on every fragment,
+        // stay within the bounds.
+        assert_eq!(
+            pushes_until_refused(
+                &|_| serde_json::json!({"index":0,"id":"a","type":"function",
+                "function":{"name":"lookup_order","arguments":"{}"},"extra_content":{"sig":"abc"}})
+            ),
+            None
+        );
     }
 
     #[test]

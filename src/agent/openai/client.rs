@@ -198,7 +198,7 @@ impl ChatClient {
             v.set_sensitive(true);
             builder = builder.header(AUTHORIZATION, v);
         }
-        let resp = builder.send().await.map_err(|e| self.transport_error(&e))?;
+        let resp = builder.send().await.map_err(|e| self.transport_error(e))?;
         let status = resp.status();
         if !status.is_success() {
             return Err(self.http_error(resp).await);
@@ -236,8 +236,11 @@ impl ChatClient {
         })
     }
 
-    fn transport_error(&self, e: &reqwest::Error) -> AgentError {
-        tracing::warn!(agent = %self.agent, base_url = %self.endpoint.logged_base_url(), error = %error_chain(e), "model server unreachable");
+    fn transport_error(&self, e: reqwest::Error) -> AgentError {
+        // Without the URL reqwest's message ends with: its query may carry
+        // a key (`logged_base_url` leaves it out for the same reason).
+        let e = e.without_url();
+        tracing::warn!(agent = %self.agent, base_url = %self.endpoint.logged_base_url(), error = %error_chain(&e), "model server unreachable");
         let message = if e.is_timeout() {
             "the model server did not answer in time; retry later"
         } else {
@@ -279,23 +282,33 @@ pub enum BodyError {
 }
 
 /// `body`, refused once a line or an event (lines up to a blank one) grows
-/// past `max` bytes. Carriage returns are not counted.
+/// past `max` bytes. Lines end as the SSE parser ends them: at `\r\n`, `\n`
+/// or a lone `\r`; line endings are not counted.
 fn bounded_sse<S>(body: S, max: usize) -> impl Stream<Item = Result<bytes::Bytes, BodyError>>
 where
     S: Stream<Item = Result<bytes::Bytes, reqwest::Error>>,
 {
-    let (mut line, mut event) = (0usize, 0usize);
+    let (mut line, mut event, mut after_cr) = (0usize, 0usize, false);
     body.map(move |chunk| {
         let chunk = chunk?;
         for &b in chunk.iter() {
-            match b {
-                b'\n' if line == 0 => event = 0,
-                b'\n' => {
+            let ends_line = match b {
+                // The `\n` of a `\r\n`: that line ended at the `\r`.
+                b'\n' if after_cr => false,
+                b'\n' | b'\r' => true,
+                _ => {
+                    line += 1;
+                    false
+                }
+            };
+            after_cr = b == b'\r';
+            if ends_line {
+                if line == 0 {
+                    event = 0;
+                } else {
                     event += line;
                     line = 0;
                 }
-                b'\r' => {}
-                _ => line += 1,
             }
         }
         if event + line > max {
@@ -556,6 +569,7 @@ impl ChatStream {
                     }));
                 }
                 Some(Err(EventStreamError::Transport(BodyError::Http(e)))) => {
+                    let e = e.without_url();
                     tracing::warn!(agent = %self.agent, error = %error_chain(&e), "model stream broke");
                     return Err(AgentError::Unavailable {
                         message: "the connection to the model server broke mid-answer; retry later"
@@ -682,6 +696,14 @@ mod tests {
         );
         assert!(
             !passes(&["data: 1\ndata: 2\n", "data: 3\n\n"]).await,
+            "an event's lines together"
+        );
+        // Lines that end with a lone carriage return, as the SSE parser
+        // reads them, and a CRLF split across chunks.
+        assert!(passes(&["data: 1234\r\r", "data: 5678\r\r"]).await);
+        assert!(passes(&["data: 1234\r", "\ndata: 5678\r\n\r\n"]).await);
+        assert!(
+            !passes(&["data: 1\rdata: 2\r", "data: 3\r\r"]).await,
             "an event's lines together"
         );
     }
