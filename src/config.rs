@@ -147,7 +147,8 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_STREAM_AGENT", value_parser = clap::builder::BoolishValueParser::new())]
     pub stream_agent: bool,
 
-    /// Earlier turns given to an agent as conversation memory.
+    /// Earlier turns given to an agent as conversation memory (at most
+    /// 10000).
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
 
@@ -201,7 +202,12 @@ pub struct ServeArgs {
     /// PATH-events), `postgres://USER@HOST/DB`
     /// (several replicas share it), or `memory:` (nothing survives a
     /// restart). Migrations run at start-up.
-    #[arg(long, env = "AGENTD_STORE", default_value = "sqlite://agentd.db")]
+    #[arg(
+        long,
+        env = "AGENTD_STORE",
+        default_value = "sqlite://agentd.db",
+        hide_env_values = true
+    )]
     pub store: String,
 
     /// The longest any store call may wait, queueing included; past it the
@@ -340,9 +346,19 @@ fn admin_listen(s: &str) -> Result<AdminListen, String> {
         .map_err(|e| format!("{e} (use HOST:PORT, or off)"))
 }
 
+/// The most earlier turns `--history-turns` may give an agent: a bound on
+/// what one Run reads (its bytes are bounded by --history-bytes).
+const MAX_HISTORY_TURNS: usize = 10_000;
+
 impl ServeArgs {
     /// Checks the combination of flags; the error is one line for a person.
     pub fn validate(&self) -> Result<(), String> {
+        if self.history_turns > MAX_HISTORY_TURNS {
+            return Err(format!(
+                "--history-turns ({}) must be at most {MAX_HISTORY_TURNS}",
+                self.history_turns
+            ));
+        }
         if self.max_run_duration >= self.shutdown_grace {
             return Err(format!(
                 "--max-run-duration ({}) must be shorter than --shutdown-grace ({}), or a draining server would cut runs it promised to finish",
@@ -748,6 +764,15 @@ mod tests {
             let err = serve(&[flag, &huge]).validate().unwrap_err();
             assert!(err.contains(flag) && err.contains("at most"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_history_past_its_bound_is_refused_at_start_up() {
+        serve(&["--history-turns", "10000"]).validate().unwrap();
+        let err = serve(&["--history-turns", &u64::MAX.to_string()])
+            .validate()
+            .unwrap_err();
+        assert!(err.contains("--history-turns"), "{err}");
     }
 
     #[test]

@@ -238,3 +238,19 @@ fn a_bad_tokens_file_or_certificate_fails_start_up_without_quoting_secrets() {
     );
     assert!(text(&out.stderr).contains("TLS"), "{}", text(&out.stderr));
 }
+
+/// `--help` shows which environment variables a flag reads, and their
+/// values: not the store's, whose PostgreSQL URL carries a password (in a
+/// pod, from a Secret).
+#[test]
+fn serve_help_does_not_print_the_store_urls_password() {
+    let out = Command::new(BIN)
+        .args(["serve", "--help"])
+        .env("AGENTD_STORE", "postgres://agentd:s3cret-pw@db/agentd")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    assert!(help.contains("AGENTD_STORE"), "{help}");
+    assert!(!help.contains("s3cret-pw"), "{help}");
+}

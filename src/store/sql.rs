@@ -871,7 +871,7 @@ macro_rules! sql_store {
                      ORDER BY created_at DESC, request_id DESC LIMIT $2",
                 )
                 .bind(session.to_string())
-                .bind(limit as i64)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                 .fetch_all(&self.read)
                 .await
                 .map_err(db_err)?;
@@ -910,7 +910,7 @@ macro_rules! sql_store {
                 .bind(user_id.as_str())
                 .bind(after_at)
                 .bind(after_id)
-                .bind(limit as i64 + 1)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX - 1) + 1)
                 .fetch_all(&self.read)
                 .await
                 .map_err(db_err)?;
@@ -1219,7 +1219,7 @@ macro_rules! sql_store {
                      ORDER BY h.created_at, h.request_id",
                 )
                 .bind(id.to_string())
-                .bind(limit as i64)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                 .bind(turn)
                 .fetch_all(&self.read)
                 .await
