@@ -533,6 +533,18 @@ impl ClientArgs {
         crate::client::AgentClient::connect_config(&self.server, self.client_config()?).await
     }
 
+    /// [`Self::connect`], its calls (retries included) given `deadline`.
+    pub async fn connect_within(
+        &self,
+        deadline: std::time::Duration,
+    ) -> anyhow::Result<crate::client::AgentClient> {
+        let cfg = crate::client::ClientConfig {
+            deadline,
+            ..self.client_config()?
+        };
+        crate::client::AgentClient::connect_config(&self.server, cfg).await
+    }
+
     /// Reads the TLS files and token into client settings.
     pub fn security(&self) -> anyhow::Result<crate::client::ClientSecurity> {
         use anyhow::Context as _;

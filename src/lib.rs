@@ -18,6 +18,19 @@ pub mod store;
 pub mod telemetry;
 pub mod turn;
 
+/// An error and its causes, one after another (`a: b: c`): some errors'
+/// own text is only their kind (tonic's "transport error").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
 /// Generated code for the `agents.v1` contract.
 pub mod pb {
     #![allow(clippy::all, missing_docs)]

@@ -27,6 +27,20 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// of the shutdown arithmetic deploy/validate.py checks).
 const STORE_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// `println!`, except that a reader that went away (`agentd … | head`)
+/// ends the output quietly instead of a panic; any other failure to write is
+/// the command's error. For bodies that return `anyhow::Result`.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        match writeln!(std::io::stdout(), $($arg)*) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            Err(e) => return Err(anyhow::anyhow!("cannot write to stdout: {e}")),
+            Ok(()) => {}
+        }
+    }};
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -56,9 +70,9 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => serve(*args).await,
             Command::Session(SessionCommand::Create { client, user }) => {
-                let mut c = client.connect().await?;
+                let mut c = client.connect_within(SESSION_DEADLINE).await?;
                 let s = c.create_session(&user).await.map_err(status_error)?;
-                println!("{}", s.session_id);
+                out!("{}", s.session_id);
                 Ok(())
             }
             Command::Session(SessionCommand::Get {
@@ -91,7 +105,7 @@ fn main() -> ExitCode {
                         break;
                     }
                 }
-                println!("{}", session_json(&s));
+                out!("{}", session_json(&s));
                 Ok(())
             }
             Command::Session(SessionCommand::List { client, user }) => {
@@ -359,8 +373,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 }
 
+/// How long the CLI's `session` commands wait for an answer.
+const SESSION_DEADLINE: Duration = Duration::from_secs(10);
+
 fn with_timeout<T>(c: &AgentClient, msg: T) -> tonic::Request<T> {
-    c.request(msg, Duration::from_secs(10))
+    c.request(msg, SESSION_DEADLINE)
 }
 
 fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
@@ -400,7 +417,7 @@ async fn list_sessions(client: &agentd::config::ClientArgs, user: String) -> any
             .into_inner();
         for s in &page.sessions {
             let v = session_json(s);
-            println!(
+            out!(
                 "{}",
                 serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
                 "created_unix_micros": v["created_unix_micros"], "updated_unix_micros": v["updated_unix_micros"] })
@@ -478,7 +495,7 @@ async fn health(args: HealthArgs) -> anyhow::Result<()> {
         .await
         .map_err(|_| anyhow::anyhow!("health check timed out"))?
         .map_err(status_error)?;
-    println!("{}", status.as_str_name());
+    out!("{}", status.as_str_name());
     if status == tonic_health::pb::health_check_response::ServingStatus::Serving {
         Ok(())
     } else {
@@ -544,13 +561,13 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             ..
         }) => {
             if json {
-                println!(
+                out!(
                     "{}",
                     serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)})
                 );
             } else {
                 for a in &artifacts {
-                    println!("{}", parts_text(&a.parts));
+                    out!("{}", parts_text(&a.parts));
                 }
             }
             if incomplete {
@@ -562,12 +579,12 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         }
         Ok(Outcome::Message(m)) => {
             if json {
-                println!(
+                out!(
                     "{}",
                     serde_json::json!({"state": "message", "text": parts_text(&m.parts)})
                 );
             } else {
-                println!("{}", parts_text(&m.parts));
+                out!("{}", parts_text(&m.parts));
             }
             Ok(())
         }
@@ -580,12 +597,12 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         }) => {
             let text = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
             if json {
-                println!(
+                out!(
                     "{}",
                     serde_json::json!({"state": format!("{state:?}"), "taskId": task_id, "contextId": context_id, "text": text})
                 );
             } else {
-                println!("{text}");
+                out!("{text}");
                 eprintln!(
                     "the agent waits ({state:?}); reply in task {task_id}, context {context_id}"
                 );
@@ -604,7 +621,7 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
                     }
                     _ => None,
                 };
-                println!(
+                out!(
                     "{}",
                     serde_json::json!({"state": "error", "taskId": task_id, "error": e.to_string()})
                 );

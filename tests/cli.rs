@@ -621,3 +621,33 @@ fn run_into_a_closed_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(ran.status.success(), "{:?}: {stderr}", ran.status);
 }
+
+/// Every command that prints, into a pipe whose reader is gone, exits as
+/// it would have without the printing: no panic (and no exit code 101).
+#[test]
+fn commands_that_print_into_a_closed_pipe_exit_without_a_panic() {
+    let served = Served::start(&[]);
+    let session = text(&served.cli(&["session", "create", "--user", "alice"]).stdout)
+        .trim()
+        .to_owned();
+    for args in [
+        &["session", "create", "--user", "alice"][..],
+        &["session", "list", "--user", "alice"],
+        &["session", "get", "--user", "alice", "--session", &session],
+        &["health"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(BIN)
+            .args(args)
+            .env("AGENTD_SERVER", &served.url)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(out.status.success(), "{args:?}: {:?} {stderr}", out.status);
+    }
+    assert!(served.terminate().success());
+}

@@ -212,3 +212,45 @@ async fn the_client_certificates_name_is_the_caller_and_its_users_are_enforced()
     );
     server.stop().await;
 }
+
+/// A server that accepts the connection and never completes the TLS
+/// handshake: connecting gives up after the connect timeout (the TCP
+/// connect's own bound ends once it is accepted) instead of hanging.
+#[tokio::test]
+async fn connecting_to_a_server_that_never_completes_the_handshake_gives_up() {
+    let ca = Ca::new("test ca");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(
+        Duration::from_secs(30),
+        AgentClient::connect_with(
+            &format!("https://{addr}"),
+            &ClientSecurity {
+                tls: Some(ClientSecurity::tls_from_pem(ca.pem.as_bytes(), None)),
+                token: None,
+            },
+        ),
+    )
+    .await
+    .expect("connecting gave up by itself");
+    let err = format!("{:#}", result.err().expect("no connection"));
+    assert!(err.contains("no answer within"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    holder.abort();
+}
+
+/// An https:// address without a CA to check the server with is refused
+/// with the flag that is missing, not tonic's "transport error".
+#[tokio::test]
+async fn an_https_address_without_a_ca_names_the_missing_flag() {
+    let result = AgentClient::connect_with("https://127.0.0.1:9", &ClientSecurity::default()).await;
+    let err = format!("{:#}", result.err().expect("refused"));
+    assert!(err.contains("--tls-ca"), "{err}");
+}

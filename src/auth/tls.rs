@@ -82,7 +82,12 @@ impl TlsFiles {
         // Building the acceptor checks that the key matches and parses.
         tonic::transport::Server::builder()
             .tls_config(cfg.clone())
-            .map_err(|e| anyhow::anyhow!("the TLS certificate or key is not usable: {e}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "the TLS certificate or key is not usable: {}",
+                    crate::error_chain(&e)
+                )
+            })?;
         Ok(cfg)
     }
 }

@@ -229,11 +229,23 @@ impl AgentClient {
                         "{target}: TLS settings (a CA, a client certificate) need an https:// server address"
                     );
                 }
-                let channel = cfg
-                    .endpoint(uri, None)?
-                    .connect()
+                if cfg.security.tls.is_none() && uri.scheme_str() == Some("https") {
+                    anyhow::bail!(
+                        "{target}: an https:// server address needs --tls-ca (the CA that signed the server's certificate)"
+                    );
+                }
+                // The whole connection, TLS and HTTP/2 handshakes included:
+                // `connect_timeout` bounds only the TCP connect, and a server
+                // that accepts and then never answers would hold us for ever.
+                let channel = tokio::time::timeout(cfg.connect_timeout, cfg.endpoint(uri, None)?.connect())
                     .await
-                    .map_err(|e| anyhow::anyhow!("cannot connect to {target}: {e:#}"))?;
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "cannot connect to {target}: no answer within {:?} (a TLS or HTTP/2 handshake that never completes)",
+                            cfg.connect_timeout
+                        )
+                    })?
+                    .map_err(|e| anyhow::anyhow!("cannot connect to {target}: {}", crate::error_chain(&e)))?;
                 Ok(Self::new(channel, cfg, None))
             }
             Target::Dns { host, port } => {

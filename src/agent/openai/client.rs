@@ -452,16 +452,7 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
     out
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+use crate::error_chain;
 
 impl ChatStream {
     /// The next step; after [`Step::Done`] the stream is spent.
