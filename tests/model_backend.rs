@@ -482,6 +482,37 @@ async fn text_streamed_before_a_tool_call_is_part_of_the_final_answer() {
     d.stop().await;
 }
 
+/// The answer (all the text of the turn's model calls) is bounded as one
+/// call's text is: two calls of 1.5 MiB each fail the run instead of a
+/// 3 MiB final answer, stored and sent back as every later turn's history.
+#[tokio::test]
+async fn an_answer_past_the_text_bound_across_model_calls_fails_the_run() {
+    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
+        "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1187\"}"}}]},"finish_reason":"tool_calls"}]});
+    let half = "x".repeat(1536 * 1024);
+    let f = fake(vec![
+        Reply::Sse(vec![text(&half), call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text(&half), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let (events, status) = d
+        .run(
+            "u1",
+            &s,
+            "helper",
+            "Where is 1187?",
+            Duration::from_secs(20),
+        )
+        .await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert!(st.message().contains("across its model calls"), "{st:?}");
+    assert!(events.iter().all(|e| e.kind() != EventKind::FinalAnswer));
+    d.stop().await;
+}
+
 /// One turn whose model calls `lookup_order` with `arguments` and then
 /// answers: the turn's events, and the messages of the second model call.
 async fn call_with_arguments(arguments: &str) -> (Vec<agentd::pb::AgentEvent>, Vec<Value>) {

@@ -149,7 +149,7 @@ impl Agent for ModelAgent {
                     if completion.finish == Finish::Length {
                         tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
                     }
-                    said.push_str(&completion.text);
+                    said_more(&mut said, &completion.text)?;
                     yield Event::final_answer(&cfg.name, said);
                     break;
                 }
@@ -164,7 +164,7 @@ impl Agent for ModelAgent {
                     )))?;
                 }
                 let calls = completion.tool_calls;
-                said.push_str(&completion.text);
+                said_more(&mut said, &completion.text)?;
                 messages.push(Message::Assistant {
                     content: Some(completion.text).filter(|t| !t.is_empty()),
                     tool_calls: calls.iter().map(replayable).collect(),
@@ -316,4 +316,19 @@ fn replayable(call: &ToolCall) -> ToolCall {
         call.function.arguments = "{}".into();
     }
     call
+}
+
+/// Adds one model call's text to the answer, which holds at most
+/// [`super::accumulate::MAX_TEXT_BYTES`] across the turn's calls, as one
+/// call's text does: it is sent whole as the final answer's event, stored,
+/// and given back to every later turn as history.
+fn said_more(said: &mut String, text: &str) -> Result<(), AgentError> {
+    let limit = super::accumulate::MAX_TEXT_BYTES;
+    if said.len() + text.len() > limit {
+        return Err(AgentError::FailedPrecondition(format!(
+            "the agent's answer passed agentd's limit of {limit} bytes of text across its model calls; bound it (max_tokens in the agent's sampling, or max_tool_turns)"
+        )));
+    }
+    said.push_str(text);
+    Ok(())
 }
