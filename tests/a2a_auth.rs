@@ -136,9 +136,15 @@ async fn a_json_rpc_body_over_the_message_limit_is_413_and_runs_nothing() {
             .body(body)
             .send()
     };
+    let refused = a2a_requests("unknown", "INVALID_REQUEST");
     let resp = post(body(limit + 1)).await.unwrap();
     assert_eq!(resp.status(), 413);
     assert_eq!(server.turns.in_flight(), 0);
+    assert_eq!(
+        a2a_requests("unknown", "INVALID_REQUEST"),
+        refused + 1.0,
+        "the refusal is counted"
+    );
     // Under the limit (over --max-input-bytes): parsed, and answered with
     // the handler's own refusal.
     let resp = post(body(limit / 2)).await.unwrap();

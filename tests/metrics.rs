@@ -315,6 +315,52 @@ async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
     server.stop().await;
 }
 
+/// A follower (here a replay of a long turn) whose reader stalls is cut
+/// as a Run's own reader is, and counted the same way.
+#[tokio::test]
+async fn a_follower_whose_reader_stalls_is_counted_as_a_slow_consumer_termination() {
+    let turn = TurnConfig {
+        channel_capacity: 8,
+        slow_consumer: SlowConsumer::Fail,
+        stall_timeout: Duration::from_millis(200),
+        ..TurnConfig::default()
+    };
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            turn,
+            ..Secure::default()
+        },
+    )
+    .await;
+    let mut c = server.client(None, None).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let req = with_agent(
+        run_request("alice", &session, "r1", "n=8000 size=1024"),
+        "stream",
+    );
+    let mut call = c.run(req.clone(), DEADLINE).await.unwrap();
+    while call.events.message().await.unwrap().is_some() {}
+    let before = server.metrics().await;
+    let mut replay = c.run(req, DEADLINE).await.unwrap();
+    replay.events.message().await.unwrap().unwrap();
+    // Stop reading until the server gives up on us.
+    server
+        .metrics_until("the follower's slow-consumer termination", |m| {
+            delta(m, &before, "agentd_slow_consumer_terminations_total", &[]) == 1.0
+        })
+        .await;
+    let status = loop {
+        match replay.events.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("the replay ended OK"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_run_cut_at_shutdown_is_counted_and_readyz_turns_unavailable() {
     let secure = Secure {

@@ -381,3 +381,62 @@ async fn runs_and_followers_in_flight_count_calls_not_tasks() {
     assert!(turns.in_flight() > 2, "{}", turns.in_flight());
     drop((run, repeat));
 }
+
+/// A store whose writes hang (the sweep of expired leases never returns)
+/// and whose reads then fail: the health checks go on beside the sweep, so
+/// the engine still learns the store is down and refuses new runs.
+#[tokio::test]
+async fn a_sweep_that_hangs_holds_up_no_health_check() {
+    use agentd::store::{StoreError, StoreResult, TurnOutcome};
+    struct Hanging {
+        down: std::sync::atomic::AtomicBool,
+    }
+    #[async_trait::async_trait]
+    impl store_wrap::Hooks for Hanging {
+        async fn fail_expired(
+            &self,
+            _: &dyn Store,
+            _: std::time::SystemTime,
+            _: &TurnOutcome,
+        ) -> StoreResult<Vec<TurnKey>> {
+            std::future::pending().await
+        }
+        async fn ping(&self, inner: &dyn Store) -> StoreResult<()> {
+            if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(StoreError::Unavailable(anyhow::anyhow!(
+                    "the database is away"
+                )));
+            }
+            inner.ping().await
+        }
+    }
+    let hooks = Arc::new(Hanging {
+        down: Default::default(),
+    });
+    let store = Arc::new(store_wrap::Wrapped {
+        inner: Arc::new(MemoryStore::new()),
+        hooks: hooks.clone(),
+    });
+    let agents: Vec<Arc<dyn Agent>> = vec![Arc::new(Echo)];
+    let turns = Turns::new(
+        store,
+        AgentRegistry::new(agents, "echo").unwrap(),
+        TurnConfig {
+            store_check: std::time::Duration::from_millis(50),
+            ..TurnConfig::default()
+        },
+    );
+    let upkeep = tokio::spawn(turns.upkeep());
+    // Let the sweep start (and hang) behind a good health check.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    hooks.down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut health = turns.store_health();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        health.wait_for(|ok| !*ok),
+    )
+    .await
+    .expect("the health check saw the store go down")
+    .unwrap();
+    upkeep.abort();
+}

@@ -109,11 +109,12 @@ impl A2a {
     /// `max_body_bytes` (`--max-message-bytes`, as on the gRPC port) is
     /// refused with 413 before it is parsed.
     pub fn http_router(&self, card: AgentCard, max_body_bytes: usize) -> axum::Router {
+        // The refusal counter outside the size limit: it counts the 413s.
         let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
-            .layer(axum::middleware::from_fn(follow::count_refusals))
             .layer(tower_http::limit::RequestBodyLimitLayer::new(
                 max_body_bytes,
             ))
+            .layer(axum::middleware::from_fn(follow::count_refusals))
             .merge(a2a_server::agent_card::agent_card_router(Arc::new(
                 StaticAgentCard::new(card),
             )));

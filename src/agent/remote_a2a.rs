@@ -162,7 +162,7 @@ impl Shared {
                 A2aClient::connect_trusting(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()), self.cfg.ca_pem.as_deref())
                     .await
                     .map_err(|e| {
-                        tracing::warn!(agent = %self.cfg.name, error = %e, "remote_a2a: cannot connect to the remote agent");
+                        tracing::warn!(agent = %self.cfg.name, error = %without_secrets(&format!("{e:#}"), url), "remote_a2a: cannot connect to the remote agent");
                         unavailable("the remote A2A agent cannot be reached")
                     })
             })
@@ -645,9 +645,37 @@ impl Agent for RemoteA2aAgent {
     }
 }
 
+/// `message` with the credentials `url` may carry (its password, and its
+/// query, where a key may be) masked: error messages quote the URL.
+fn without_secrets(message: &str, url: &str) -> String {
+    let Ok(parsed) = reqwest::Url::parse(url) else {
+        return message.to_owned();
+    };
+    let mut message = message.to_owned();
+    for secret in [parsed.password(), parsed.query()].into_iter().flatten() {
+        if !secret.is_empty() {
+            message = message.replace(secret, "***");
+        }
+    }
+    message
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_logged_error_masks_the_urls_password_and_query() {
+        let url = "http://bot:s3cret@agents.internal:9/a2a?key=k-123";
+        let e = format!("cannot read the agent card at {url}: connection refused");
+        let logged = without_secrets(&e, url);
+        assert!(
+            !logged.contains("s3cret") && !logged.contains("k-123"),
+            "{logged}"
+        );
+        assert!(logged.contains("agents.internal:9/a2a"), "{logged}");
+        assert_eq!(without_secrets("plain", "http://h/"), "plain");
+    }
     use a2a::{Artifact, TaskArtifactUpdateEvent, TaskStatus, TaskStatusUpdateEvent};
 
     /// One update mapped on its own (no earlier update).

@@ -175,11 +175,17 @@ pub fn dedup(mode: Mode) {
 pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) {
     handle();
     metrics::histogram!(RUN_EVENTS, "mode" => mode.as_str()).record(events_sent as f64);
-    let cause = match result {
-        Err(Failure::ClientGone) => "client",
-        Err(Failure::Deadline { .. }) => "deadline",
-        Err(Failure::Shutdown) => "shutdown",
-        Err(Failure::SlowConsumer) => {
+    // A follower's end is wrapped (it stopped following; the turn goes on).
+    let failure = match result {
+        Err(Failure::StoppedFollowing(f)) => &**f,
+        Err(f) => f,
+        Ok(()) => return,
+    };
+    let cause = match failure {
+        Failure::ClientGone => "client",
+        Failure::Deadline { .. } => "deadline",
+        Failure::Shutdown => "shutdown",
+        Failure::SlowConsumer => {
             metrics::counter!(SLOW_CONSUMER).increment(1);
             return;
         }

@@ -17,10 +17,10 @@ const PRUNE_EVERY_MAX: Duration = Duration::from_secs(600);
 const PRUNE_BATCH: usize = 500;
 
 pub(super) async fn run(turns: Arc<Turns>) {
-    tokio::join!(check(turns.clone()), prune(turns));
+    tokio::join!(check(turns.clone()), sweep(turns.clone()), prune(turns));
 }
 
-/// The health checks and the sweep of expired leases.
+/// The health checks.
 async fn check(turns: Arc<Turns>) {
     let cfg = turns.cfg.clone();
     let mut tick = tokio::time::interval(cfg.store_check.min(cfg.lease / 2));
@@ -52,8 +52,21 @@ async fn check(turns: Arc<Turns>) {
                 );
             }
         }
-        if !ok {
-            continue;
+    }
+}
+
+/// The sweep of expired leases, as often as the health checks, while the
+/// store answers them. A loop of its own: a sweep that waits on a store
+/// whose writes hang (up to --store-timeout) holds up no health check.
+async fn sweep(turns: Arc<Turns>) {
+    let cfg = turns.cfg.clone();
+    let mut tick = tokio::time::interval(cfg.store_check.min(cfg.lease / 2));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut healthy = turns.store_health();
+    loop {
+        tick.tick().await;
+        if healthy.wait_for(|ok| *ok).await.is_err() {
+            return;
         }
         match turns.fail_expired(SystemTime::now()).await {
             Ok(0) => {}

@@ -46,6 +46,17 @@ pub trait Hooks: Send + Sync + 'static {
     fn a2a_tasks(&self, inner: &dyn Store) -> Arc<dyn A2aTasks> {
         inner.a2a_tasks()
     }
+    async fn fail_expired(
+        &self,
+        inner: &dyn Store,
+        now: SystemTime,
+        o: &TurnOutcome,
+    ) -> StoreResult<Vec<TurnKey>> {
+        inner.fail_expired(now, o).await
+    }
+    async fn ping(&self, inner: &dyn Store) -> StoreResult<()> {
+        inner.ping().await
+    }
 }
 
 pub struct Wrapped {
@@ -127,7 +138,7 @@ impl Store for Wrapped {
         self.inner.renew_lease(k, owner, until).await
     }
     async fn fail_expired(&self, now: SystemTime, o: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
-        self.inner.fail_expired(now, o).await
+        self.hooks.fail_expired(&*self.inner, now, o).await
     }
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         self.inner.prune(before, limit).await
@@ -136,6 +147,6 @@ impl Store for Wrapped {
         self.inner.prune_sessions(before, limit).await
     }
     async fn ping(&self) -> StoreResult<()> {
-        self.inner.ping().await
+        self.hooks.ping(&*self.inner).await
     }
 }
