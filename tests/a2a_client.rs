@@ -10,7 +10,7 @@ use std::time::Duration;
 use a2a::{StreamResponse, TaskState};
 use a2a_support::{PyAgent, python};
 use agentd::client::a2a::{
-    A2aClient, CallError, CallOptions, CallState, Control, Outcome, parts_text,
+    A2aClient, CallError, CallOptions, CallState, Cancellation, Control, Outcome, parts_text,
 };
 
 fn opts() -> CallOptions {
@@ -213,11 +213,16 @@ async fn the_idle_watchdog_catches_a_silent_stall_and_cancels_the_task() {
         recoveries,
         cause,
         artifacts,
+        cancel,
         ..
     } = err
     else {
         panic!("{err:?}")
     };
+    assert!(
+        matches!(cancel, Cancellation::Acknowledged(_)),
+        "{cancel:?}"
+    );
     assert_eq!(recoveries, 2);
     assert!(cause.contains("idle"), "{cause}");
     assert_eq!(texts(&artifacts), [("a1".into(), "c0 c1 ".into())]);
@@ -247,12 +252,17 @@ async fn a_deadline_cancels_the_remote_task() {
     let CallError::Deadline {
         task_id: Some(task_id),
         last_state,
+        cancel,
         ..
     } = err
     else {
         panic!("{err:?}")
     };
     assert_eq!(last_state, Some(TaskState::Working));
+    assert!(
+        matches!(cancel, Cancellation::Acknowledged(_)),
+        "{cancel:?}"
+    );
     assert_eq!(
         remote_state(&client, &task_id, TaskState::Canceled).await,
         TaskState::Canceled

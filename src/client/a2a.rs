@@ -19,8 +19,15 @@
 //!   been lost and the snapshot cannot restore them (a remote whose
 //!   snapshots leave out artifacts already seen), the result is flagged
 //!   `incomplete` rather than silently truncated.
+//!   An error that retrying cannot fix (the remote does not offer the
+//!   method, refuses our credentials or the request) ends the call at once,
+//!   and the task is left running.
+//! - In a reply turn (a message into a task that waited), the artifacts the
+//!   task had before it are remembered, so that a snapshot brings back only
+//!   what this turn made, as its stream would have.
 //! - Past the deadline, or when recovery gives up, the remote task is
-//!   cancelled (CancelTask) and the state it reached is logged.
+//!   cancelled (CancelTask) and the state it reached is logged; the error
+//!   says whether the cancel was sent and acknowledged.
 //! - A [`Listener`] sees every update and may stop the call early, with a
 //!   response of its own or the artifacts so far. Stopping only ends *our*
 //!   stream: the remote task goes on (cancel it with [`A2aClient::cancel`]).
@@ -99,9 +106,10 @@ pub struct CallOptions {
     /// First backoff before a recovery; doubles each time up to `max_backoff`.
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
-    /// The most artifact content (text, data, file bytes) a call buffers;
-    /// past it the call ends with [`CallError::TooLarge`] and the remote task
-    /// is cancelled.
+    /// The most a call buffers of artifacts: their content (text, data,
+    /// file bytes) and everything kept with it (ids, names, metadata, and
+    /// each part's and artifact's own size); past it the call ends with
+    /// [`CallError::TooLarge`] and the remote task is cancelled.
     pub max_artifact_bytes: usize,
 }
 
@@ -133,17 +141,58 @@ impl BufferedArtifact {
     }
 }
 
-/// The size of `parts`' content: text and file bytes, a file's URL, data
-/// as JSON.
-fn parts_size(parts: &[Part]) -> usize {
-    parts
-        .iter()
-        .map(|p| match &p.content {
-            PartContent::Text(t) | PartContent::Url(t) => t.len(),
-            PartContent::Raw(b) => b.len(),
-            PartContent::Data(v) => serde_json::to_vec(v).map_or(0, |j| j.len()),
-        })
-        .sum()
+/// What a part costs the buffer: its content (text and file bytes, a
+/// file's URL, data as JSON), its metadata, filename and media type, and the
+/// part itself. Everything kept counts: a server must not grow the buffer
+/// for free with parts that carry no content (an empty text with metadata,
+/// appended forever).
+fn part_size(p: &Part) -> usize {
+    let content = match &p.content {
+        PartContent::Text(t) | PartContent::Url(t) => t.len(),
+        PartContent::Raw(b) => b.len(),
+        PartContent::Data(v) => json_size(v),
+    };
+    size_of::<Part>()
+        + content
+        + p.filename.as_ref().map_or(0, String::len)
+        + p.media_type.as_ref().map_or(0, String::len)
+        + p.metadata.as_ref().map_or(0, json_size)
+}
+
+/// What an artifact costs the buffer: its parts ([`part_size`]), its id,
+/// name, description, metadata and extensions, and its own slot (so that
+/// new ids without parts are not free either).
+fn artifact_size(a: &Artifact) -> usize {
+    size_of::<BufferedArtifact>()
+        + a.artifact_id.len()
+        + a.name.as_ref().map_or(0, String::len)
+        + a.description.as_ref().map_or(0, String::len)
+        + a.metadata.as_ref().map_or(0, json_size)
+        + a.extensions
+            .iter()
+            .flatten()
+            .map(|e| size_of::<String>() + e.len())
+            .sum::<usize>()
+        + a.parts.iter().map(part_size).sum::<usize>()
+}
+
+/// The length of `v` as JSON, counted as it is written rather than built.
+fn json_size(v: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    // Writing to a counter cannot fail; a value that cannot be written
+    // counts what was written of it.
+    let _ = serde_json::to_writer(&mut n, v);
+    n.0
 }
 
 /// The text parts of `parts`, concatenated.
@@ -175,8 +224,17 @@ pub struct CallState {
     /// Status, artifact and message events applied so far (snapshots not
     /// counted).
     updates: u64,
-    /// The size of the buffered artifacts' content, kept as they change.
+    /// What the buffered artifacts cost ([`artifact_size`]), kept as they
+    /// change.
     artifact_bytes: usize,
+    /// Where each artifact id is in `artifacts`: an update finds its
+    /// artifact without a scan (a server may send a great many ids).
+    index: HashMap<String, usize>,
+    /// In a reply turn (a message into a task that waited), the artifacts
+    /// the task had before the turn, by id: a snapshot holds them too, and
+    /// those still as they were, and not streamed in this turn, are not
+    /// this turn's.
+    before_turn: HashMap<String, Artifact>,
     /// A gap in the stream that no snapshot has covered yet.
     gap: bool,
     /// The remote's task snapshots were seen to leave out artifacts the
@@ -197,6 +255,8 @@ impl CallState {
             recoveries: 0,
             updates: 0,
             artifact_bytes: 0,
+            index: HashMap::new(),
+            before_turn: HashMap::new(),
             gap: false,
             bare_snapshots: false,
         }
@@ -211,12 +271,31 @@ impl CallState {
         }
     }
 
+    /// Remembers the artifacts a task had before this turn (a reply into
+    /// it). More than a call may buffer is not remembered: holding it would
+    /// double what the limit bounds.
+    fn remember_earlier_turns(&mut self, artifacts: Vec<Artifact>, limit: usize) {
+        if artifacts.iter().map(artifact_size).sum::<usize>() <= limit {
+            self.before_turn = artifacts
+                .into_iter()
+                .map(|a| (a.artifact_id.clone(), a))
+                .collect();
+        }
+    }
+
+    /// Whether a snapshot's artifact is an earlier turn's: the task had it
+    /// before this turn, as it is now, and this turn did not stream it.
+    fn earlier_turns(&self, a: &Artifact) -> bool {
+        !self.index.contains_key(&a.artifact_id) && self.before_turn.get(&a.artifact_id) == Some(a)
+    }
+
     /// Applies a task snapshot: its state, and its artifacts, which are
-    /// authoritative and replace the buffer. A snapshot without artifacts
-    /// leaves the buffer alone: if artifacts were seen already, the remote
-    /// leaves them out of its snapshots, and a gap it was to cover stays
-    /// uncovered (the result is incomplete); if none were, the task has
-    /// none yet and the gap lost nothing.
+    /// authoritative and replace the buffer (less earlier turns', in a reply
+    /// turn: the outcome is this turn's, as its stream would have made it).
+    /// A snapshot without artifacts leaves the buffer alone: if artifacts
+    /// were seen already, the remote leaves them out of its snapshots, and a
+    /// gap it was to cover stays uncovered (the result is incomplete); if
+    /// none were, the task has none yet and the gap lost nothing.
     fn apply_task(&mut self, task: &Task) {
         self.ids(&task.id, &task.context_id);
         self.last_state = Some(task.status.state.clone());
@@ -224,17 +303,25 @@ impl CallState {
             self.status_message = task.status.message.clone();
         }
         if let Some(artifacts) = task.artifacts.as_ref().filter(|a| !a.is_empty()) {
-            self.artifacts = artifacts
+            let kept: Vec<BufferedArtifact> = artifacts
                 .iter()
+                .filter(|a| !self.earlier_turns(a))
                 .map(|a| BufferedArtifact {
                     artifact: a.clone(),
                     ready: true,
                 })
                 .collect();
+            self.artifacts = kept;
+            self.index = self
+                .artifacts
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (b.artifact.artifact_id.clone(), i))
+                .collect();
             self.artifact_bytes = self
                 .artifacts
                 .iter()
-                .map(|b| parts_size(&b.artifact.parts))
+                .map(|b| artifact_size(&b.artifact))
                 .sum();
             self.incomplete = false;
             self.gap = false;
@@ -269,34 +356,36 @@ impl CallState {
             StreamResponse::ArtifactUpdate(u) => {
                 self.ids(&u.task_id, &u.context_id);
                 let ready = u.last_chunk.unwrap_or(false);
-                let existing = self
-                    .artifacts
-                    .iter_mut()
-                    .find(|b| b.artifact.artifact_id == u.artifact.artifact_id);
-                let added = parts_size(&u.artifact.parts);
+                let existing = self.index.get(&u.artifact.artifact_id).copied();
                 match (existing, u.append.unwrap_or(false)) {
-                    (Some(b), true) => {
+                    (Some(i), true) => {
+                        // Only the parts are kept of an append.
+                        let b = &mut self.artifacts[i];
                         b.artifact.parts.extend(u.artifact.parts.iter().cloned());
                         b.ready = ready;
-                        self.artifact_bytes += added;
+                        self.artifact_bytes +=
+                            u.artifact.parts.iter().map(part_size).sum::<usize>();
                     }
-                    (Some(b), false) => {
+                    (Some(i), false) => {
+                        let b = &mut self.artifacts[i];
                         self.artifact_bytes = self
                             .artifact_bytes
-                            .saturating_sub(parts_size(&b.artifact.parts))
-                            + added;
+                            .saturating_sub(artifact_size(&b.artifact))
+                            + artifact_size(&u.artifact);
                         *b = BufferedArtifact {
                             artifact: u.artifact.clone(),
                             ready,
                         }
                     }
                     (None, append) => {
-                        self.artifact_bytes += added;
+                        self.artifact_bytes += artifact_size(&u.artifact);
                         // An append to an artifact we never saw: its start
                         // was lost.
                         if append {
                             self.incomplete = true;
                         }
+                        self.index
+                            .insert(u.artifact.artifact_id.clone(), self.artifacts.len());
                         self.artifacts.push(BufferedArtifact {
                             artifact: u.artifact.clone(),
                             ready,
@@ -391,15 +480,17 @@ pub enum CallError {
         message: String,
         artifacts: Vec<Artifact>,
     },
-    /// The deadline passed; the remote task was cancelled.
+    /// The deadline passed; the remote task was cancelled if its id was
+    /// known (`cancel` says how that went).
     #[error(
-        "the deadline passed; the remote task was cancelled (last state: {})",
+        "the deadline passed; {cancel} (last state: {})",
         state_name(last_state)
     )]
     Deadline {
         task_id: Option<String>,
         last_state: Option<TaskState>,
         artifacts: Vec<Artifact>,
+        cancel: Cancellation,
     },
     /// The stream was lost before the task had an id; not resent, since
     /// that would start a second task.
@@ -407,9 +498,9 @@ pub enum CallError {
     LostBeforeTask { cause: String },
     /// Recovery gave up (the agent stayed silent or unreachable, or lost the
     /// stream again at once, `max_recoveries` times in a row); the remote
-    /// task was cancelled.
+    /// task was cancelled (`cancel` says how that went).
     #[error(
-        "the task could not be recovered after {recoveries} attempts ({cause}); it was cancelled (last state: {})",
+        "the task could not be recovered after {recoveries} attempts ({cause}); {cancel} (last state: {})",
         state_name(last_state)
     )]
     Unrecoverable {
@@ -418,6 +509,7 @@ pub enum CallError {
         recoveries: u32,
         cause: String,
         artifacts: Vec<Artifact>,
+        cancel: Cancellation,
     },
     /// After a drop, the remote agent no longer knew the task (it restarted
     /// without keeping its tasks, say): nothing to resume or cancel.
@@ -430,21 +522,107 @@ pub enum CallError {
         last_state: Option<TaskState>,
         artifacts: Vec<Artifact>,
     },
-    /// The remote task's artifacts outgrew `max_artifact_bytes`; it was
-    /// cancelled.
-    #[error("the remote task's artifacts are larger than {limit} bytes; it was cancelled")]
+    /// The remote task's artifacts outgrew `max_artifact_bytes`; CancelTask
+    /// was sent if its id was known (how that went is logged).
+    #[error(
+        "the remote task's artifacts are larger than {limit} bytes; {}",
+        cancel_sent(task_id)
+    )]
     TooLarge {
         task_id: Option<String>,
         limit: usize,
     },
-    /// The remote agent refused the request.
+    /// The remote agent refused the request; or, recovering a dropped
+    /// stream, failed a request with an error that retrying cannot fix (the
+    /// message names the request and the cause; the task was left running).
     #[error("the remote agent refused the call: {0}")]
     Refused(A2AError),
+}
+
+/// What became of the CancelTask a call sends when it abandons its task.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cancellation {
+    /// None was sent: the task's id was never known.
+    NotSent,
+    /// The remote answered it; the task's state in its answer.
+    Acknowledged(TaskState),
+    /// It failed or went unanswered: the task may still be running.
+    Failed(String),
+}
+
+impl std::fmt::Display for Cancellation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cancellation::NotSent => {
+                f.write_str("no cancel was sent: the remote task's id was never known")
+            }
+            Cancellation::Acknowledged(TaskState::Canceled) => {
+                f.write_str("the remote task was cancelled")
+            }
+            Cancellation::Acknowledged(state) => {
+                write!(
+                    f,
+                    "CancelTask was acknowledged (the remote task is {state:?})"
+                )
+            }
+            Cancellation::Failed(why) => write!(
+                f,
+                "CancelTask failed ({why}): the remote task may still be running"
+            ),
+        }
+    }
+}
+
+/// [`CallError::TooLarge`] keeps no cancel outcome (its fields are fixed),
+/// so it says only what it knows: whether a cancel was sent.
+fn cancel_sent(task_id: &Option<String>) -> String {
+    match task_id {
+        Some(_) => "CancelTask was sent (its outcome is logged)".to_owned(),
+        None => Cancellation::NotSent.to_string(),
+    }
 }
 
 fn state_name(s: &Option<TaskState>) -> String {
     s.as_ref()
         .map_or_else(|| "none".to_owned(), |s| format!("{s:?}"))
+}
+
+/// Whether retrying a request that failed with `e` cannot help: the remote
+/// does not offer the method or operation, refuses our credentials (the
+/// codes of agentd's own A2A face: A2A leaves authentication to HTTP), or
+/// finds the request itself wrong, or the task unknown. Anything else (a
+/// connection refused or reset, a timeout, an internal error) may pass and
+/// is retried. The gRPC binding reports UNAUTHENTICATED, PERMISSION_DENIED
+/// and UNAVAILABLE alike as INTERNAL_ERROR (the SDK keeps no other code for
+/// them), so over gRPC those are retried, within `max_recoveries`.
+fn permanent(e: &A2AError) -> bool {
+    use a2a::error_code as c;
+    matches!(
+        e.code,
+        c::METHOD_NOT_FOUND
+            | c::UNSUPPORTED_OPERATION
+            | c::INVALID_PARAMS
+            | c::INVALID_REQUEST
+            | c::PARSE_ERROR
+            | c::TASK_NOT_FOUND
+            | c::TASK_NOT_CANCELABLE
+            | c::CONTENT_TYPE_NOT_SUPPORTED
+            | c::VERSION_NOT_SUPPORTED
+            | c::EXTENSION_SUPPORT_REQUIRED
+            | c::PUSH_NOTIFICATION_NOT_SUPPORTED
+            | c::EXTENDED_CARD_NOT_CONFIGURED
+            | crate::a2a::auth::UNAUTHENTICATED_CODE
+            | crate::a2a::auth::PERMISSION_DENIED_CODE
+    )
+}
+
+/// The name of `e`'s code, for a message.
+fn reason(e: &A2AError) -> &'static str {
+    match e.code {
+        crate::a2a::auth::UNAUTHENTICATED_CODE => "UNAUTHENTICATED",
+        crate::a2a::auth::PERMISSION_DENIED_CODE => "PERMISSION_DENIED",
+        code => a2a::error_reason(code),
+    }
 }
 
 /// A client of one remote A2A agent; clones share the connection.
@@ -640,6 +818,14 @@ impl A2aClient {
     ) -> Result<Outcome, CallError> {
         let deadline = Instant::now() + opts.deadline;
         let mut st = CallState::new();
+        // A reply into a task that waited: its snapshots hold what its
+        // earlier turns made too, which this turn's stream does not bring.
+        // Without this look (it failed), a recovery may bring those back.
+        if let Some(id) = &message.task_id
+            && let Ok(Ok(task)) = tokio::time::timeout_at(deadline, self.get_task(id)).await
+        {
+            st.remember_earlier_turns(task.artifacts.unwrap_or_default(), opts.max_artifact_bytes);
+        }
         let req = SendMessageRequest {
             message,
             configuration: None,
@@ -659,6 +845,7 @@ impl A2aClient {
                     task_id: None,
                     last_state: None,
                     artifacts: vec![],
+                    cancel: Cancellation::NotSent,
                 });
             }
         };
@@ -702,13 +889,17 @@ impl A2aClient {
             if failed_in_a_row >= opts.max_recoveries {
                 // One last look: a task that ended meanwhile is answered,
                 // not cancelled.
-                if let Ok(Ok(task)) =
-                    tokio::time::timeout_at(deadline, self.get_task(&task_id)).await
-                {
-                    st.apply_task(&task);
-                    if let Some(end) = end_of(&st, None) {
-                        return end;
+                match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                    Ok(Ok(task)) => {
+                        st.apply_task(&task);
+                        if let Some(end) = end_of(&st, None) {
+                            return end;
+                        }
                     }
+                    Ok(Err(e)) if permanent(&e) => {
+                        return Err(lost_or_refused(&st, task_id, "GetTask", e));
+                    }
+                    _ => {}
                 }
                 return Err(self.give_up(&st, task_id, cause, failed_in_a_row).await);
             }
@@ -724,13 +915,8 @@ impl A2aClient {
             backoff = (backoff * 2).min(opts.max_backoff);
             match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
-                Ok(Err(e)) if e.code == a2a::error_code::TASK_NOT_FOUND => {
-                    tracing::warn!(task = %task_id, error = %e.message, "a2a: the remote agent no longer knows the task");
-                    return Err(CallError::TaskLost {
-                        task_id,
-                        last_state: st.last_state.clone(),
-                        artifacts: st.artifacts(),
-                    });
+                Ok(Err(e)) if permanent(&e) => {
+                    return Err(lost_or_refused(&st, task_id, "GetTask", e));
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: GetTask failed during recovery");
@@ -754,6 +940,24 @@ impl A2aClient {
             match tokio::time::timeout_at(deadline, self.inner.subscribe_to_task(&sub)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Ok(s)) => stream = Some(s),
+                Ok(Err(e)) if permanent(&e) => {
+                    // The task may have ended since the snapshot (A2A refuses
+                    // to subscribe to an ended task): one more look, so
+                    // that an end is answered rather than refused.
+                    if e.code != a2a::error_code::TASK_NOT_FOUND
+                        && let Ok(Ok(task)) =
+                            tokio::time::timeout_at(deadline, self.get_task(&task_id)).await
+                    {
+                        st.apply_task(&task);
+                        if let Some(e) = self.too_large(&st, opts).await {
+                            return Err(e);
+                        }
+                        if let Some(end) = end_of(&st, None) {
+                            return end;
+                        }
+                    }
+                    return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed");
                     recovery_failed = Some(format!("SubscribeToTask failed: {}", e.message));
@@ -773,6 +977,11 @@ impl A2aClient {
         listener: &mut Option<&mut dyn Listener>,
     ) -> Step {
         loop {
+            // The timer below fires only while the stream has no event
+            // ready: one that always has one would never let it.
+            if Instant::now() >= deadline {
+                return Step::Deadline;
+            }
             let idle_at = (Instant::now() + opts.idle_timeout).min(deadline);
             let next = match tokio::time::timeout_at(idle_at, stream.next()).await {
                 Err(_) if Instant::now() >= deadline => return Step::Deadline,
@@ -824,13 +1033,15 @@ impl A2aClient {
     }
 
     async fn abandon_at_deadline(&self, st: &CallState) -> CallError {
-        if let Some(id) = &st.task_id {
-            self.cancel_logged(id, st, "deadline").await;
-        }
+        let cancel = match &st.task_id {
+            Some(id) => self.cancel_logged(id, st, "deadline").await,
+            None => Cancellation::NotSent,
+        };
         CallError::Deadline {
             task_id: st.task_id.clone(),
             last_state: st.last_state.clone(),
             artifacts: st.artifacts(),
+            cancel,
         }
     }
 
@@ -841,25 +1052,53 @@ impl A2aClient {
         cause: String,
         recoveries: u32,
     ) -> CallError {
-        self.cancel_logged(&task_id, st, "recovery gave up").await;
+        let cancel = self.cancel_logged(&task_id, st, "recovery gave up").await;
         CallError::Unrecoverable {
             task_id,
             last_state: st.last_state.clone(),
             recoveries,
             cause,
             artifacts: st.artifacts(),
+            cancel,
         }
     }
 
-    async fn cancel_logged(&self, task_id: &str, st: &CallState, why: &str) {
-        let result = tokio::time::timeout(Duration::from_secs(10), self.cancel(task_id)).await;
-        let outcome = match &result {
-            Ok(Ok(t)) => format!("{:?}", t.status.state),
-            Ok(Err(e)) => format!("cancel failed: {}", e.message),
-            Err(_) => "cancel timed out".into(),
+    /// Sends CancelTask for the task a call abandons, and logs how it went.
+    async fn cancel_logged(&self, task_id: &str, st: &CallState, why: &str) -> Cancellation {
+        const WAIT: Duration = Duration::from_secs(10);
+        let cancel = match tokio::time::timeout(WAIT, self.cancel(task_id)).await {
+            Ok(Ok(t)) => Cancellation::Acknowledged(t.status.state),
+            Ok(Err(e)) => Cancellation::Failed(e.message),
+            Err(_) => Cancellation::Failed(format!("no answer within {WAIT:?}")),
         };
-        tracing::warn!(task = %task_id, reached = ?st.last_state, artifacts = st.artifacts.len(), %outcome, "a2a: cancelled the remote task ({why})");
+        tracing::warn!(task = %task_id, reached = ?st.last_state, artifacts = st.artifacts.len(), %cancel, "a2a: abandoned the remote task ({why})");
+        cancel
     }
+}
+
+/// The end of a call whose recovery met an error that retrying cannot fix:
+/// a task the remote no longer knows is lost; anything else is a refusal,
+/// named with the request it answered. Either way the task is not
+/// cancelled: it was not failing, our requests were.
+fn lost_or_refused(st: &CallState, task_id: String, request: &str, e: A2AError) -> CallError {
+    if e.code == a2a::error_code::TASK_NOT_FOUND {
+        tracing::warn!(task = %task_id, error = %e.message, "a2a: the remote agent no longer knows the task");
+        return CallError::TaskLost {
+            task_id,
+            last_state: st.last_state.clone(),
+            artifacts: st.artifacts(),
+        };
+    }
+    tracing::warn!(task = %task_id, request, code = e.code, error = %e.message, "a2a: recovery refused; not retried");
+    CallError::Refused(A2AError {
+        code: e.code,
+        message: format!(
+            "{request} failed while recovering task {task_id} from a dropped stream, with {} ({}); not retried, since retrying cannot fix it, and the task was not cancelled",
+            reason(&e),
+            e.message
+        ),
+        details: e.details,
+    })
 }
 
 enum Step {
@@ -933,6 +1172,10 @@ mod tests {
     use a2a::TaskArtifactUpdateEvent;
 
     fn chunk(id: &str, text: &str, append: bool, last: bool) -> StreamResponse {
+        update(id, vec![Part::text(text)], append, last)
+    }
+
+    fn update(id: &str, parts: Vec<Part>, append: bool, last: bool) -> StreamResponse {
         StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
             task_id: "t".into(),
             context_id: "c".into(),
@@ -940,7 +1183,7 @@ mod tests {
                 artifact_id: id.into(),
                 name: None,
                 description: None,
-                parts: vec![Part::text(text)],
+                parts,
                 metadata: None,
                 extensions: None,
             },
@@ -1067,18 +1310,621 @@ mod tests {
 
     #[test]
     fn the_buffered_size_follows_appends_replacements_and_snapshots() {
+        // What the buffer holds, measured afresh.
+        let held = |st: &CallState| {
+            st.artifacts
+                .iter()
+                .map(|b| artifact_size(&b.artifact))
+                .sum::<usize>()
+        };
         let mut st = CallState::new();
         st.apply(&chunk("a", "12345", false, false));
         st.apply(&chunk("a", "678", true, false));
         st.apply(&chunk("b", "xy", false, true));
-        assert_eq!(st.artifact_bytes, 10);
+        assert_eq!(st.artifact_bytes, held(&st));
+        let before = st.artifact_bytes;
         st.apply(&chunk("a", "1", false, true));
-        assert_eq!(st.artifact_bytes, 3, "a replacement drops what it replaces");
+        assert_eq!(st.artifact_bytes, held(&st));
+        assert!(
+            st.artifact_bytes < before,
+            "a replacement drops what it replaces"
+        );
         let StreamResponse::ArtifactUpdate(u) = chunk("c", "abcd", false, true) else {
             unreachable!()
         };
+        let c = artifact_size(&u.artifact);
         st.apply_task(&snapshot(TaskState::Working, Some(vec![u.artifact])));
-        assert_eq!(st.artifact_bytes, 4, "a snapshot replaces the buffer");
+        assert_eq!(st.artifact_bytes, c, "a snapshot replaces the buffer");
+    }
+
+    #[test]
+    fn parts_without_content_and_artifacts_without_parts_are_counted() {
+        // An empty text with 1 KiB of metadata, appended again and again.
+        let meta = HashMap::from([("k".to_owned(), serde_json::json!("x".repeat(1024)))]);
+        let mut st = CallState::new();
+        for _ in 0..100 {
+            st.apply(&update("a", vec![empty_with(&meta)], true, false));
+        }
+        assert!(st.artifact_bytes >= 100 * 1024, "{}", st.artifact_bytes);
+        // A new id each time, without parts.
+        let mut st = CallState::new();
+        for i in 0..100 {
+            st.apply(&update(&format!("a{i}"), vec![], false, true));
+        }
+        assert!(
+            st.artifact_bytes >= 100 * size_of::<BufferedArtifact>(),
+            "{}",
+            st.artifact_bytes
+        );
+        assert_eq!(st.artifacts.len(), 100);
+        assert_eq!(st.index.len(), 100);
+    }
+
+    #[tokio::test]
+    async fn stream_growing_the_buffer_without_content_ends_too_large_and_cancels() {
+        let meta = HashMap::from([("k".to_owned(), serde_json::json!("x".repeat(1024)))]);
+        // Endless appends of empty parts with metadata, or new ids without
+        // parts; each stream completes after enough of them to pass the
+        // limit many times over.
+        let floods: [Vec<StreamResponse>; 2] = [
+            (0..1000)
+                .map(|_| update("a", vec![empty_with(&meta)], true, false))
+                .collect(),
+            (0..1000)
+                .map(|i| update(&format!("a{i}"), vec![], false, true))
+                .collect(),
+        ];
+        for flood in floods {
+            let events: Vec<StreamResponse> = [status(TaskState::Working)]
+                .into_iter()
+                .chain(flood)
+                .chain([status(TaskState::Completed)])
+                .collect();
+            let remote = Arc::new(Remote {
+                send: Box::new(move |_| Ok(stream(events.clone()))),
+                ..Remote::new()
+            });
+            let o = CallOptions {
+                max_artifact_bytes: 16 << 10,
+                ..opts()
+            };
+            let err = client_of(&remote)
+                .send_text("go", None, &o, None)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, CallError::TooLarge { task_id: Some(t), limit } if t == "t" && *limit == 16 << 10),
+                "{err:?}"
+            );
+            assert_eq!(remote.count(&remote.cancelled), 1);
+        }
+        // Legitimate use: the same stream of content, under the default
+        // limit, completes.
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("a", "1", false, false),
+                    chunk("a", "2", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&out, Outcome::Completed { artifacts, .. } if parts_text(&artifacts[0].parts) == "12"),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn stream_that_always_has_an_event_ready_still_meets_the_deadline_and_cancels() {
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| {
+                Ok(Box::pin(futures::stream::repeat_with(|| {
+                    Ok(status(TaskState::Working))
+                })))
+            }),
+            ..Remote::new()
+        });
+        let client = client_of(&remote);
+        let (tx, rx) = std::sync::mpsc::channel();
+        // On a thread and a runtime of its own: a call that never yields
+        // cannot be stopped by a timer on its runtime, and the test must end
+        // either way.
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let o = CallOptions {
+                deadline: Duration::from_millis(200),
+                ..opts()
+            };
+            let _ = tx.send(rt.block_on(client.send_text("go", None, &o, None)));
+        });
+        let out = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the deadline never ended the call");
+        assert!(
+            matches!(
+                &out,
+                Err(CallError::Deadline {
+                    task_id: Some(_),
+                    last_state: Some(TaskState::Working),
+                    cancel: Cancellation::Acknowledged(TaskState::Canceled),
+                    ..
+                })
+            ),
+            "{out:?}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 1);
+    }
+
+    /// A remote whose first stream is lost after the task started, and whose
+    /// GetTask shows it still working.
+    fn dropping(subscribe: Reply<Stream>) -> Arc<Remote> {
+        Arc::new(Remote {
+            send: Box::new(|_| Ok(stream(vec![status(TaskState::Working)]))),
+            get: Box::new(|_| Ok(snapshot(TaskState::Working, None))),
+            subscribe,
+            ..Remote::new()
+        })
+    }
+
+    #[tokio::test]
+    async fn recovery_errors_retrying_cannot_fix_end_the_call_at_once_without_a_cancel() {
+        use crate::a2a::auth::{PERMISSION_DENIED_CODE, UNAUTHENTICATED_CODE};
+        use a2a::error_code as c;
+        for (code, name) in [
+            (c::METHOD_NOT_FOUND, "METHOD_NOT_FOUND"),
+            (c::UNSUPPORTED_OPERATION, "UNSUPPORTED_OPERATION"),
+            (c::INVALID_PARAMS, "INVALID_PARAMS"),
+            (c::VERSION_NOT_SUPPORTED, "VERSION_NOT_SUPPORTED"),
+            (UNAUTHENTICATED_CODE, "UNAUTHENTICATED"),
+            (PERMISSION_DENIED_CODE, "PERMISSION_DENIED"),
+        ] {
+            let remote = dropping(Box::new(move |_| Err(A2AError::new(code, "no"))));
+            let err = client_of(&remote)
+                .send_text("go", None, &opts(), None)
+                .await
+                .unwrap_err();
+            let CallError::Refused(e) = &err else {
+                panic!("{name}: {err:?}")
+            };
+            assert_eq!(e.code, code);
+            assert!(
+                e.message.contains("SubscribeToTask") && e.message.contains(name),
+                "{e:?}"
+            );
+            assert_eq!(remote.count(&remote.subscribed), 1, "{name} was retried");
+            assert_eq!(remote.count(&remote.cancelled), 0, "{name}: cancelled");
+        }
+        // A task the remote no longer knows, on subscribing: lost at once.
+        let remote = dropping(Box::new(|_| Err(A2AError::task_not_found("t"))));
+        let err = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CallError::TaskLost { .. }), "{err:?}");
+        assert_eq!(remote.count(&remote.subscribed), 1);
+        assert_eq!(remote.count(&remote.cancelled), 0);
+        // The same from GetTask: nothing subscribed, nothing cancelled.
+        let remote = Arc::new(Remote {
+            get: Box::new(|_| Err(A2AError::new(UNAUTHENTICATED_CODE, "bad token"))),
+            ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, CallError::Refused(e) if e.message.contains("GetTask")),
+            "{err:?}"
+        );
+        assert_eq!(remote.count(&remote.got), 1);
+        assert_eq!(remote.count(&remote.cancelled), 0);
+        // The task ended between the snapshot and the subscription: an
+        // answer, not a refusal.
+        let remote = Arc::new(Remote {
+            get: Box::new(|n| {
+                Ok(snapshot(
+                    if n == 0 {
+                        TaskState::Working
+                    } else {
+                        TaskState::Completed
+                    },
+                    None,
+                ))
+            }),
+            ..Arc::into_inner(dropping(Box::new(|_| {
+                Err(A2AError::unsupported_operation("the task ended"))
+            })))
+            .unwrap()
+        });
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert!(matches!(out, Outcome::Completed { .. }), "{out:?}");
+        assert_eq!(remote.count(&remote.cancelled), 0);
+    }
+
+    #[tokio::test]
+    async fn transient_recovery_errors_are_retried_then_the_task_is_cancelled() {
+        let remote = dropping(Box::new(|_| {
+            Err(A2AError::internal(
+                "HTTP request failed: connection refused",
+            ))
+        }));
+        let o = CallOptions {
+            max_recoveries: 3,
+            ..opts()
+        };
+        let err = client_of(&remote)
+            .send_text("go", None, &o, None)
+            .await
+            .unwrap_err();
+        let CallError::Unrecoverable {
+            recoveries, cancel, ..
+        } = &err
+        else {
+            panic!("{err:?}")
+        };
+        assert_eq!(*recoveries, 3);
+        assert_eq!(*cancel, Cancellation::Acknowledged(TaskState::Canceled));
+        assert_eq!(remote.count(&remote.subscribed), 3);
+        assert_eq!(remote.count(&remote.cancelled), 1);
+    }
+
+    #[tokio::test]
+    async fn errors_say_whether_the_cancel_was_sent_and_how_it_went() {
+        let o = CallOptions {
+            deadline: Duration::from_millis(100),
+            ..opts()
+        };
+        let stalls = |events: Vec<StreamResponse>| -> Reply<Stream> {
+            Box::new(move |_| {
+                Ok(Box::pin(
+                    futures::stream::iter(events.clone().into_iter().map(Ok))
+                        .chain(futures::stream::pending()),
+                ))
+            })
+        };
+        // The cancel fails: the task may still run, and the error says so.
+        let remote = Arc::new(Remote {
+            send: stalls(vec![status(TaskState::Working)]),
+            cancel: Box::new(|_| Err(A2AError::task_not_cancelable("t"))),
+            ..Remote::new()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &o, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CallError::Deadline {
+                    cancel: Cancellation::Failed(_),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("CancelTask failed") && !text.contains("was cancelled"),
+            "{text}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 1);
+        // The cancel is acknowledged.
+        let remote = Arc::new(Remote {
+            send: stalls(vec![status(TaskState::Working)]),
+            ..Remote::new()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &o, None)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("the remote task was cancelled"),
+            "{err}"
+        );
+        // No task id: no cancel, and no claim of one.
+        let remote = Arc::new(Remote {
+            send: stalls(vec![]),
+            ..Remote::new()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &o, None)
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("no cancel was sent") && !text.contains("was cancelled"),
+            "{text}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 0);
+        let too_large = CallError::TooLarge {
+            task_id: None,
+            limit: 1,
+        }
+        .to_string();
+        assert!(
+            too_large.contains("no cancel was sent") && !too_large.contains("was cancelled"),
+            "{too_large}"
+        );
+    }
+
+    #[tokio::test]
+    async fn recovery_in_a_reply_turn_brings_back_only_this_turns_artifacts() {
+        let art = |id: &str, text: &str| Artifact {
+            parts: vec![Part::text(text)],
+            ..match chunk(id, "", false, true) {
+                StreamResponse::ArtifactUpdate(u) => u.artifact,
+                _ => unreachable!(),
+            }
+        };
+        let with = |state, artifacts| Ok(snapshot(state, Some(artifacts)));
+        // Before this turn, the task has notes and an answer; this turn
+        // rewrites the answer (same id) and adds a2.
+        let before = vec![art("notes", "earlier"), art("answer", "old answer")];
+        let reply = || Message {
+            task_id: Some("t".into()),
+            context_id: Some("c".into()),
+            ..Message::new(Role::User, vec![Part::text("more")])
+        };
+        let texts = |out: Outcome| match out {
+            Outcome::Completed {
+                artifacts,
+                incomplete: false,
+                ..
+            } => artifacts
+                .iter()
+                .map(|a| (a.artifact_id.clone(), parts_text(&a.parts)))
+                .collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        // Without a drop.
+        let b = before.clone();
+        let remote = Arc::new(Remote {
+            get: Box::new(move |_| with(TaskState::InputRequired, b.clone())),
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("answer", "new answer", false, true),
+                    chunk("a2", "x ", false, false),
+                    chunk("a2", "y", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let whole = texts(
+            client_of(&remote)
+                .send(reply(), &opts(), None)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(
+            whole,
+            [
+                ("answer".to_owned(), "new answer".to_owned()),
+                ("a2".to_owned(), "x y".to_owned())
+            ]
+        );
+        // The stream drops after a2's first chunk; the answer went out in
+        // the gap. The snapshots hold the notes too.
+        let b = before.clone();
+        let during = vec![
+            art("notes", "earlier"),
+            art("answer", "new answer"),
+            art("a2", "x "),
+        ];
+        let d = during.clone();
+        let remote = Arc::new(Remote {
+            get: Box::new(move |n| {
+                if n == 0 {
+                    with(TaskState::InputRequired, b.clone())
+                } else {
+                    with(TaskState::Working, d.clone())
+                }
+            }),
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("a2", "x ", false, false),
+                ]))
+            }),
+            subscribe: Box::new(move |_| {
+                Ok(stream(vec![
+                    StreamResponse::Task(snapshot(TaskState::Working, Some(during.clone()))),
+                    chunk("a2", "y", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let recovered = texts(
+            client_of(&remote)
+                .send(reply(), &opts(), None)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(remote.count(&remote.subscribed), 1, "no drop was recovered");
+        assert_eq!(recovered, whole);
+    }
+
+    type Reply<T> = Box<dyn Fn(usize) -> Result<T, A2AError> + Send + Sync>;
+
+    /// A remote agent scripted per request: each answer is made from how
+    /// many of that request came before it; the requests are counted.
+    struct Remote {
+        send: Reply<Stream>,
+        get: Reply<Task>,
+        subscribe: Reply<Stream>,
+        cancel: Reply<Task>,
+        sent: std::sync::atomic::AtomicUsize,
+        got: std::sync::atomic::AtomicUsize,
+        subscribed: std::sync::atomic::AtomicUsize,
+        cancelled: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Remote {
+        /// Refuses everything but CancelTask, which cancels.
+        fn new() -> Self {
+            fn no<T>() -> Reply<T> {
+                Box::new(|_| Err(A2AError::unsupported_operation("not scripted")))
+            }
+            Self {
+                send: no(),
+                get: no(),
+                subscribe: no(),
+                cancel: Box::new(|_| Ok(snapshot(TaskState::Canceled, None))),
+                sent: Default::default(),
+                got: Default::default(),
+                subscribed: Default::default(),
+                cancelled: Default::default(),
+            }
+        }
+
+        fn count(&self, n: &std::sync::atomic::AtomicUsize) -> usize {
+            n.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// Answers with `reply`, given how many calls `n` counted before.
+    fn next<T>(n: &std::sync::atomic::AtomicUsize, reply: &Reply<T>) -> Result<T, A2AError> {
+        reply(n.fetch_add(1, std::sync::atomic::Ordering::SeqCst))
+    }
+
+    struct Scripted(Arc<Remote>);
+
+    fn client_of(remote: &Arc<Remote>) -> A2aClient {
+        A2aClient::from_transport(Box::new(Scripted(remote.clone())))
+    }
+
+    #[async_trait::async_trait]
+    impl Transport for Scripted {
+        async fn send_message(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &SendMessageRequest,
+        ) -> Result<a2a::SendMessageResponse, A2AError> {
+            Err(A2AError::unsupported_operation("streaming only"))
+        }
+        async fn send_streaming_message(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &SendMessageRequest,
+        ) -> Result<Stream, A2AError> {
+            next(&self.0.sent, &self.0.send)
+        }
+        async fn get_task(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &GetTaskRequest,
+        ) -> Result<Task, A2AError> {
+            next(&self.0.got, &self.0.get)
+        }
+        async fn list_tasks(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::ListTasksRequest,
+        ) -> Result<a2a::ListTasksResponse, A2AError> {
+            Err(A2AError::unsupported_operation("not scripted"))
+        }
+        async fn cancel_task(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &CancelTaskRequest,
+        ) -> Result<Task, A2AError> {
+            next(&self.0.cancelled, &self.0.cancel)
+        }
+        async fn subscribe_to_task(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &SubscribeToTaskRequest,
+        ) -> Result<Stream, A2AError> {
+            next(&self.0.subscribed, &self.0.subscribe)
+        }
+        async fn create_push_config(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::TaskPushNotificationConfig,
+        ) -> Result<a2a::TaskPushNotificationConfig, A2AError> {
+            Err(A2AError::push_notification_not_supported())
+        }
+        async fn get_push_config(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::GetTaskPushNotificationConfigRequest,
+        ) -> Result<a2a::TaskPushNotificationConfig, A2AError> {
+            Err(A2AError::push_notification_not_supported())
+        }
+        async fn list_push_configs(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::ListTaskPushNotificationConfigsRequest,
+        ) -> Result<a2a::ListTaskPushNotificationConfigsResponse, A2AError> {
+            Err(A2AError::push_notification_not_supported())
+        }
+        async fn delete_push_config(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::DeleteTaskPushNotificationConfigRequest,
+        ) -> Result<(), A2AError> {
+            Err(A2AError::push_notification_not_supported())
+        }
+        async fn get_extended_agent_card(
+            &self,
+            _: &a2a_client::transport::ServiceParams,
+            _: &a2a::GetExtendedAgentCardRequest,
+        ) -> Result<a2a::AgentCard, A2AError> {
+            Err(A2AError::extended_card_not_configured())
+        }
+        async fn destroy(&self) -> Result<(), A2AError> {
+            Ok(())
+        }
+    }
+
+    fn opts() -> CallOptions {
+        CallOptions {
+            idle_timeout: Duration::from_secs(5),
+            deadline: Duration::from_secs(10),
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(1),
+            ..CallOptions::default()
+        }
+    }
+
+    fn stream(events: Vec<StreamResponse>) -> Stream {
+        Box::pin(futures::stream::iter(events.into_iter().map(Ok)))
+    }
+
+    fn status(state: TaskState) -> StreamResponse {
+        StreamResponse::StatusUpdate(a2a::TaskStatusUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            status: a2a::TaskStatus {
+                state,
+                message: None,
+                timestamp: None,
+            },
+            metadata: None,
+        })
+    }
+
+    /// An empty text part with `metadata`.
+    fn empty_with(metadata: &HashMap<String, serde_json::Value>) -> Part {
+        Part {
+            metadata: Some(metadata.clone()),
+            ..Part::text("")
+        }
     }
 
     #[test]
