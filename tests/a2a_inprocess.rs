@@ -228,6 +228,9 @@ struct FailingTasks {
     inner: Arc<dyn agentd::store::a2a_tasks::A2aTasks>,
     refuse: Refuse,
     refused: std::sync::atomic::AtomicBool,
+    /// Once set, reads of a task never answer (a database that stopped
+    /// answering on a connection already open).
+    hang_gets: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -253,6 +256,9 @@ impl a2a_server::TaskStore for FailingTasks {
         self.inner.update(t).await
     }
     async fn get(&self, id: &str) -> Result<Option<a2a::Task>, a2a::A2AError> {
+        if self.hang_gets.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.inner.get(id).await
     }
     async fn list(
@@ -321,6 +327,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
                 inner: inner.a2a_tasks(),
                 refuse,
                 refused: Default::default(),
+                hang_gets: Default::default(),
             }))),
             inner,
         });
@@ -373,4 +380,64 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
         }
         server.stop().await;
     }
+}
+
+/// The A2A task store's calls are bounded by the store timeout, as the
+/// session store's are, and counted: a read that never answers fails the
+/// call (retry later) instead of holding it until TCP gives up.
+#[tokio::test]
+async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counted() {
+    use a2a::{Message, Part, Role, SendMessageRequest};
+    use agentd::store::a2a_tasks::A2aTaskSource;
+    let inner = Arc::new(agentd::store::memory::MemoryStore::new());
+    let tasks = Arc::new(FailingTasks {
+        inner: inner.a2a_tasks(),
+        refuse: Refuse::Terminal,
+        // Refused already: every update is stored.
+        refused: std::sync::atomic::AtomicBool::new(true),
+        hang_gets: Default::default(),
+    });
+    let store = Arc::new(store_wrap::Wrapped {
+        hooks: Arc::new(Failing(tasks.clone())),
+        inner,
+    });
+    let metered = agentd::store::metered::Metered::new(store, Some(Duration::from_millis(500)));
+    let server = a2a_support::A2aServer::start_on(Arc::new(metered)).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
+        a2a_grpc::GrpcTransport::from_channel(channel),
+    ));
+    let req = SendMessageRequest {
+        message: Message::new(Role::User, vec![Part::text("hello")]),
+        configuration: None,
+        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+        tenant: None,
+    };
+    let task = match client.raw().send_message(&req).await.unwrap() {
+        a2a::SendMessageResponse::Task(t) => t,
+        other => panic!("not a task: {other:?}"),
+    };
+    let errors = || {
+        agentd::telemetry::metrics::render()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("agentd_store_errors_total{op=\"a2a_get\",error=\"unavailable\"} ")
+            })
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let before = errors();
+    tasks
+        .hang_gets
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = tokio::time::timeout(Duration::from_secs(10), client.get_task(&task.id))
+        .await
+        .expect("GetTask answered by itself")
+        .unwrap_err();
+    assert!(err.message.contains("unavailable"), "{err:?}");
+    assert_eq!(errors(), before + 1.0);
+    server.stop().await;
 }

@@ -167,17 +167,28 @@ impl TaskStore for SharedTasks {
 
 /// A store failure as an A2A error: the cause goes to the log, the caller
 /// gets a fixed message.
-fn a2a_err(e: StoreError) -> A2AError {
+pub(crate) fn a2a_err(e: StoreError) -> A2AError {
     match &e {
         StoreError::Unavailable(cause) => {
             tracing::warn!(error = %cause, "a2a task store unavailable");
-            A2AError::internal("the task store is unavailable; retry later")
+            A2AError::internal(UNAVAILABLE)
         }
         StoreError::Unexpected(cause) => {
             tracing::error!(error = %cause, "a2a task store failed");
             A2AError::internal("the task store failed")
         }
     }
+}
+
+/// What a caller is told when the task store cannot be reached.
+const UNAVAILABLE: &str = "the task store is unavailable; retry later";
+
+/// Whether `e` is a failure of the task store (as [`a2a_err`] makes them):
+/// `Some(true)` when it could not be reached, `Some(false)` for any other
+/// failure of it, `None` for an answer that is not a failure of the store
+/// (a refusal of an update to an ended task, say).
+pub(crate) fn store_failure(e: &A2AError) -> Option<bool> {
+    (e.code == a2a::error_code::INTERNAL_ERROR).then(|| e.message == UNAVAILABLE)
 }
 
 fn state_name(state: &TaskState) -> String {

@@ -13,6 +13,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use a2a::{A2AError, ListTasksRequest, ListTasksResponse, Task};
+use a2a_server::TaskStore;
+use a2a_server::task_store::TaskVersion;
 use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks};
@@ -65,13 +68,29 @@ ops! {
     Prune => "prune",
     PruneSessions => "prune_sessions",
     Ping => "ping",
+    A2aCreate => "a2a_create",
+    A2aUpdate => "a2a_update",
+    A2aGet => "a2a_get",
+    A2aList => "a2a_list",
+    A2aBeginCancel => "a2a_begin_cancel",
+    A2aEnsureSession => "a2a_ensure_session",
+    A2aOwner => "a2a_owner",
+    A2aPruneEnded => "a2a_prune_ended",
 }
 
 /// Wraps a store; see the module docs.
 pub struct Metered {
     inner: Arc<dyn Store>,
+    /// The inner store's A2A tasks, timed and bounded the same way.
+    tasks: Arc<dyn A2aTasks>,
+    timer: Timer,
+}
+
+/// What times and bounds the calls of a store and of its A2A tasks.
+#[derive(Clone)]
+struct Timer {
     /// One histogram per [`Op`], registered once.
-    seconds: Vec<::metrics::Histogram>,
+    seconds: Arc<Vec<::metrics::Histogram>>,
     /// The longest any call may wait before it fails as unavailable.
     bound: Option<Duration>,
 }
@@ -86,13 +105,26 @@ impl Metered {
             .iter()
             .map(|op| metrics::store_call_histogram(op.name()))
             .collect();
-        Self {
-            inner,
-            seconds,
+        let timer = Timer {
+            seconds: Arc::new(seconds),
             bound,
+        };
+        Self {
+            tasks: Arc::new(MeteredTasks {
+                inner: inner.a2a_tasks(),
+                timer: timer.clone(),
+            }),
+            inner,
+            timer,
         }
     }
 
+    async fn timed<T>(&self, op: Op, call: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
+        self.timer.timed(op, call).await
+    }
+}
+
+impl Timer {
     async fn timed<T>(&self, op: Op, call: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
         let start = Instant::now();
         let result = match self.bound {
@@ -109,11 +141,108 @@ impl Metered {
         }
         result
     }
+
+    /// [`Self::timed`] for a call of the A2A task store, whose failures
+    /// come as A2A errors ([`super::a2a_tasks::store_failure`] tells them
+    /// from its other answers).
+    async fn timed_a2a<T>(
+        &self,
+        op: Op,
+        call: impl Future<Output = Result<T, A2AError>>,
+    ) -> Result<T, A2AError> {
+        let start = Instant::now();
+        let result = match self.bound {
+            None => call.await,
+            Some(bound) => match tokio::time::timeout(bound, call).await {
+                Ok(r) => r,
+                Err(_) => Err(super::a2a_tasks::a2a_err(StoreError::Unavailable(
+                    anyhow::anyhow!("the task store did not answer within {bound:?}"),
+                ))),
+            },
+        };
+        self.seconds[op as usize].record(start.elapsed());
+        if let Some(unavailable) = result
+            .as_ref()
+            .err()
+            .and_then(super::a2a_tasks::store_failure)
+        {
+            metrics::store_error_kind(op.name(), unavailable);
+        }
+        result
+    }
 }
 
 impl A2aTaskSource for Metered {
     fn a2a_tasks(&self) -> Arc<dyn A2aTasks> {
-        self.inner.a2a_tasks()
+        self.tasks.clone()
+    }
+}
+
+/// A store's A2A tasks, every call timed and bounded as the store's are.
+struct MeteredTasks {
+    inner: Arc<dyn A2aTasks>,
+    timer: Timer,
+}
+
+#[async_trait]
+impl TaskStore for MeteredTasks {
+    async fn create(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aCreate, self.inner.create(task))
+            .await
+    }
+    async fn update(&self, task: Task) -> Result<TaskVersion, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aUpdate, self.inner.update(task))
+            .await
+    }
+    async fn get(&self, task_id: &str) -> Result<Option<Task>, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aGet, self.inner.get(task_id))
+            .await
+    }
+    async fn list(&self, req: &ListTasksRequest) -> Result<ListTasksResponse, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aList, self.inner.list(req))
+            .await
+    }
+    async fn begin_cancel(&self, task_id: &str) -> Result<Task, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aBeginCancel, self.inner.begin_cancel(task_id))
+            .await
+    }
+}
+
+#[async_trait]
+impl A2aTasks for MeteredTasks {
+    async fn ensure_session(&self, id: SessionId, user: &UserId) -> StoreResult<()> {
+        self.timer
+            .timed(Op::A2aEnsureSession, self.inner.ensure_session(id, user))
+            .await
+    }
+    async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aCreate, self.inner.create_for(owner, task))
+            .await
+    }
+    async fn list_for(
+        &self,
+        owner: &UserId,
+        req: &ListTasksRequest,
+    ) -> Result<ListTasksResponse, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aList, self.inner.list_for(owner, req))
+            .await
+    }
+    async fn owner(&self, task_id: &str) -> Result<Option<UserId>, A2AError> {
+        self.timer
+            .timed_a2a(Op::A2aOwner, self.inner.owner(task_id))
+            .await
+    }
+    async fn prune_ended(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        self.timer
+            .timed(Op::A2aPruneEnded, self.inner.prune_ended(before, limit))
+            .await
     }
 }
 

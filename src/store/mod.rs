@@ -7,7 +7,7 @@
 pub mod a2a_tasks;
 mod codec;
 pub mod memory;
-mod metered;
+pub mod metered;
 pub mod postgres;
 mod session_cache;
 mod sql;

@@ -205,9 +205,19 @@ pub fn store_call_histogram(op: &'static str) -> metrics::Histogram {
 
 /// A store call failed.
 pub fn store_error(op: &'static str, error: &crate::store::StoreError) {
-    let cause = match error {
-        crate::store::StoreError::Unavailable(_) => "unavailable",
-        crate::store::StoreError::Unexpected(_) => "unexpected",
+    store_error_kind(
+        op,
+        matches!(error, crate::store::StoreError::Unavailable(_)),
+    );
+}
+
+/// A failed store call: `unavailable` when the database could not be
+/// reached, `unexpected` for anything else.
+pub fn store_error_kind(op: &'static str, unavailable: bool) {
+    let cause = if unavailable {
+        "unavailable"
+    } else {
+        "unexpected"
     };
     metrics::counter!(STORE_ERRORS, "op" => op, "error" => cause).increment(1);
 }
