@@ -702,6 +702,14 @@ pub struct A2aArgs {
     /// Print the outcome as one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Send the message into this task (one that waits for input: the
+    /// reply the previous call asked for).
+    #[arg(long)]
+    pub task: Option<String>,
+    /// Send the message in this context (a conversation the agent
+    /// remembers), as a new task unless --task is given too.
+    #[arg(long)]
+    pub context: Option<String>,
     /// The message.
     pub text: String,
 }

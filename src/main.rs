@@ -507,6 +507,7 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
     use agentd::client::a2a::{A2aClient, CallError, CallOptions, Control, Outcome, parts_text};
     // The deadline covers fetching the card and connecting too: a server
     // that accepts the connection and never answers must not hang the call.
+    let started = tokio::time::Instant::now();
     let client = tokio::time::timeout(
         args.deadline,
         A2aClient::connect_with(&args.url, args.binding, args.token.as_deref()),
@@ -521,7 +522,8 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
     })??;
     let opts = CallOptions {
         idle_timeout: args.idle_timeout,
-        deadline: args.deadline,
+        // What the card left of it.
+        deadline: args.deadline.saturating_sub(started.elapsed()),
         max_recoveries: args.max_recoveries,
         ..CallOptions::default()
     };
@@ -530,8 +532,28 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             .into_iter()
             .collect()
     });
+    let message = a2a::Message {
+        metadata,
+        task_id: args.task,
+        context_id: args.context,
+        ..a2a::Message::new(a2a::Role::User, vec![a2a::Part::text(&args.text)])
+    };
     let json = args.json;
+    // The task's id once the agent named it: an interrupted call cancels it.
+    let task_id = std::sync::Mutex::new(None::<String>);
     let mut progress = |ev: &a2a::StreamResponse, _: &agentd::client::a2a::CallState| {
+        let id = match ev {
+            a2a::StreamResponse::Task(t) => Some(&t.id),
+            a2a::StreamResponse::StatusUpdate(u) => Some(&u.task_id),
+            a2a::StreamResponse::ArtifactUpdate(u) => Some(&u.task_id),
+            a2a::StreamResponse::Message(_) => None,
+        };
+        if let Some(id) = id.filter(|id| !id.is_empty()) {
+            task_id
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(|| id.clone());
+        }
         if let a2a::StreamResponse::StatusUpdate(u) = ev
             && !json
         {
@@ -545,9 +567,21 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         }
         Control::Continue
     };
-    let result = client
-        .send_text(&args.text, metadata, &opts, Some(&mut progress))
-        .await;
+    let result = tokio::select! {
+        r = client.send(message, &opts, Some(&mut progress)) => r,
+        _ = shutdown_signal() => {
+            // Interrupted (Ctrl-C, SIGTERM): the remote task is ours to end.
+            let id = task_id.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let Some(id) = id else {
+                anyhow::bail!("interrupted before the agent named its task; nothing to cancel");
+            };
+            match tokio::time::timeout(Duration::from_secs(10), client.cancel(&id)).await {
+                Ok(Ok(t)) => anyhow::bail!("interrupted: cancelled task {id} (now {:?})", t.status.state),
+                Ok(Err(e)) => anyhow::bail!("interrupted: cancelling task {id} failed ({}); it may still run", e.message),
+                Err(_) => anyhow::bail!("interrupted: task {id} did not answer its cancel within 10s; it may still run"),
+            }
+        }
+    };
     let artifacts_json = |a: &[a2a::Artifact]| -> serde_json::Value {
         a.iter()
             .map(|a| serde_json::json!({"artifactId": a.artifact_id, "text": parts_text(&a.parts)}))
@@ -558,16 +592,22 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             task_id,
             artifacts,
             incomplete,
+            message,
             ..
         }) => {
+            let said = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
             if json {
                 out!(
                     "{}",
-                    serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts)})
+                    serde_json::json!({"state": "completed", "taskId": task_id, "incomplete": incomplete, "artifacts": artifacts_json(&artifacts), "message": said})
                 );
             } else {
                 for a in &artifacts {
                     out!("{}", parts_text(&a.parts));
+                }
+                // An agent that answers in its last status, not an artifact.
+                if artifacts.is_empty() && !said.is_empty() {
+                    out!("{said}");
                 }
             }
             if incomplete {
@@ -604,7 +644,7 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             } else {
                 out!("{text}");
                 eprintln!(
-                    "the agent waits ({state:?}); reply in task {task_id}, context {context_id}"
+                    "the agent waits ({state:?}); reply with: agentd a2a --task {task_id} --context {context_id} TEXT"
                 );
             }
             Ok(())

@@ -1,6 +1,8 @@
 //! `agentd serve` with its A2A face, and `agentd a2a` calling it, as a user
 //! runs them.
 
+mod a2a_support;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -207,5 +209,105 @@ async fn the_card_gives_the_advertised_url_for_json_rpc() {
         .find(|i| i["protocolBinding"] == "JSONRPC")
         .expect("a JSON-RPC interface");
     assert_eq!(jsonrpc["url"], "https://agents.example.com/a2a", "{card}");
+    assert!(served.terminate().success());
+}
+
+/// An answer given in the task's last status (no artifact) is printed; a
+/// task that asks for input says how to reply, and the reply (`--task`,
+/// `--context`) goes into that task. The remote is the A2A SDK's own
+/// server (tests/a2a_test_agent.py).
+#[tokio::test]
+async fn status_answers_are_printed_and_a_task_that_asks_for_input_takes_the_reply() {
+    let Some(python) = a2a_support::python() else {
+        return;
+    };
+    let agent = a2a_support::PyAgent::start(&python, false).await;
+    let a2a = |args: Vec<String>| {
+        let url = agent.base_url.clone();
+        async move {
+            tokio::process::Command::new(BIN)
+                .arg("a2a")
+                .args(args)
+                .env("AGENTD_A2A_URL", url)
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let out = a2a(vec!["said=1".into()]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "all done");
+
+    let out = a2a(vec!["input=1".into()]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "which order?");
+    let stderr = text(&out.stderr);
+    let hint = stderr
+        .lines()
+        .find_map(|l| {
+            l.split_once("reply with: agentd a2a ")
+                .map(|(_, h)| h.to_owned())
+        })
+        .unwrap_or_else(|| panic!("no reply hint: {stderr}"));
+    let words: Vec<String> = hint.split_whitespace().map(str::to_owned).collect();
+    let (task, context) = match &words[..] {
+        [t, task, c, context, last] if t == "--task" && c == "--context" && last == "TEXT" => {
+            (task.clone(), context.clone())
+        }
+        _ => panic!("{hint}"),
+    };
+    let reply = ["--json", "--task", &task, "--context", &context, "chunks=2"];
+    let out = a2a(reply.iter().map(|s| s.to_string()).collect()).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(v["state"], "completed", "{v}");
+    assert_eq!(
+        v["taskId"],
+        task.as_str(),
+        "the reply went into the waiting task"
+    );
+    assert_eq!(v["artifacts"][0]["text"], "c0 c1 ", "{v}");
+}
+
+/// Interrupted (SIGINT), `agentd a2a` cancels the task it started, which
+/// would otherwise run on: closing the stream does not end an A2A task.
+#[test]
+fn an_interrupted_a2a_call_cancels_its_task() {
+    let served = Served::start();
+    let mut call = Command::new(BIN)
+        .args(["a2a", "--agent", "stream", "n=600 size=1 rate=20"])
+        .env("AGENTD_A2A_URL", &served.a2a_url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(call.stderr.take().unwrap()).lines();
+    // The first status update: the task exists and runs.
+    loop {
+        let line = lines
+            .next()
+            .expect("the call ended before working")
+            .unwrap();
+        if line.contains("Working") {
+            break;
+        }
+    }
+    Command::new("kill")
+        .args(["-INT", &call.id().to_string()])
+        .status()
+        .unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let until = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = call.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < until, "agentd a2a did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let said = rest.join("\n");
+    assert!(said.contains("interrupted: cancelled task"), "{said}");
+    assert!(said.contains("Canceled"), "{said}");
     assert!(served.terminate().success());
 }

@@ -74,6 +74,7 @@ async fn ask(client: &A2aClient, text: &str, context_id: Option<&str>) -> (Strin
         context_id,
         artifacts,
         incomplete,
+        ..
     } = out
     else {
         panic!("not completed: {out:?}")

@@ -27,6 +27,8 @@ key=value words in the message text:
   fail=1      the task fails with "boom"
   reject=1    the task is rejected with "rejected"
   input=1     the task waits for input (INPUT_REQUIRED)
+  said=1      the task completes with its answer "all done" in its status
+              message, and no artifact
 """
 
 import asyncio
@@ -82,6 +84,9 @@ class ChunkingAgent(AgentExecutor):
             return
         if opts.get("input"):
             await up.requires_input(new_text_message("which order?", context_id=task.context_id, task_id=task.id))
+            return
+        if opts.get("said"):
+            await up.complete(new_text_message("all done", context_id=task.context_id, task_id=task.id))
             return
         n = int(opts.get("chunks", 3))
         delay = float(opts.get("delay", 0.02))

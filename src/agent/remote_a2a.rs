@@ -596,7 +596,7 @@ impl Agent for RemoteA2aAgent {
             }
             let mut next = Conversation { context_id: conversation.context_id.clone(), waiting_task: None };
             match result {
-                Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id }) => {
+                Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id, .. }) => {
                     if !context_id.is_empty() {
                         next.context_id = Some(context_id);
                     }

@@ -442,12 +442,15 @@ impl<F: FnMut(&StreamResponse, &CallState) -> Control + Send> Listener for F {
 /// How a call ended well (or at least on purpose).
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    /// The task completed. Every artifact it produced is here.
+    /// The task completed. Every artifact it produced is here, and the
+    /// message of its last status, if it had one (an agent may answer
+    /// there instead of in an artifact).
     Completed {
         task_id: String,
         context_id: String,
         artifacts: Vec<Artifact>,
         incomplete: bool,
+        message: Option<Message>,
     },
     /// The agent answered with a message instead of a task.
     Message(Message),
@@ -1137,6 +1140,7 @@ fn end_of(st: &CallState, event: Option<&StreamResponse>) -> Option<Result<Outco
                 context_id,
                 artifacts: st.artifacts(),
                 incomplete: st.incomplete,
+                message: st.status_message.clone(),
             }))
         }
         TaskState::Failed | TaskState::Rejected | TaskState::Canceled => {
