@@ -332,14 +332,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
             inner,
         });
         let server = a2a_support::A2aServer::start_on(store).await;
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
-            a2a_grpc::GrpcTransport::from_channel(channel),
-        ));
+        let client = server.grpc_client().await;
         let req = SendMessageRequest {
             message: Message::new(Role::User, vec![Part::text("hello there")]),
             configuration: None,
@@ -403,14 +396,7 @@ async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counte
     });
     let metered = agentd::store::metered::Metered::new(store, Some(Duration::from_millis(500)));
     let server = a2a_support::A2aServer::start_on(Arc::new(metered)).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
-        a2a_grpc::GrpcTransport::from_channel(channel),
-    ));
+    let client = server.grpc_client().await;
     let req = SendMessageRequest {
         message: Message::new(Role::User, vec![Part::text("hello")]),
         configuration: None,

@@ -268,22 +268,28 @@ async fn repeated_request_ids_are_counted_as_replays_and_attaches() {
     server.stop().await;
 }
 
-#[tokio::test]
-async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
+/// A server that cuts a reader that stops reading (`--slow-consumer fail`)
+/// after 200 ms, with little buffered for it.
+async fn slow_readers_cut_soon() -> SecureServer {
     let turn = TurnConfig {
         channel_capacity: 8,
         slow_consumer: SlowConsumer::Fail,
         stall_timeout: Duration::from_millis(200),
         ..TurnConfig::default()
     };
-    let server = SecureServer::start(
+    SecureServer::start(
         Ca::new("ca"),
         Secure {
             turn,
             ..Secure::default()
         },
     )
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
+    let server = slow_readers_cut_soon().await;
     let before = server.metrics().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
@@ -319,20 +325,7 @@ async fn a_reader_that_stalls_is_counted_as_a_slow_consumer_termination() {
 /// as a Run's own reader is, and counted the same way.
 #[tokio::test]
 async fn a_follower_whose_reader_stalls_is_counted_as_a_slow_consumer_termination() {
-    let turn = TurnConfig {
-        channel_capacity: 8,
-        slow_consumer: SlowConsumer::Fail,
-        stall_timeout: Duration::from_millis(200),
-        ..TurnConfig::default()
-    };
-    let server = SecureServer::start(
-        Ca::new("ca"),
-        Secure {
-            turn,
-            ..Secure::default()
-        },
-    )
-    .await;
+    let server = slow_readers_cut_soon().await;
     let mut c = server.client(None, None).await.unwrap();
     let session = c.create_session("alice").await.unwrap().session_id;
     let req = with_agent(

@@ -142,6 +142,18 @@ impl A2aServer {
         }
     }
 
+    /// Our A2A client on this server's gRPC face.
+    pub async fn grpc_client(&self) -> agentd::client::a2a::A2aClient {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        agentd::client::a2a::A2aClient::from_transport(Box::new(
+            a2a_grpc::GrpcTransport::from_channel(channel),
+        ))
+    }
+
     pub fn base_url(&self) -> String {
         format!("http://{}", self.http)
     }
