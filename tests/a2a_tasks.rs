@@ -463,9 +463,12 @@ async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    // A lease long enough that B's subscription starts before it expires
-    // (B would then end the task itself, and refuse the subscription).
-    let a = dying_replica(&db.url, "3s").await;
+    // A lease long enough that B's subscription starts well before it
+    // expires: B's own sweep then ends the task (its next renewal was due
+    // within a second of the kill, so 4 to 5 s after it), and would refuse
+    // a subscription that came later. The follower sees the end either way
+    // (it fails the turn itself, or reads it failed by the sweep).
+    let a = dying_replica(&db.url, "5s").await;
     let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
     let req = send_request(user_message(ORDER_Q, None));

@@ -365,3 +365,28 @@ async fn an_index_left_invalid_by_a_failed_concurrent_build_is_rebuilt_at_start(
     let after: bool = sqlx::query_scalar(valid).fetch_one(&mut c).await.unwrap();
     assert!(after, "the index is still invalid");
 }
+
+/// A CONCURRENTLY build of the sessions' retention index cut short (its
+/// process killed) leaves it invalid, and the migration's IF NOT EXISTS
+/// would skip it for ever: the next start builds it again, CONCURRENTLY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_index_left_invalid_by_a_cut_build_is_built_again_at_start() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    drop(db.open().await);
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = 'sessions_by_update'::regclass";
+    sqlx::query(
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'sessions_by_update'::regclass",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let before: bool = sqlx::query_scalar(valid).fetch_one(&mut c).await.unwrap();
+    assert!(!before);
+    drop(db.open().await);
+    let after: bool = sqlx::query_scalar(valid).fetch_one(&mut c).await.unwrap();
+    assert!(after, "the index is still invalid");
+}

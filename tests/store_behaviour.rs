@@ -1996,6 +1996,22 @@ async fn sessions_left_with_no_turns_are_pruned_oldest_first(db: TestDb) {
         .await
         .unwrap();
     let empty = session().await;
+    // A session whose only trace is an A2A task (one waiting for input, say,
+    // its turns pruned) keeps it: the task reads it.
+    let tasked = session().await;
+    if !matches!(db.backend, Backend::Memory) {
+        let task = a2a::Task {
+            metadata: Some(
+                [(
+                    agentd::store::a2a_tasks::SESSION_METADATA_KEY.to_owned(),
+                    serde_json::json!(tasked.to_string()),
+                )]
+                .into(),
+            ),
+            ..a2a_task("waits", a2a::TaskState::InputRequired)
+        };
+        store.a2a_tasks().create_for(&alice, task).await.unwrap();
+    }
     tokio::time::sleep(Duration::from_millis(2)).await;
     let mid = SystemTime::now();
     tokio::time::sleep(Duration::from_millis(2)).await;
@@ -2009,8 +2025,15 @@ async fn sessions_left_with_no_turns_are_pruned_oldest_first(db: TestDb) {
         async move { store.session_with_history(s, 5).await.unwrap().is_some() }
     };
 
-    assert_eq!(store.prune_sessions(mid, usize::MAX).await.unwrap(), 1);
+    let with_task = usize::from(matches!(db.backend, Backend::Memory));
+    assert_eq!(
+        store.prune_sessions(mid, usize::MAX).await.unwrap(),
+        1 + with_task as u64
+    );
     assert!(!exists(empty).await, "never used, older than the bound");
+    if with_task == 0 {
+        assert!(exists(tasked).await, "an A2A task keeps its session");
+    }
     assert!(store.get_session(empty).await.unwrap().is_none());
     for s in [used, running, newer] {
         assert!(exists(s).await);
@@ -2032,7 +2055,7 @@ async fn sessions_left_with_no_turns_are_pruned_oldest_first(db: TestDb) {
 async fn an_unused_session_is_deleted_past_the_session_retention(db: TestDb) {
     let store = db.open().await;
     let opts = Opts {
-        retain_sessions: Some(Duration::from_millis(300)),
+        retain_sessions: Some(Duration::from_secs(2)),
         ..Opts::default()
     };
     let s = Server::start(store.clone(), opts).await;

@@ -312,9 +312,15 @@ macro_rules! sql_task_store {
             where
                 E: sqlx::Executor<'e, Database = $db>,
             {
+                // An existing session is touched, as a claim touches it: a
+                // task about to be made in it keeps it from retention's
+                // deletion of sessions left empty (which checks the time
+                // again on the row it deletes).
                 let now = super::to_micros(std::time::SystemTime::now());
                 sqlx::query(
-                    "INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, $2, $3, $3) ON CONFLICT (id) DO NOTHING",
+                    "INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, $2, $3, $3) \
+                     ON CONFLICT (id) DO UPDATE SET updated_at = CASE WHEN sessions.updated_at > EXCLUDED.updated_at \
+                     THEN sessions.updated_at ELSE EXCLUDED.updated_at END",
                 )
                 .bind(id.to_string())
                 .bind(user.as_str())

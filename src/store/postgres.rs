@@ -143,6 +143,43 @@ impl PostgresStore {
     }
 }
 
+/// Builds index `name` (on `on`, e.g. `sessions (updated_at)`) again when
+/// a CONCURRENTLY build left it invalid: a build cut short (its process
+/// killed, a start that took too long) leaves the index behind, never used,
+/// and the migration's IF NOT EXISTS skips it when it runs again. Dropped
+/// and built CONCURRENTLY again, writes to its table going on meanwhile (a
+/// REINDEX would hold them). A build cut again is taken up at the next
+/// start.
+async fn rebuild_invalid_index(
+    conn: &mut sqlx::PgConnection,
+    name: &str,
+    on: &str,
+) -> anyhow::Result<()> {
+    let invalid: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE c.relname = $1 AND c.relnamespace = current_schema()::regnamespace AND NOT i.indisvalid)",
+    )
+    .bind(name)
+    .fetch_one(&mut *conn)
+    .await?;
+    if !invalid {
+        return Ok(());
+    }
+    tracing::warn!(
+        index = name,
+        "an index a cut-short build left invalid is built again"
+    );
+    sqlx::query(&format!("DROP INDEX CONCURRENTLY IF EXISTS {name}"))
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(&format!(
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {on}"
+    ))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// The advisory lock replicas of agentd take, one at a time, to migrate.
 const MIGRATION_LOCK: i64 = 0x6167_656e_7464_0001;
 /// How often a replica asks for [`MIGRATION_LOCK`] while another holds it.
@@ -174,6 +211,7 @@ async fn migrate(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
         }
         tokio::time::sleep(MIGRATION_LOCK_POLL).await;
     }
+    rebuild_invalid_index(&mut conn, "sessions_by_update", "sessions (updated_at)").await?;
     super::migrator(sqlx::migrate!("migrations/postgres"))
         .run(&mut conn)
         .await?;

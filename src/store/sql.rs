@@ -1069,23 +1069,39 @@ macro_rules! sql_store {
             }
 
             async fn prune_sessions(&self, before: std::time::SystemTime, limit: usize) -> StoreResult<u64> {
-                // The outer `updated_at` is checked again on the row as it is
-                // when deleted: a turn claimed meanwhile (on PostgreSQL, by
-                // another replica, after this statement's snapshot) touched
-                // it, and keeps its session.
-                let gone: Vec<String> = sqlx::query_scalar(
-                    "DELETE FROM sessions WHERE id IN \
-                       (SELECT s.id FROM sessions s WHERE s.updated_at < $1 \
-                          AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.id) \
-                        ORDER BY s.updated_at LIMIT $2) \
-                     AND updated_at < $1 \
-                     RETURNING id",
-                )
+                // The search for sessions with no turns and no A2A task (an
+                // index walk that may pass many sessions that have some)
+                // runs on a reader, off SQLite's one writer; the delete
+                // checks all of it again on the rows it deletes. A turn
+                // claimed, or a task made, meanwhile (on PostgreSQL by
+                // another replica, after the delete's snapshot) touched
+                // `updated_at`, which the delete reads as the row is then.
+                const EMPTY: &str = "NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = sessions.id) \
+                     AND NOT EXISTS (SELECT 1 FROM a2a_tasks a WHERE a.session_id = sessions.id)";
+                let found: Vec<String> = sqlx::query_scalar(&format!(
+                    "SELECT id FROM sessions WHERE updated_at < $1 AND {EMPTY} ORDER BY updated_at LIMIT $2"
+                ))
                 .bind(to_micros(before))
                 .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                .fetch_all(&self.write)
+                .fetch_all(&self.read)
                 .await
                 .map_err(db_err)?;
+                if found.is_empty() {
+                    return Ok(0);
+                }
+                let mut q = sqlx::QueryBuilder::<$db>::new("DELETE FROM sessions WHERE updated_at < ");
+                q.push_bind(to_micros(before));
+                q.push(format!(" AND {EMPTY} AND id IN ("));
+                let mut ids = q.separated(", ");
+                for id in &found {
+                    ids.push_bind(id.as_str());
+                }
+                q.push(") RETURNING id");
+                let gone: Vec<String> = q
+                    .build_query_scalar()
+                    .fetch_all(&self.write)
+                    .await
+                    .map_err(db_err)?;
                 if let Some(cache) = &self.sessions {
                     for id in &gone {
                         cache.forget(id);
