@@ -299,9 +299,8 @@ impl CallState {
     fn apply_task(&mut self, task: &Task) {
         self.ids(&task.id, &task.context_id);
         self.last_state = Some(task.status.state.clone());
-        if task.status.message.is_some() {
-            self.status_message = task.status.message.clone();
-        }
+        // The status's own message: an earlier status's is not this one's.
+        self.status_message = task.status.message.clone();
         if let Some(artifacts) = task.artifacts.as_ref().filter(|a| !a.is_empty()) {
             let kept: Vec<BufferedArtifact> = artifacts
                 .iter()
@@ -349,9 +348,7 @@ impl CallState {
             StreamResponse::StatusUpdate(u) => {
                 self.ids(&u.task_id, &u.context_id);
                 self.last_state = Some(u.status.state.clone());
-                if u.status.message.is_some() {
-                    self.status_message = u.status.message.clone();
-                }
+                self.status_message = u.status.message.clone();
             }
             StreamResponse::ArtifactUpdate(u) => {
                 self.ids(&u.task_id, &u.context_id);
@@ -944,22 +941,41 @@ impl A2aClient {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Ok(s)) => stream = Some(s),
                 Ok(Err(e)) if permanent(&e) => {
-                    // The task may have ended since the snapshot (A2A refuses
-                    // to subscribe to an ended task): one more look, so
-                    // that an end is answered rather than refused.
-                    if e.code != a2a::error_code::TASK_NOT_FOUND
-                        && let Ok(Ok(task)) =
-                            tokio::time::timeout_at(deadline, self.get_task(&task_id)).await
-                    {
-                        st.apply_task(&task);
-                        if let Some(e) = self.too_large(&st, opts).await {
-                            return Err(e);
+                    // One more look decides. The task may have ended or come
+                    // to wait for input since the snapshot (A2A refuses to
+                    // subscribe to an ended task; agentd's face answers
+                    // TaskNotFound for one waiting). And a refusal may pass:
+                    // agentd's face refuses (UnsupportedOperation) to follow
+                    // a task another replica has not started yet, or
+                    // cannot follow for a moment.
+                    let passing = matches!(
+                        e.code,
+                        a2a::error_code::UNSUPPORTED_OPERATION | a2a::error_code::TASK_NOT_FOUND
+                    );
+                    match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                        Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                        Ok(Ok(task)) => {
+                            st.apply_task(&task);
+                            if let Some(e) = self.too_large(&st, opts).await {
+                                return Err(e);
+                            }
+                            if let Some(end) = end_of(&st, None) {
+                                return end;
+                            }
+                            if !passing {
+                                return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
+                            }
                         }
-                        if let Some(end) = end_of(&st, None) {
-                            return end;
+                        Ok(Err(g)) if permanent(&g) => {
+                            return Err(lost_or_refused(&st, task_id, "GetTask", g));
                         }
+                        Ok(Err(_)) if !passing => {
+                            return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
+                        }
+                        Ok(Err(_)) => {}
                     }
-                    return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
+                    tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask refused while the task runs; trying again");
+                    recovery_failed = Some(format!("SubscribeToTask refused: {}", e.message));
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed");
@@ -1480,13 +1496,37 @@ mod tests {
         })
     }
 
+    /// A completed task's message is its last status's own: a progress
+    /// note of an earlier status is not the answer.
+    #[test]
+    fn the_outcomes_message_is_the_last_statuss_own() {
+        let said = |state: TaskState, text: Option<&str>| {
+            let StreamResponse::StatusUpdate(mut u) = status(state) else {
+                unreachable!()
+            };
+            u.status.message = text.map(|t| Message::new(Role::Agent, vec![Part::text(t)]));
+            StreamResponse::StatusUpdate(u)
+        };
+        let mut st = CallState::new();
+        st.apply(&said(TaskState::Working, Some("Looking up the order")));
+        st.apply(&said(TaskState::Completed, None));
+        let Some(Ok(Outcome::Completed { message, .. })) = end_of(&st, None) else {
+            panic!("not completed")
+        };
+        assert!(message.is_none(), "{message:?}");
+        st.apply(&said(TaskState::Completed, Some("all done")));
+        let Some(Ok(Outcome::Completed { message, .. })) = end_of(&st, None) else {
+            panic!("not completed")
+        };
+        assert_eq!(parts_text(&message.unwrap().parts), "all done");
+    }
+
     #[tokio::test]
     async fn recovery_errors_retrying_cannot_fix_end_the_call_at_once_without_a_cancel() {
         use crate::a2a::auth::{PERMISSION_DENIED_CODE, UNAUTHENTICATED_CODE};
         use a2a::error_code as c;
         for (code, name) in [
             (c::METHOD_NOT_FOUND, "METHOD_NOT_FOUND"),
-            (c::UNSUPPORTED_OPERATION, "UNSUPPORTED_OPERATION"),
             (c::INVALID_PARAMS, "INVALID_PARAMS"),
             (c::VERSION_NOT_SUPPORTED, "VERSION_NOT_SUPPORTED"),
             (UNAUTHENTICATED_CODE, "UNAUTHENTICATED"),
@@ -1508,8 +1548,32 @@ mod tests {
             assert_eq!(remote.count(&remote.subscribed), 1, "{name} was retried");
             assert_eq!(remote.count(&remote.cancelled), 0, "{name}: cancelled");
         }
-        // A task the remote no longer knows, on subscribing: lost at once.
-        let remote = dropping(Box::new(|_| Err(A2AError::task_not_found("t"))));
+        // A refusal to subscribe that may pass while GetTask still shows the
+        // task working (agentd's face: a task another replica has not
+        // started, or waits for input): retried as any failed recovery.
+        for refusal in [
+            A2AError::task_not_found("t"),
+            A2AError::unsupported_operation("cannot be followed now"),
+        ] {
+            let remote = dropping(Box::new(move |_| Err(refusal.clone())));
+            let err = client_of(&remote)
+                .send_text("go", None, &opts(), None)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, CallError::Unrecoverable { .. }), "{err:?}");
+            assert!(remote.count(&remote.subscribed) > 1);
+        }
+        // A task the remote no longer knows at all: lost at once.
+        let remote = Arc::new(Remote {
+            get: Box::new(|n| {
+                if n == 0 {
+                    Ok(snapshot(TaskState::Working, None))
+                } else {
+                    Err(A2AError::task_not_found("t"))
+                }
+            }),
+            ..Arc::into_inner(dropping(Box::new(|_| Err(A2AError::task_not_found("t"))))).unwrap()
+        });
         let err = client_of(&remote)
             .send_text("go", None, &opts(), None)
             .await
