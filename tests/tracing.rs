@@ -574,3 +574,60 @@ async fn a_replays_run_span_names_the_agent_that_ran_the_turn() {
     assert_eq!(attr(replay, "agent").as_deref(), Some("order_helper"));
     d.stop().await;
 }
+
+/// An A2A message sent over gRPC without a `traceparent`: its task's span
+/// is in the trace of the call that sent it, under that call's span (the
+/// A2A SDK runs the task outside the call), and the run's log lines carry
+/// that trace's id, as a Run's do.
+#[tokio::test]
+async fn an_a2a_task_sent_without_a_traceparent_is_in_its_calls_trace() {
+    use a2a::{Message, Part, Role, SendMessageRequest, StreamResponse};
+    use futures::StreamExt;
+    telemetry();
+    let server = a2a_support::A2aServer::start(Duration::ZERO).await;
+    let client = server.grpc_client().await;
+    let req = SendMessageRequest {
+        message: Message::new(Role::User, vec![Part::text("trace me")]),
+        configuration: None,
+        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+        tenant: None,
+    };
+    let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+    let mut task_id = None;
+    while let Some(ev) = events.next().await {
+        if let StreamResponse::Task(t) = ev.unwrap() {
+            task_id = Some(t.id);
+        }
+    }
+    let task_id = task_id.expect("the stream named its task");
+    // The task's span, once finished.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let task = loop {
+        let found = telemetry()
+            .0
+            .get_finished_spans()
+            .unwrap()
+            .into_iter()
+            .find(|s| s.name == "a2a task" && attr(s, "a2a.task.id").as_deref() == Some(&task_id));
+        if let Some(s) = found {
+            break s;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no a2a task span");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let trace = task.span_context.trace_id();
+    let rpc_name = "lf.a2a.v1.A2AService/SendStreamingMessage";
+    let spans = spans_of(trace, &[rpc_name, "a2a task"]).await;
+    let rpc = named(&spans, rpc_name);
+    assert_eq!(task.parent_span_id, rpc.span_context.span_id());
+    let logs = telemetry().1.text();
+    let finished = logs
+        .lines()
+        .find(|l| l.contains("run finished") && l.contains(&format!("{task_id}.0")))
+        .unwrap_or_else(|| panic!("no run finished line for {task_id}"));
+    assert!(
+        finished.contains(&trace.to_string()),
+        "the line carries the trace id {trace}: {finished}"
+    );
+    server.stop().await;
+}

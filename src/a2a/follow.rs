@@ -250,6 +250,22 @@ impl Handler {
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
 
+/// `params`, with the current span's trace context when they carry none.
+/// The inner handler runs a task on a tokio task of its own, outside the
+/// call's span, and the task's span takes its parent from the params'
+/// `traceparent` ([`executor`]): a call sent without one would start a
+/// trace apart from its own RPC span.
+fn traced(params: &ServiceParams) -> std::borrow::Cow<'_, ServiceParams> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let sent = crate::telemetry::trace::extract_params(params);
+    if sent.span().span_context().is_valid() {
+        return std::borrow::Cow::Borrowed(params);
+    }
+    let mut params = params.clone();
+    crate::telemetry::trace::inject_params(&mut params);
+    std::borrow::Cow::Owned(params)
+}
+
 /// The task an error ended elsewhere: the task named by the store's refusal
 /// of an update to a task already terminal, when it is terminal in the store
 /// (see the module docs: cancelled through another replica). Any other error
@@ -451,7 +467,7 @@ impl RequestHandler for Handler {
                     self.check_continuable(id).await?;
                 }
                 let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
-                match as_caller(caller, self.inner.send_message(params, req)).await {
+                match as_caller(caller, self.inner.send_message(&traced(params), req)).await {
                     Err(e) => match ended_elsewhere(&*self.tasks, &e).await {
                         Some(mut t) => {
                             trim_history(&mut t, history_length);
@@ -484,21 +500,24 @@ impl RequestHandler for Handler {
                 // historyLength messages, as the blocking answer does (the
                 // handler trims only that one).
                 let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
-                as_caller(caller, self.inner.send_streaming_message(params, req))
-                    .await
-                    .map(|events| ending_as_stored(self.tasks.clone(), events))
-                    .map(|events| -> EventStream {
-                        match history_length {
-                            None => events,
-                            Some(_) => Box::pin(events.map(move |ev| match ev {
-                                Ok(StreamResponse::Task(mut t)) => {
-                                    trim_history(&mut t, history_length);
-                                    Ok(StreamResponse::Task(t))
-                                }
-                                other => other,
-                            })),
-                        }
-                    })
+                as_caller(
+                    caller,
+                    self.inner.send_streaming_message(&traced(params), req),
+                )
+                .await
+                .map(|events| ending_as_stored(self.tasks.clone(), events))
+                .map(|events| -> EventStream {
+                    match history_length {
+                        None => events,
+                        Some(_) => Box::pin(events.map(move |ev| match ev {
+                            Ok(StreamResponse::Task(mut t)) => {
+                                trim_history(&mut t, history_length);
+                                Ok(StreamResponse::Task(t))
+                            }
+                            other => other,
+                        })),
+                    }
+                })
             }
             .await,
         )

@@ -130,8 +130,13 @@ pub fn a2a_task_span(task_id: &str, context_id: &str, parent: opentelemetry::Con
         otel.kind = "server",
         a2a.task.id = task_id,
         a2a.context.id = context_id,
+        trace_id = tracing::field::Empty,
     );
     let _ = span.set_parent(parent);
+    // Log lines of the task's run carry the trace's id, as a call's do.
+    if let Some(id) = trace_id(&span) {
+        span.record("trace_id", tracing::field::display(&id));
+    }
     span
 }
 
