@@ -200,7 +200,7 @@ where
         // Rewrites tonic's status for an oversized request, the one refusal
         // produced before our handlers see the request.
         .layer(tower::util::MapResponseLayer::new(
-            oversize_is_invalid_argument,
+            client_errors_are_invalid_argument,
         ))
         // Innermost: credentials are checked before anything is decoded, and
         // the caller rides in the request's extensions to the handlers.
@@ -331,28 +331,36 @@ async fn set_health(health: &HealthReporter, readiness: &Readiness, status: Serv
         .await;
 }
 
-/// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE
-/// before any handler runs; our contract says INVALID_ARGUMENT. Such a refusal
-/// is a trailers-only response, so only the headers change.
-fn oversize_is_invalid_argument<B>(mut resp: http::Response<B>) -> http::Response<B> {
+/// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE,
+/// and one that is not valid protobuf with INTERNAL (naming the message
+/// type and field that failed), before any handler runs; our contract says
+/// INVALID_ARGUMENT, with a message of our own. Such a refusal is a
+/// trailers-only response, so only the headers change.
+fn client_errors_are_invalid_argument<B>(mut resp: http::Response<B>) -> http::Response<B> {
     let h = resp.headers();
-    let oversize = h.get("grpc-status").is_some_and(|v| v == "11")
-        && h.get("grpc-message")
-            .and_then(|m| m.to_str().ok())
-            .is_some_and(|m| {
-                m.contains("message%20length%20too%20large")
-                    || m.contains("message length too large")
-            });
-    if oversize {
-        let h = resp.headers_mut();
-        h.insert("grpc-status", http::HeaderValue::from_static("3"));
-        h.insert(
-            "grpc-message",
-            http::HeaderValue::from_static(
-                "the%20request%20message%20is%20larger%20than%20the%20server%20accepts",
-            ),
-        );
-    }
+    let status = h.get("grpc-status").and_then(|v| v.to_str().ok());
+    let message = h
+        .get("grpc-message")
+        .and_then(|m| m.to_str().ok())
+        .unwrap_or_default();
+    let ours = match status {
+        Some("11")
+            if message.contains("message%20length%20too%20large")
+                || message.contains("message length too large") =>
+        {
+            "the%20request%20message%20is%20larger%20than%20the%20server%20accepts"
+        }
+        Some("13")
+            if message.starts_with("failed%20to%20decode")
+                || message.starts_with("failed to decode") =>
+        {
+            "the%20request%20message%20is%20malformed%20(not%20valid%20protobuf%20for%20this%20method)"
+        }
+        _ => return resp,
+    };
+    let h = resp.headers_mut();
+    h.insert("grpc-status", http::HeaderValue::from_static("3"));
+    h.insert("grpc-message", http::HeaderValue::from_static(ours));
     resp
 }
 

@@ -631,3 +631,91 @@ async fn a_request_whose_headers_never_finish_is_cut_off() {
     assert_eq!(card.status(), 200);
     server.stop().await;
 }
+
+/// Messages no agent could run are refused before a task (or a session) is
+/// made: text past --max-input-bytes, no text, an unknown agent, no
+/// messageId, a contextId past 256 bytes. A task id or a method name of
+/// any length is quoted back short, and a refusal is always JSON-RPC.
+#[tokio::test]
+async fn refused_messages_store_nothing_and_refusals_quote_input_short() {
+    let server = A2aServer::start(Duration::ZERO).await;
+    let http = agentd::agent::openai::http_client().unwrap();
+    let post = |body: serde_json::Value| {
+        let req = http
+            .post(server.base_url())
+            .header("A2A-Version", "1.0")
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        async move {
+            let resp = req.send().await.unwrap();
+            let text = resp.text().await.unwrap();
+            serde_json::from_str::<serde_json::Value>(&text)
+                .unwrap_or_else(|e| panic!("not JSON ({e}): {text:.200}"))
+        }
+    };
+    let send = |message: serde_json::Value, metadata: serde_json::Value| {
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage",
+            "params": {"message": message, "metadata": metadata}})
+    };
+    let msg = |text: &str| serde_json::json!({"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": text}]});
+    let refusals = [
+        send(msg(&"x".repeat(70 * 1024)), serde_json::json!({})),
+        send(msg("   "), serde_json::json!({})),
+        send(msg("hi"), serde_json::json!({"agent": "nosuch"})),
+        send(
+            serde_json::json!({"role": "ROLE_USER", "parts": [{"text": "hi"}]}),
+            serde_json::json!({}),
+        ),
+        send(
+            serde_json::json!({"messageId": "m1", "role": "ROLE_USER", "contextId": "c".repeat(300),
+                "parts": [{"text": "hi"}]}),
+            serde_json::json!({}),
+        ),
+    ];
+    for body in refusals {
+        let doc = post(body).await;
+        assert_eq!(
+            doc["error"]["code"],
+            a2a::error_code::INVALID_PARAMS,
+            "{doc:.300}"
+        );
+    }
+    let user = agentd::domain::UserId::parse(agentd::store::a2a_tasks::A2A_USER).unwrap();
+    let store = server.turns.store();
+    assert!(
+        store
+            .list_sessions(&user, 10, None)
+            .await
+            .unwrap()
+            .sessions
+            .is_empty(),
+        "no session was made"
+    );
+    let listed =
+        post(serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "ListTasks", "params": {}}))
+            .await;
+    assert!(listed["result"].is_object(), "{listed}");
+    assert_eq!(
+        listed["result"]["tasks"].as_array().map_or(0, Vec::len),
+        0,
+        "no task was made: {listed}"
+    );
+    assert_eq!(server.tool.started(), 0);
+
+    let doc = post(
+        serde_json::json!({"jsonrpc": "2.0", "id": 3, "method": "GetTask",
+        "params": {"id": "A".repeat(100_000)}}),
+    )
+    .await;
+    assert_eq!(doc["error"]["code"], a2a::error_code::TASK_NOT_FOUND);
+    assert!(doc.to_string().len() < 600, "{doc:.300}");
+    let doc =
+        post(serde_json::json!({"jsonrpc": "2.0", "id": 4, "method": "M".repeat(100_000)})).await;
+    assert_eq!(
+        doc["error"]["code"],
+        a2a::error_code::METHOD_NOT_FOUND,
+        "{doc:.300}"
+    );
+    assert!(doc.to_string().len() < 600, "{doc:.300}");
+    server.stop().await;
+}

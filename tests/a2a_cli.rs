@@ -140,7 +140,7 @@ fn the_a2a_command_calls_our_server_over_both_bindings_and_fails_loudly_past_its
     let out = served.a2a(&["--agent", "nobody", "hi"]);
     assert!(!out.status.success());
     assert!(
-        text(&out.stderr).contains("Rejected"),
+        text(&out.stderr).contains("no such agent"),
         "{}",
         text(&out.stderr)
     );

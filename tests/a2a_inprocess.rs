@@ -82,7 +82,7 @@ async fn our_client_gets_the_worked_trace_from_our_server_as_a2a() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, CallError::Task { state: TaskState::Rejected, message, .. } if message.contains("unknown agent")),
+        matches!(&err, CallError::Refused(e) if e.code == a2a::error_code::INVALID_PARAMS && e.message.contains("no such agent")),
         "{err:?}"
     );
     let _ = stop.send(());

@@ -169,3 +169,85 @@ async fn a_malformed_grpc_timeout_is_invalid_argument() {
     nothing_stored(&server, &s).await;
     server.stop().await;
 }
+
+/// Bytes sent as they are: what a client that does not speak protobuf
+/// (or a broken one) puts in a gRPC message.
+#[derive(Clone, Copy, Default)]
+struct RawCodec;
+
+struct RawEncoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut as _;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = agentd::pb::SessionRef;
+    type Encoder = RawEncoder;
+    type Decoder = tonic_prost::ProstDecoder<agentd::pb::SessionRef>;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstCodec::<(), agentd::pb::SessionRef>::raw_decoder(
+            tonic::codec::BufferSettings::default(),
+        )
+    }
+}
+
+/// A request that is not valid protobuf (a string that is not UTF-8, a
+/// message cut short) is INVALID_ARGUMENT with a message of ours, not
+/// tonic's INTERNAL naming the message type and field, and creates nothing.
+#[tokio::test]
+async fn a_request_that_is_not_valid_protobuf_is_invalid_argument() {
+    let server = TestServer::tcp(Options::default()).await;
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr.unwrap()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    for body in [vec![0x0a, 0x02, 0xff, 0xfe], vec![0x0a, 0x05, 0xab]] {
+        grpc.ready().await.unwrap();
+        let status = grpc
+            .unary(
+                tonic::Request::new(body.clone()),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/agents.v1.AgentService/CreateSession",
+                ),
+                RawCodec,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{body:?}: {status:?}");
+        assert!(
+            status.message().contains("not valid protobuf")
+                && !status.message().contains("CreateSessionRequest"),
+            "{}",
+            status.message()
+        );
+    }
+    assert_eq!(
+        server
+            .store
+            .list_sessions(&agentd::domain::UserId::parse("alice").unwrap(), 10, None)
+            .await
+            .unwrap()
+            .sessions
+            .len(),
+        0
+    );
+    server.stop().await;
+}

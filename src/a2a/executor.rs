@@ -525,6 +525,64 @@ pub(crate) fn updates(
     }
 }
 
+/// The longest task or context id a message may name: ids are made by
+/// servers (UUIDs) or by clients for their conversations; longer ones are
+/// refused rather than stored, logged and echoed.
+pub(crate) const MAX_ID_BYTES: usize = 256;
+
+/// Refuses a message no agent could run, before the handler stores a task
+/// for it (its refusal would otherwise be a stored REJECTED task, holding
+/// whatever the message held): no message id, not the user's, ids past
+/// [`MAX_ID_BYTES`], no text or text past `max_input_bytes`, an agent
+/// name that is malformed or not served.
+pub(crate) fn check_request(
+    req: &a2a::SendMessageRequest,
+    max_input_bytes: usize,
+    agents: &crate::agent::AgentRegistry,
+) -> Result<(), A2AError> {
+    let m = &req.message;
+    if m.message_id.is_empty() {
+        return Err(A2AError::invalid_params("the message has no messageId"));
+    }
+    if m.role != a2a::Role::User {
+        return Err(A2AError::invalid_params(
+            "the message's role must be ROLE_USER",
+        ));
+    }
+    for (name, id) in [("taskId", &m.task_id), ("contextId", &m.context_id)] {
+        if id.as_ref().is_some_and(|id| id.len() > MAX_ID_BYTES) {
+            return Err(A2AError::invalid_params(format!(
+                "the message's {name} is longer than {MAX_ID_BYTES} bytes"
+            )));
+        }
+    }
+    let Some(text) = message_text(m) else {
+        return Err(A2AError::invalid_params(
+            "the message has no text part; the agents read text only",
+        ));
+    };
+    UserText::parse(text, max_input_bytes).map_err(|e| A2AError::invalid_params(e.to_string()))?;
+    let agent = agent_name(m).or_else(|| {
+        req.metadata
+            .as_ref()
+            .and_then(|md| md.get(AGENT_METADATA_KEY))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+    });
+    match valid_agent(agent) {
+        None => Err(A2AError::invalid_params(
+            "the agent name is malformed (1 to 64 of A-Z a-z 0-9 _ -)",
+        )),
+        Some(name) if agents.get(name.as_deref()).is_none() => {
+            Err(A2AError::invalid_params(format!(
+                "no such agent; this server serves: {}",
+                agents.names().collect::<Vec<_>>().join(", ")
+            )))
+        }
+        Some(_) => Ok(()),
+    }
+}
+
 /// Agent names follow the agents.v1 rule; `None` inside means the default.
 fn valid_agent(agent: Option<String>) -> Option<Option<String>> {
     match agent {

@@ -62,6 +62,8 @@ pub struct Handler {
     inner: DefaultRequestHandler,
     turns: Arc<Turns>,
     tasks: Arc<dyn A2aTasks>,
+    /// `--max-input-bytes`: a message's text past it is refused.
+    max_input_bytes: usize,
     /// Authentication is on: each call's caller is named by the
     /// authentication layers.
     authenticated: bool,
@@ -72,12 +74,14 @@ impl Handler {
         inner: DefaultRequestHandler,
         turns: Arc<Turns>,
         tasks: Arc<dyn A2aTasks>,
+        max_input_bytes: usize,
         authenticated: bool,
     ) -> Self {
         Self {
             inner,
             turns,
             tasks,
+            max_input_bytes,
             authenticated,
         }
     }
@@ -92,9 +96,12 @@ impl Handler {
     /// Refuses a task that is not `caller`'s exactly as one that does not
     /// exist (spec: never reveal a resource the caller may not access).
     async fn check_owner(&self, caller: &UserId, task_id: &str) -> Result<(), A2AError> {
+        if task_id.len() > executor::MAX_ID_BYTES {
+            return Err(A2AError::task_not_found(&shown_id(task_id)));
+        }
         match self.tasks.owner(task_id).await? {
             Some(owner) if owner == *caller => Ok(()),
-            _ => Err(A2AError::task_not_found(task_id)),
+            _ => Err(A2AError::task_not_found(&shown_id(task_id))),
         }
     }
 
@@ -250,6 +257,21 @@ impl Handler {
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
 
+/// A task id as an error quotes it: printable, and at most 64 characters
+/// (what a caller sent may be anything, and is echoed to it).
+fn shown_id(id: &str) -> String {
+    const MOST: usize = 64;
+    let mut shown: String = id
+        .chars()
+        .take(MOST)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if id.chars().nth(MOST).is_some() {
+        shown.push('…');
+    }
+    shown
+}
+
 /// `params`, with the current span's trace context when they carry none.
 /// The inner handler runs a task on a tokio task of its own, outside the
 /// call's span, and the task's span takes its parent from the params'
@@ -362,22 +384,40 @@ pub async fn count_refusals(
     if dispatched {
         return resp;
     }
-    // A refusal is one small JSON object.
-    let (parts, body) = resp.into_parts();
-    let bytes = axum::body::to_bytes(body, 64 * 1024)
+    // A refusal is one JSON object, which may quote what was sent (a
+    // method name, a value the parser did not take): at most
+    // `QUOTED` characters of its message go back. One that is not JSON
+    // (or past the request's own size) becomes a plain invalid request.
+    const QUOTED: usize = 256;
+    let (mut parts, body) = resp.into_parts();
+    let bytes = axum::body::to_bytes(body, 8 << 20)
         .await
         .unwrap_or_default();
-    let code = serde_json::from_slice::<serde_json::Value>(&bytes)
+    let mut doc = serde_json::from_slice::<serde_json::Value>(&bytes)
         .ok()
-        .and_then(|v| v["error"]["code"].as_i64())
+        .filter(|v| v["error"].is_object())
+        .unwrap_or_else(|| {
+            serde_json::json!({"jsonrpc": "2.0", "id": null,
+                "error": {"code": a2a::error_code::INVALID_REQUEST, "message": "invalid request"}})
+        });
+    if let Some(message) = doc["error"]["message"].as_str()
+        && message.chars().nth(QUOTED).is_some()
+    {
+        let cut: String = message.chars().take(QUOTED).collect();
+        doc["error"]["message"] = serde_json::Value::String(format!("{cut}…"));
+    }
+    let code = doc["error"]["code"]
+        .as_i64()
         .and_then(|c| i32::try_from(c).ok());
     let outcome = code.map_or("INVALID_REQUEST", a2a::errors::error_reason);
     tracing::debug!(
         outcome,
         "a2a: JSON-RPC request refused before reaching a method"
     );
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let body = axum::body::Body::from(doc.to_string());
     crate::telemetry::metrics::a2a_request("unknown", outcome, started.elapsed());
-    axum::response::Response::from_parts(parts, axum::body::Body::from(bytes))
+    axum::response::Response::from_parts(parts, body)
 }
 
 impl Observed {
@@ -462,6 +502,7 @@ impl RequestHandler for Handler {
             async {
                 let caller = self.caller(params)?;
                 Self::check_parts(&req.message)?;
+                executor::check_request(&req, self.max_input_bytes, self.turns.agents())?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                     self.check_continuable(id).await?;
@@ -492,6 +533,7 @@ impl RequestHandler for Handler {
             async {
                 let caller = self.caller(params)?;
                 Self::check_parts(&req.message)?;
+                executor::check_request(&req, self.max_input_bytes, self.turns.agents())?;
                 if let Some(id) = &req.message.task_id {
                     self.check_owner(&caller, id).await?;
                     self.check_continuable(id).await?;

@@ -85,7 +85,13 @@ impl A2a {
             )
             .with_authorizer(version::VersionCheck);
         Self {
-            handler: Arc::new(follow::Handler::new(handler, turns, tasks, auth.is_some())),
+            handler: Arc::new(follow::Handler::new(
+                handler,
+                turns,
+                tasks,
+                max_input_bytes,
+                auth.is_some(),
+            )),
             auth,
         }
     }
