@@ -174,6 +174,14 @@ model = "test-model"
     )
 }
 
+/// One chunk that makes call `id` of `lookup_order` with `arguments` (a
+/// JSON string) and finishes for tool calls.
+fn lookup_call(id: &str, arguments: &str) -> String {
+    json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":id,"type":"function",
+        "function":{"name":"lookup_order","arguments":arguments}}]},"finish_reason":"tool_calls"}]})
+    .to_string()
+}
+
 fn text(t: &str) -> String {
     json!({"choices":[{"index":0,"delta":{"content":t}}]}).to_string()
 }
@@ -411,11 +419,7 @@ async fn an_error_object_mid_stream_ends_the_run_sanitised() {
 
 #[tokio::test]
 async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
-    let call = |id: &str| {
-        json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":id,"type":"function",
-            "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1042\"}"}}]},"finish_reason":"tool_calls"}]})
-        .to_string()
-    };
+    let call = |id: &str| lookup_call(id, r#"{"order_id":"1042"}"#);
     let f = fake(
         (0..3)
             .map(|i| Reply::Sse(vec![call(&format!("c{i}")), DONE.into()]))
@@ -446,10 +450,9 @@ async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
 /// renders partials showed), and the next turn's history holds it whole.
 #[tokio::test]
 async fn text_streamed_before_a_tool_call_is_part_of_the_final_answer() {
-    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
-        "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1187\"}"}}]},"finish_reason":"tool_calls"}]});
+    let call = lookup_call("c1", r#"{"order_id":"1187"}"#);
     let f = fake(vec![
-        Reply::Sse(vec![text("Let me check. "), call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text("Let me check. "), call.clone(), DONE.into()]),
         Reply::Sse(vec![text("It has "), text("shipped."), stop(), DONE.into()]),
         Reply::Sse(vec![text("Anything else?"), stop(), DONE.into()]),
     ])
@@ -487,11 +490,10 @@ async fn text_streamed_before_a_tool_call_is_part_of_the_final_answer() {
 /// 3 MiB final answer, stored and sent back as every later turn's history.
 #[tokio::test]
 async fn an_answer_past_the_text_bound_across_model_calls_fails_the_run() {
-    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
-        "function":{"name":"lookup_order","arguments":"{\"order_id\":\"1187\"}"}}]},"finish_reason":"tool_calls"}]});
+    let call = lookup_call("c1", r#"{"order_id":"1187"}"#);
     let half = "x".repeat(1536 * 1024);
     let f = fake(vec![
-        Reply::Sse(vec![text(&half), call.to_string(), DONE.into()]),
+        Reply::Sse(vec![text(&half), call.clone(), DONE.into()]),
         Reply::Sse(vec![text(&half), stop(), DONE.into()]),
     ])
     .await;
@@ -516,10 +518,9 @@ async fn an_answer_past_the_text_bound_across_model_calls_fails_the_run() {
 /// One turn whose model calls `lookup_order` with `arguments` and then
 /// answers: the turn's events, and the messages of the second model call.
 async fn call_with_arguments(arguments: &str) -> (Vec<agentd::pb::AgentEvent>, Vec<Value>) {
-    let call = json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",
-        "function":{"name":"lookup_order","arguments":arguments}}]},"finish_reason":"tool_calls"}]});
+    let call = lookup_call("c1", arguments);
     let f = fake(vec![
-        Reply::Sse(vec![call.to_string(), DONE.into()]),
+        Reply::Sse(vec![call.clone(), DONE.into()]),
         Reply::Sse(vec![text("Sorry."), stop(), DONE.into()]),
     ])
     .await;
