@@ -174,6 +174,23 @@ model = "test-model"
     )
 }
 
+/// One turn of `text` to the file's `helper` agent, in a new session of
+/// u1: the session, the turn's events and how it ended.
+async fn helper_turn(
+    d: &mut Agentd,
+    text: &str,
+) -> (
+    String,
+    Vec<agentd::pb::AgentEvent>,
+    Result<(), tonic::Status>,
+) {
+    let s = d.session("u1").await;
+    let (events, status) = d
+        .run("u1", &s, "helper", text, Duration::from_secs(20))
+        .await;
+    (s, events, status)
+}
+
 /// One chunk that makes call `id` of `lookup_order` with `arguments` (a
 /// JSON string) and finishes for tool calls.
 fn lookup_call(id: &str, arguments: &str) -> String {
@@ -204,16 +221,7 @@ async fn a_gemini_style_tool_call_runs_the_tool_and_its_unknown_fields_go_back_t
     ])
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run(
-            "u1",
-            &s,
-            "helper",
-            "Where is order 1187?",
-            Duration::from_secs(20),
-        )
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "Where is order 1187?").await;
     status.unwrap();
     // Text deltas that arrive together may be merged into one event.
     let k = kinds(&events);
@@ -335,10 +343,7 @@ async fn a_429_is_unavailable_with_the_retry_pushback_and_no_model_text() {
         json!({"error": {"message": format!("rate limited; you said: {SECRET}")}}).to_string();
     let f = fake(vec![Reply::Error(429, vec![("retry-after", "3")], body)]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (_, status) = d
-        .run("u1", &s, "helper", SECRET, Duration::from_secs(20))
-        .await;
+    let (_, _, status) = helper_turn(&mut d, SECRET).await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(!st.message().contains("4111"), "{}", st.message());
@@ -383,10 +388,7 @@ async fn a_stream_cut_before_done_is_unavailable_not_a_success() {
     // The answer looks complete (finish_reason stop) but [DONE] never came.
     let f = fake(vec![Reply::Sse(vec![text("Order 1187 has "), stop()])]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "where?", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "where?").await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert_eq!(partial_text(&events), "Order 1187 has ");
@@ -427,10 +429,7 @@ async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
     )
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "loop", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "loop").await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
     // max_tool_turns = 2: two rounds of tools ran, the third call was refused.
@@ -458,16 +457,7 @@ async fn text_streamed_before_a_tool_call_is_part_of_the_final_answer() {
     ])
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run(
-            "u1",
-            &s,
-            "helper",
-            "Where is 1187?",
-            Duration::from_secs(20),
-        )
-        .await;
+    let (s, events, status) = helper_turn(&mut d, "Where is 1187?").await;
     status.unwrap();
     assert_eq!(partial_text(&events), "Let me check. It has shipped.");
     let last = events.last().unwrap();
@@ -498,16 +488,7 @@ async fn an_answer_past_the_text_bound_across_model_calls_fails_the_run() {
     ])
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run(
-            "u1",
-            &s,
-            "helper",
-            "Where is 1187?",
-            Duration::from_secs(20),
-        )
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "Where is 1187?").await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
     assert!(st.message().contains("across its model calls"), "{st:?}");
@@ -525,10 +506,7 @@ async fn call_with_arguments(arguments: &str) -> (Vec<agentd::pb::AgentEvent>, V
     ])
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "where is 1187", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "where is 1187").await;
     status.unwrap();
     d.stop().await;
     let seen = f.seen.lock().unwrap().clone();
@@ -1001,10 +979,7 @@ async fn the_per_call_timeout_bounds_a_model_call() {
     let file =
         agents_file(&f.url, "").replace("call_timeout = \"10s\"", "call_timeout = \"300ms\"");
     let mut d = Agentd::start(&file).await;
-    let s = d.session("u1").await;
-    let (_, status) = d
-        .run("u1", &s, "helper", "talk forever", Duration::from_secs(20))
-        .await;
+    let (_, _, status) = helper_turn(&mut d, "talk forever").await;
     let st = status.unwrap_err();
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(
@@ -1103,10 +1078,7 @@ async fn a_tool_result_in_plain_text_goes_back_to_the_model_as_it_came() {
         .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["note"]"#)
         + &http_tools(&tools);
     let mut d = Agentd::start(&file).await;
-    let s = d.session("u1").await;
-    let (_, status) = d
-        .run("u1", &s, "helper", "stock?", Duration::from_secs(20))
-        .await;
+    let (_, _, status) = helper_turn(&mut d, "stock?").await;
     status.unwrap();
     let seen = f.seen.lock().unwrap().clone();
     let tool = seen[1]["messages"]
@@ -1171,16 +1143,7 @@ async fn parallel_tool_calls_run_at_once_and_their_results_go_back_in_call_order
         .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["stock"]"#)
         + &http_tools(&tools);
     let mut d = Agentd::start(&file).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run(
-            "u1",
-            &s,
-            "helper",
-            "stock of cups and pots?",
-            Duration::from_secs(20),
-        )
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "stock of cups and pots?").await;
     status.unwrap();
     let results: Vec<Value> = events
         .iter()
@@ -1226,16 +1189,7 @@ async fn an_http_tool_response_over_its_cap_is_an_error_for_the_model() {
         .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["catalog"]"#)
         + &http_tools(&tools);
     let mut d = Agentd::start(&file).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run(
-            "u1",
-            &s,
-            "helper",
-            "show the catalog",
-            Duration::from_secs(20),
-        )
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "show the catalog").await;
     status.unwrap();
     let r: Value = serde_json::from_str(&events[1].payload_json).unwrap();
     assert!(
@@ -1252,10 +1206,7 @@ async fn text_deltas_that_arrive_together_become_fewer_events_with_the_text_inta
     items.push(DONE.into());
     let f = fake(vec![Reply::Burst(items)]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "burst", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "burst").await;
     status.unwrap();
     let want: String = (0..200).map(|i| format!("w{i} ")).collect();
     assert_eq!(partial_text(&events), want);
@@ -1283,10 +1234,7 @@ async fn deltas_sent_as_separate_chunks_faster_than_they_are_forwarded_are_merge
     items.push(DONE.into());
     let f = fake(vec![Reply::Sse(items)]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "stream", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "stream").await;
     status.unwrap();
     let want: String = (0..300).map(|i| format!("w{i} ")).collect();
     assert_eq!(partial_text(&events), want);
@@ -1313,10 +1261,7 @@ async fn deltas_from_a_slow_model_are_each_forwarded_alone() {
     items.push(DONE.into());
     let f = fake(vec![Reply::Paced(items, Duration::from_millis(40))]).await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
-    let s = d.session("u1").await;
-    let (events, status) = d
-        .run("u1", &s, "helper", "slow", Duration::from_secs(20))
-        .await;
+    let (_, events, status) = helper_turn(&mut d, "slow").await;
     status.unwrap();
     let partials: Vec<&str> = events
         .iter()
