@@ -130,14 +130,9 @@ async fn a_client_deadline_cancels_our_run_through_the_drop_path() {
 /// as text.
 #[tokio::test]
 async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task() {
-    use a2a::{Message, Part, Role, SendMessageRequest, SendMessageResponse};
+    use a2a::{Part, SendMessageResponse};
     let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
-    let send = |parts: Vec<Part>| SendMessageRequest {
-        message: Message::new(Role::User, parts),
-        configuration: None,
-        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
-        tenant: None,
-    };
+    let send = |parts: Vec<Part>| a2a_support::echo_request(parts);
     for parts in [
         vec![Part::data(serde_json::json!({"order": 1187}))],
         vec![
@@ -317,7 +312,7 @@ impl store_wrap::Hooks for Failing {
 /// task does not read WORKING for ever. Its answer is the turn's.
 #[tokio::test]
 async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
-    use a2a::{Message, Part, Role, SendMessageRequest};
+    use a2a::Part;
     use agentd::store::a2a_tasks::A2aTaskSource;
     use futures::StreamExt;
     for refuse in [Refuse::Terminal, Refuse::Chunk] {
@@ -333,12 +328,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
         });
         let server = a2a_support::A2aServer::start_on(store).await;
         let client = server.grpc_client().await;
-        let req = SendMessageRequest {
-            message: Message::new(Role::User, vec![Part::text("hello there")]),
-            configuration: None,
-            metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
-            tenant: None,
-        };
+        let req = a2a_support::echo_request(vec![Part::text("hello there")]);
         let mut events = client.raw().send_streaming_message(&req).await.unwrap();
         let mut task_id = None;
         while let Some(ev) = events.next().await {
@@ -380,7 +370,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
 /// call (retry later) instead of holding it until TCP gives up.
 #[tokio::test]
 async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counted() {
-    use a2a::{Message, Part, Role, SendMessageRequest};
+    use a2a::Part;
     use agentd::store::a2a_tasks::A2aTaskSource;
     let inner = Arc::new(agentd::store::memory::MemoryStore::new());
     let tasks = Arc::new(FailingTasks {
@@ -397,12 +387,7 @@ async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counte
     let metered = agentd::store::metered::Metered::new(store, Some(Duration::from_millis(500)));
     let server = a2a_support::A2aServer::start_on(Arc::new(metered)).await;
     let client = server.grpc_client().await;
-    let req = SendMessageRequest {
-        message: Message::new(Role::User, vec![Part::text("hello")]),
-        configuration: None,
-        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
-        tenant: None,
-    };
+    let req = a2a_support::echo_request(vec![Part::text("hello")]);
     let task = match client.raw().send_message(&req).await.unwrap() {
         a2a::SendMessageResponse::Task(t) => t,
         other => panic!("not a task: {other:?}"),

@@ -581,17 +581,12 @@ async fn a_replays_run_span_names_the_agent_that_ran_the_turn() {
 /// that trace's id, as a Run's do.
 #[tokio::test]
 async fn an_a2a_task_sent_without_a_traceparent_is_in_its_calls_trace() {
-    use a2a::{Message, Part, Role, SendMessageRequest, StreamResponse};
+    use a2a::{Part, StreamResponse};
     use futures::StreamExt;
     telemetry();
     let server = a2a_support::A2aServer::start(Duration::ZERO).await;
     let client = server.grpc_client().await;
-    let req = SendMessageRequest {
-        message: Message::new(Role::User, vec![Part::text("trace me")]),
-        configuration: None,
-        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
-        tenant: None,
-    };
+    let req = a2a_support::echo_request(vec![Part::text("trace me")]);
     let mut events = client.raw().send_streaming_message(&req).await.unwrap();
     let mut task_id = None;
     while let Some(ev) = events.next().await {

@@ -345,6 +345,16 @@ pub async fn in_process(
     (client, tool, tx, handle)
 }
 
+/// A SendMessage of `parts` from the user to the `echo` agent.
+pub fn echo_request(parts: Vec<a2a::Part>) -> a2a::SendMessageRequest {
+    a2a::SendMessageRequest {
+        message: a2a::Message::new(a2a::Role::User, parts),
+        configuration: None,
+        metadata: Some([("agent".to_owned(), serde_json::json!("echo"))].into()),
+        tenant: None,
+    }
+}
+
 /// A port on 127.0.0.1 that refuses connections, held (bound, not
 /// listening) for as long as the socket lives, so that no other test's
 /// server takes it meanwhile.
