@@ -458,6 +458,63 @@ async fn a_task_whose_replica_died_is_ended_failed_by_the_replica_that_fails_its
     b.kill9().await;
 }
 
+/// The task of a turn failed by a replica that died before it settled the
+/// task (its news of the failure died with it): any replica's look for
+/// tasks left unsettled ends it, without anyone subscribing. It used to
+/// read WORKING for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_left_working_after_its_turn_failed_is_ended_by_any_replica() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = dying_replica(&db.url, "1s").await;
+    let on_a = a2a_at(a.addr).await;
+    let req = send_request(user_message(ORDER_Q, None));
+    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let mut running = None;
+    while let Some(ev) = on_a_stream.next().await {
+        match ev.unwrap() {
+            StreamResponse::Task(t) => running = Some(t.id),
+            StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working => break,
+            _ => {}
+        }
+    }
+    let running = running.expect("the stream named its task");
+    a.kill9().await;
+    drop(on_a_stream);
+    // The replica that fails the turn, and dies before it settles the task:
+    // the turn is failed through the store alone.
+    let store = agentd::store::open(&db.url).await.unwrap();
+    let failed = store
+        .fail_expired(
+            std::time::SystemTime::now() + Duration::from_secs(5),
+            &agentd::grpc::status::replica_stopped(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1, "A's turn is failed");
+    store.close().await;
+
+    let b = serve(
+        &db.url,
+        &["--replica-id", "replica-b", "--turn-lease", "1s"],
+    )
+    .await;
+    let on_b = a2a_at(b.addr).await;
+    let mut task = on_b.get_task(&running).await.unwrap();
+    for _ in 0..200 {
+        if task.status.state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        task = on_b.get_task(&running).await.unwrap();
+    }
+    assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("serving replica stopped"), "{why}");
+    b.kill9().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_whose_replica_died_is_ended_failed_by_its_follower() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {

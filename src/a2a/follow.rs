@@ -51,7 +51,7 @@ use futures::stream::BoxStream;
 
 use super::executor::{self, Job};
 use crate::domain::UserId;
-use crate::domain::{RequestId, SessionId, TurnKey};
+use crate::domain::{RequestId, TurnKey};
 use crate::store::a2a_tasks::{A2aTasks, as_caller, task_session};
 use crate::turn::Turns;
 
@@ -145,36 +145,6 @@ impl Handler {
         }
     }
 
-    /// The task's latest turn: the last of its session's whose request id
-    /// starts with `prefix`.
-    async fn latest_turn(
-        &self,
-        session: SessionId,
-        prefix: &str,
-    ) -> Result<Option<crate::store::TurnRecord>, A2AError> {
-        const PAGE: usize = 1000;
-        let (mut latest, mut after) = (None, None);
-        loop {
-            let page = self
-                .turns
-                .store()
-                .list_turns(session, after.as_ref(), PAGE)
-                .await
-                .map_err(|_| A2AError::internal("the task store is unavailable; retry later"))?;
-            if let Some(t) = page
-                .iter()
-                .rev()
-                .find(|t| t.key.request_id.as_str().starts_with(prefix))
-            {
-                latest = Some(t.clone());
-            }
-            if page.len() < PAGE {
-                return Ok(latest);
-            }
-            after = page.last().map(crate::store::TurnCursor::after);
-        }
-    }
-
     /// Follows a task of `caller`'s that is not terminal and runs elsewhere.
     async fn follow_remote(&self, caller: &UserId, task_id: &str) -> Result<EventStream, A2AError> {
         let prefix = format!("{task_id}.");
@@ -190,7 +160,10 @@ impl Handler {
                 return Err(A2AError::task_not_found(task_id));
             }
             let session = task_session(&task);
-            let Some(turn) = self.latest_turn(session, &prefix).await? else {
+            let latest = super::settle::latest_turn(&**self.turns.store(), session, &prefix)
+                .await
+                .map_err(|_| A2AError::internal("the task store is unavailable; retry later"))?;
+            let Some(turn) = latest else {
                 if task.status.state == TaskState::Working {
                     // Working without a turn: a scripted (conformance) task,
                     // which only its own replica can stream.

@@ -66,6 +66,15 @@ impl A2a {
     ) -> Self {
         let tasks = turns.store().a2a_tasks();
         settle::settle_expired(&turns);
+        let lease = turns.config().lease;
+        settle::reconcile(
+            &turns,
+            (lease * 2).clamp(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(60),
+            ),
+            lease,
+        );
         let executor = TurnExecutor::new(turns.clone(), max_input_bytes, auth.is_some());
         let store = SharedTasks(tasks.clone());
         let handler = match conformance {

@@ -20,6 +20,12 @@
 //! ([`Turns::expired_turns`]) and settles the turn's task the same way
 //! ([`settle_expired`]), so the task reads FAILED and takes follow-ups as
 //! a task that ended.
+//!
+//! That news is lost where the replica that failed the turn dies before
+//! settling, where too many turns failed at once, or where the store would
+//! not take the end for [`SETTLE_FOR`]. So every replica also looks, now
+//! and then, for tasks still SUBMITTED or WORKING that nothing updated for
+//! a lease, and settles those whose latest turn has ended ([`reconcile`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,6 +109,110 @@ pub(crate) fn settle_expired(turns: &Arc<Turns>) {
             tokio::spawn(settle(turns, task_id.to_owned(), None, key));
         }
     });
+}
+
+/// Tasks [`reconcile`] reads per page, and at most per pass.
+const RECONCILE_PAGE: usize = 100;
+const RECONCILE_PASS: usize = 1000;
+
+/// Settles, every `every`, the tasks still SUBMITTED or WORKING, not
+/// updated for `quiet`, whose latest turn has ended, for as long as
+/// `turns` lives. The first pass runs at once: a replica that starts after
+/// a crash settles what the crash left.
+pub(crate) fn reconcile(turns: &Arc<Turns>, every: Duration, quiet: Duration) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let turns = Arc::downgrade(turns);
+    rt.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(turns) = turns.upgrade() else {
+                return;
+            };
+            let before = std::time::SystemTime::now() - quiet;
+            match reconcile_pass(&turns, before).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(tasks = n, "a2a: settled tasks whose runs had ended"),
+                Err(e) => {
+                    tracing::debug!(error = %e, "a2a: cannot look for tasks left unsettled now")
+                }
+            }
+        }
+    });
+}
+
+/// One pass of [`reconcile`] over tasks last updated before `before`;
+/// returns how many it settled.
+async fn reconcile_pass(turns: &Turns, before: std::time::SystemTime) -> Result<usize, String> {
+    let tasks = turns.store().a2a_tasks();
+    let (mut after, mut seen, mut settled) = (None, 0, 0);
+    while seen < RECONCILE_PASS {
+        let page = tasks
+            .unfinished(before, after.as_ref(), RECONCILE_PAGE)
+            .await
+            .map_err(|e| e.to_string())?;
+        seen += page.len();
+        let last = page.len() < RECONCILE_PAGE;
+        for found in page {
+            after = Some(found.key);
+            // A task its executor has not tied to a session yet has no turn
+            // to look at.
+            let Some(session) = named_session(&found.task) else {
+                continue;
+            };
+            let task_id = found.task.id;
+            let prefix = format!("{task_id}.");
+            let latest = latest_turn(&**turns.store(), session, &prefix)
+                .await
+                .map_err(|e| e.to_string())?;
+            let Some(turn) = latest else {
+                continue;
+            };
+            if !turn.state.is_terminal() {
+                continue;
+            }
+            let key = turn.key;
+            match settle_once(turns, &*tasks, &task_id, None, &key).await {
+                Ok(true) => settled += 1,
+                Ok(false) => {}
+                Err(why) => {
+                    tracing::debug!(task = %task_id, error = %why, "a2a: cannot settle the task yet")
+                }
+            }
+        }
+        if last {
+            break;
+        }
+    }
+    Ok(settled)
+}
+
+/// The latest turn of a task: the last of `session`'s turns whose request
+/// id starts with `prefix` (`<task id>.`).
+pub(crate) async fn latest_turn(
+    store: &dyn crate::store::Store,
+    session: crate::domain::SessionId,
+    prefix: &str,
+) -> crate::store::StoreResult<Option<crate::store::TurnRecord>> {
+    const PAGE: usize = 1000;
+    let (mut latest, mut after) = (None, None);
+    loop {
+        let page = store.list_turns(session, after.as_ref(), PAGE).await?;
+        if let Some(t) = page
+            .iter()
+            .rev()
+            .find(|t| t.key.request_id.as_str().starts_with(prefix))
+        {
+            latest = Some(t.clone());
+        }
+        if page.len() < PAGE {
+            return Ok(latest);
+        }
+        after = page.last().map(crate::store::TurnCursor::after);
+    }
 }
 
 /// The task a turn of the A2A face belongs to: its request id is

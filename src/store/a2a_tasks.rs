@@ -134,6 +134,34 @@ pub trait A2aTasks: TaskStore {
         let _ = (before, limit);
         Ok(0)
     }
+
+    /// At most `limit` of the tasks still SUBMITTED or WORKING that were
+    /// last updated before `before`, in (last update, id) order from just
+    /// after `after` (a previous page's last [`Unfinished::key`]). For
+    /// finding tasks whose run ended without their end being stored. The
+    /// in-memory store has none to find: its tasks die with the process
+    /// that runs them.
+    async fn unfinished(
+        &self,
+        before: std::time::SystemTime,
+        after: Option<&UnfinishedKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<Unfinished>> {
+        let _ = (before, after, limit);
+        Ok(Vec::new())
+    }
+}
+
+/// Where a task stands in [`A2aTasks::unfinished`]'s order: its last
+/// update (microseconds since the Unix epoch) and its id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnfinishedKey(pub i64, pub String);
+
+/// A task [`A2aTasks::unfinished`] found.
+#[derive(Debug, Clone)]
+pub struct Unfinished {
+    pub key: UnfinishedKey,
+    pub task: Task,
 }
 
 /// Gives a store's A2A task store. A supertrait of
@@ -349,6 +377,42 @@ macro_rules! sql_task_store {
                 .await
                 .map_err(super::sql::db_err)?;
                 Ok(done.rows_affected())
+            }
+
+            async fn unfinished(
+                &self,
+                before: std::time::SystemTime,
+                after: Option<&UnfinishedKey>,
+                limit: usize,
+            ) -> StoreResult<Vec<Unfinished>> {
+                use sqlx::Row as _;
+                let rows = sqlx::query(
+                    "SELECT id, updated_at, task_json FROM a2a_tasks \
+                     WHERE terminal = 0 AND state IN ($1, $2) AND updated_at < $3 \
+                     AND (updated_at > $4 OR (updated_at = $4 AND id > $5)) \
+                     ORDER BY updated_at, id LIMIT $6",
+                )
+                .bind(state_name(&TaskState::Submitted))
+                .bind(state_name(&TaskState::Working))
+                .bind(super::to_micros(before))
+                .bind(after.map_or(i64::MIN, |k| k.0))
+                .bind(after.map_or("", |k| k.1.as_str()))
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.read)
+                .await
+                .map_err(super::sql::db_err)?;
+                let mut found = Vec::with_capacity(rows.len());
+                for r in rows {
+                    let id: String = r.try_get("id").map_err(super::sql::db_err)?;
+                    let updated: i64 = r.try_get("updated_at").map_err(super::sql::db_err)?;
+                    let json: String = r.try_get("task_json").map_err(super::sql::db_err)?;
+                    // A row that does not decode is skipped (and logged by
+                    // `decode`): the rest of the page is still worth settling.
+                    if let Ok(task) = decode(&json) {
+                        found.push(Unfinished { key: UnfinishedKey(updated, id), task });
+                    }
+                }
+                Ok(found)
             }
 
             async fn create_for(&self, owner: &UserId, task: Task) -> Result<TaskVersion, A2AError> {

@@ -18,7 +18,7 @@ use a2a_server::TaskStore;
 use a2a_server::task_store::TaskVersion;
 use async_trait::async_trait;
 
-use super::a2a_tasks::{A2aTaskSource, A2aTasks};
+use super::a2a_tasks::{A2aTaskSource, A2aTasks, Unfinished, UnfinishedKey};
 use super::{
     Claim, Deletion, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
     SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
@@ -76,6 +76,7 @@ ops! {
     A2aEnsureSession => "a2a_ensure_session",
     A2aOwner => "a2a_owner",
     A2aPruneEnded => "a2a_prune_ended",
+    A2aUnfinished => "a2a_unfinished",
 }
 
 /// Wraps a store; see the module docs.
@@ -242,6 +243,19 @@ impl A2aTasks for MeteredTasks {
     async fn prune_ended(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         self.timer
             .timed(Op::A2aPruneEnded, self.inner.prune_ended(before, limit))
+            .await
+    }
+    async fn unfinished(
+        &self,
+        before: SystemTime,
+        after: Option<&UnfinishedKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<Unfinished>> {
+        self.timer
+            .timed(
+                Op::A2aUnfinished,
+                self.inner.unfinished(before, after, limit),
+            )
             .await
     }
 }
