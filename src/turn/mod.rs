@@ -741,6 +741,13 @@ impl Turns {
         self.cfg.max_followers - self.followers.available_permits()
     }
 
+    /// Counts as a task of the engine until dropped: shutdown's wait for
+    /// idle waits for it too. For work that must outlive a run's own
+    /// tasks, as the A2A face's storing of a task's end does.
+    pub fn hold(&self) -> tokio_util::task::task_tracker::TaskTrackerToken {
+        self.tracker.token()
+    }
+
     /// Resolves when every task has ended (after [`Turns::begin_drain`]).
     pub async fn wait_idle(&self) {
         self.tracker.wait().await
