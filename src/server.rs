@@ -448,3 +448,114 @@ impl<IO: AsyncWrite> AsyncWrite for Capped<IO> {
         self.io.is_write_vectored()
     }
 }
+
+/// How long an HTTP client may take to send a request's headers (its first
+/// bytes included); past it the connection is closed. A client that opens
+/// connections and sends nothing, or trickles bytes, would otherwise hold
+/// each for ever, and with them every connection slot.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long an HTTP/2 connection may leave a ping unanswered before it is
+/// closed, and how often one is sent: a peer that vanished frees its slot.
+const H2_KEEPALIVE: Duration = Duration::from_secs(30);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `router` on `listener` (HTTP/1 and HTTP/2) until `stop` resolves,
+/// then lets the connections finish what they serve (their streams
+/// included) and returns. At most `max_connections` at once (counted under
+/// `port` in `agentd_connections_refused_total` past it). axum's own
+/// `serve` sets no timer, so hyper reads headers without a deadline, and
+/// hyper's choice between HTTP/1 and HTTP/2 waits for a client's first
+/// bytes for ever: each connection is served here, as axum does, with a
+/// deadline for both.
+pub async fn serve_http(
+    port: &'static str,
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    max_connections: usize,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+    let (closing, closing_rx) = tokio::sync::watch::channel(false);
+    let slots = crate::telemetry::metrics::ConnectionSlots::new(port, max_connections);
+    let connections = tokio_util::task::TaskTracker::new();
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait, then go on.
+                    tracing::warn!(port, error = %e, "could not accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
+        let Some(slot) = slots.admit() else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let mut closing = closing_rx.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            match tokio::time::timeout(HEADER_READ_TIMEOUT, first_bytes(&stream)).await {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(_) => {
+                    tracing::debug!(port, "a connection sent no request in time; closed");
+                    return;
+                }
+            }
+            let mut builder = Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .keep_alive_interval(H2_KEEPALIVE)
+                .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            loop {
+                tokio::select! {
+                    served = conn.as_mut() => {
+                        if let Err(e) = served {
+                            tracing::debug!(port, error = %e, "a connection ended with an error");
+                        }
+                        break;
+                    }
+                    Ok(()) = closing.changed() => conn.as_mut().graceful_shutdown(),
+                }
+            }
+        });
+    }
+    drop(listener);
+    let _ = closing.send(true);
+    connections.close();
+    connections.wait().await;
+    Ok(())
+}
+
+/// Waits until `stream` has sent what tells HTTP/1 from HTTP/2 (hyper reads
+/// up to the 24 bytes of HTTP/2's preface, for as long as what came is a
+/// prefix of it); false when it closed first.
+async fn first_bytes(stream: &tokio::net::TcpStream) -> bool {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let mut buf = [0u8; PREFACE.len()];
+    loop {
+        match stream.peek(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) if n == PREFACE.len() || buf[..n] != PREFACE[..n] => return true,
+            // Part of the preface: a peek answers at once while those bytes
+            // wait to be read, so look again shortly.
+            Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}

@@ -153,3 +153,91 @@ async fn past_the_connection_limit_a_new_a2a_http_connection_is_closed_until_one
     let _ = stop.send(());
     serving.await.unwrap().unwrap();
 }
+
+/// A connection that sends nothing, or only the start of HTTP/2's preface,
+/// is closed after the header read timeout: it used to hold its connection
+/// slot for ever (hyper waits for the bytes that tell HTTP/1 from HTTP/2
+/// without a deadline), so enough of them took every slot of the port.
+#[tokio::test]
+async fn an_http_connection_that_sends_no_request_is_closed_in_time() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 8, async {
+        let _ = stopped.await;
+    }));
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut partial = tokio::net::TcpStream::connect(addr).await.unwrap();
+    partial.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    let started = std::time::Instant::now();
+    let bound = agentd::a2a::HEADER_READ_TIMEOUT * 3;
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (silent_closed, partial_closed) = tokio::join!(
+        tokio::time::timeout(bound, silent.read_to_end(&mut a)),
+        tokio::time::timeout(bound, partial.read_to_end(&mut b)),
+    );
+    assert!(silent_closed.is_ok(), "a silent connection is held open");
+    assert!(partial_closed.is_ok(), "a half-sent preface is held open");
+    assert!(started.elapsed() >= agentd::a2a::HEADER_READ_TIMEOUT / 2);
+    let _ = stop.send(());
+    serving.await.unwrap().unwrap();
+}
+
+/// The admin port serves a bounded number of connections at once: past
+/// it new ones are closed (and counted) until one ends. It took any number,
+/// each holding a file descriptor the other ports and the store share.
+#[tokio::test]
+async fn past_its_connection_limit_the_admin_port_closes_new_connections() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(agentd::telemetry::admin::serve(
+        listener,
+        agentd::telemetry::admin::Readiness::default(),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    // A new client for each request: a pooled connection would be reused.
+    let get = || {
+        agentd::agent::openai::http_client()
+            .unwrap()
+            .get(format!("http://{addr}/healthz"))
+            .timeout(Duration::from_secs(5))
+            .send()
+    };
+    assert_eq!(get().await.unwrap().status(), 200);
+
+    // Idle connections take every slot (each may wait 10 s for a request).
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = get().await;
+    assert!(refused.is_err(), "a connection past the limit is served");
+    assert!(
+        agentd::telemetry::metrics::render()
+            .contains("agentd_connections_refused_total{port=\"admin\"}"),
+        "the refusal is counted"
+    );
+
+    idle.clear();
+    let mut served = None;
+    for _ in 0..100 {
+        if let Ok(r) = get().await {
+            served = Some(r.status());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        served,
+        Some(reqwest::StatusCode::OK),
+        "served once they closed"
+    );
+    let _ = stop.send(());
+    serving.await.unwrap().unwrap();
+}

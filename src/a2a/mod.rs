@@ -207,71 +207,19 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> Age
 /// How long a client may take to send a request's headers; past it the
 /// connection is closed (a client that opens connections and trickles
 /// bytes would otherwise hold each for ever).
-pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub const HEADER_READ_TIMEOUT: std::time::Duration = crate::server::HEADER_READ_TIMEOUT;
 
 /// Serves the HTTP face on `listener` until `stop` resolves, then lets the
 /// connections finish what they serve (their streams included) and returns.
-/// axum's own `serve` sets no timer, so hyper reads headers without a
-/// deadline: each connection is served here, as axum does, with one.
+/// At most `max_connections` at once, each with a deadline for its first
+/// request ([`crate::server::serve_http`]).
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     max_connections: usize,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    use hyper_util::server::conn::auto::Builder;
-    use hyper_util::service::TowerToHyperService;
-    let (closing, closing_rx) = tokio::sync::watch::channel(false);
-    let slots = crate::telemetry::metrics::ConnectionSlots::new("a2a_http", max_connections);
-    let connections = tokio_util::task::TaskTracker::new();
-    tokio::pin!(stop);
-    loop {
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // Out of file descriptors, say: wait, then go on.
-                    tracing::warn!(error = %e, "A2A HTTP: could not accept a connection");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut stop => break,
-        };
-        let Some(slot) = slots.admit() else {
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
-        let mut closing = closing_rx.clone();
-        connections.spawn(async move {
-            let _slot = slot;
-            let mut builder = Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            loop {
-                tokio::select! {
-                    served = conn.as_mut() => {
-                        if let Err(e) = served {
-                            tracing::debug!(error = %e, "A2A HTTP: connection ended with an error");
-                        }
-                        break;
-                    }
-                    Ok(()) = closing.changed() => conn.as_mut().graceful_shutdown(),
-                }
-            }
-        });
-    }
-    drop(listener);
-    let _ = closing.send(true);
-    connections.close();
-    connections.wait().await;
-    Ok(())
+    crate::server::serve_http("a2a_http", listener, router, max_connections, stop).await
 }
 
 /// The card's addresses for servers bound to `grpc` and `http`: `host` when

@@ -32,6 +32,11 @@ impl Readiness {
     }
 }
 
+/// Connections the admin port serves at once: scrapers and probes make a
+/// few short ones. Past it new ones are closed, so a peer that opens many
+/// cannot take the file descriptors the other ports and the store need.
+const MAX_CONNECTIONS: usize = 64;
+
 /// The admin routes.
 pub fn router(readiness: Readiness) -> Router {
     Router::new()
@@ -55,9 +60,14 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    let result = axum::serve(listener, router(readiness))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let result = crate::server::serve_http(
+        "admin",
+        listener,
+        router(readiness),
+        MAX_CONNECTIONS,
+        shutdown,
+    )
+    .await;
     upkeep.abort();
     result.map_err(|e| anyhow::anyhow!("admin server failed: {e}"))
 }
