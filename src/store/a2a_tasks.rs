@@ -244,10 +244,12 @@ fn decode(json: &str) -> Result<Task, A2AError> {
     })
 }
 
-/// ListTasks pages newest first, by (created_at, id); the token is the last
-/// row's key.
-fn encode_cursor(created_at: i64, id: &str) -> String {
-    format!("{created_at}.{id}")
+/// ListTasks pages most recently updated first, as the spec requires, by
+/// (updated_at, id); the token is the last row's key. A task updated while
+/// a client pages moves to the front, so that client's later pages do not
+/// show it again (or, if it had not been shown yet, at all).
+fn encode_cursor(updated_at: i64, id: &str) -> String {
+    format!("{updated_at}.{id}")
 }
 
 fn decode_cursor(token: &str) -> Result<(i64, String), A2AError> {
@@ -496,9 +498,9 @@ macro_rules! sql_task_store {
                     .map_err(super::sql::db_err)
                     .map_err(a2a_err)?;
                 let rows = sqlx::query(&format!(
-                    "SELECT id, created_at, task_json FROM a2a_tasks WHERE {FILTER} \
-                     AND ($5 IS NULL OR created_at < $5 OR (created_at = $5 AND id < $6)) \
-                     ORDER BY created_at DESC, id DESC LIMIT $7"
+                    "SELECT id, updated_at, task_json FROM a2a_tasks WHERE {FILTER} \
+                     AND ($5 IS NULL OR updated_at < $5 OR (updated_at = $5 AND id < $6)) \
+                     ORDER BY updated_at DESC, id DESC LIMIT $7"
                 ))
                 .bind(owner.as_str())
                 .bind(context)
@@ -517,9 +519,9 @@ macro_rules! sql_task_store {
                 for r in rows.iter().take(page_size) {
                     let json: String = r.try_get("task_json").map_err(super::sql::db_err).map_err(a2a_err)?;
                     let id: String = r.try_get("id").map_err(super::sql::db_err).map_err(a2a_err)?;
-                    let created: i64 = r.try_get("created_at").map_err(super::sql::db_err).map_err(a2a_err)?;
+                    let updated: i64 = r.try_get("updated_at").map_err(super::sql::db_err).map_err(a2a_err)?;
                     tasks.push(listed(decode(&json)?, req));
-                    last = Some((created, id));
+                    last = Some((updated, id));
                 }
                 let next_page_token = match (more, last) {
                     (true, Some((c, id))) => encode_cursor(c, &id),
