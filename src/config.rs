@@ -262,7 +262,9 @@ pub struct ServeArgs {
     pub auth_tokens: Option<std::path::PathBuf>,
 
     /// Services callable without credentials when authentication is on
-    /// (comma-separated; empty: none).
+    /// (comma-separated; empty: none). Only grpc.health.v1.Health and
+    /// grpc.reflection.v1.ServerReflection may be named: any other service
+    /// is refused at start-up.
     #[arg(
         long,
         env = "AGENTD_AUTH_OPEN_SERVICES",
@@ -415,7 +417,44 @@ impl ServeArgs {
         if let Some(u) = &self.a2a_advertise_url {
             advertise_url(u).map_err(|why| format!("--a2a-advertise-url: {why}"))?;
         }
+        crate::auth::check_open_services(&self.auth_open_services)?;
         Ok(())
+    }
+
+    /// Settings that serve, but insecurely: start-up logs each as one
+    /// warning line. (Plaintext behind a TLS-terminating proxy or a service
+    /// mesh is a deliberate choice these lines cannot see.)
+    pub fn insecure_settings(&self) -> Vec<String> {
+        let tls = self.tls_cert.is_some() && self.tls_key.is_some();
+        let auth = self.auth_tokens.is_some() || (tls && self.tls_client_ca.is_some());
+        let exposed = |addr: SocketAddr| !addr.ip().to_canonical().is_loopback();
+        let mut reachable: Vec<String> = Vec::new();
+        if exposed(self.listen) {
+            reachable.push(format!("{} (--listen)", self.listen));
+        }
+        if let Some(a2a) = self.a2a_listen.0.filter(|a| exposed(*a)) {
+            reachable.push(format!("{a2a} (--a2a-listen)"));
+        }
+        let mut warnings = Vec::new();
+        if !auth && !reachable.is_empty() {
+            warnings.push(format!(
+                "authentication is off and {} is not a loopback address: any client that reaches it may act for any user; set --auth-tokens or --tls-client-ca",
+                reachable.join(" and ")
+            ));
+        }
+        // With TLS the A2A HTTP port's plaintext has a warning of its own.
+        if self.auth_tokens.is_some() && !tls && !reachable.is_empty() {
+            warnings.push(format!(
+                "bearer tokens are on without TLS and {} is not a loopback address: tokens cross the network in cleartext; set --tls-cert and --tls-key, or serve behind a TLS-terminating proxy",
+                reachable.join(" and ")
+            ));
+        }
+        if self.tls_client_ca.is_some() && self.auth_tokens.is_none() {
+            warnings.push(
+                "--tls-client-ca without --auth-tokens: every certificate the CA signed may act for any user; list the trusted certificate names under `clients` in an --auth-tokens file".to_owned(),
+            );
+        }
+        warnings
     }
 
     pub fn turn_config(&self) -> TurnConfig {
@@ -842,6 +881,64 @@ mod tests {
                 .concat(),
             ""
         );
+    }
+
+    #[test]
+    fn only_health_and_reflection_may_be_open_services() {
+        serve(&["--auth-open-services", "grpc.health.v1.Health"])
+            .validate()
+            .unwrap();
+        for open in [
+            "agents.v1.AgentService",
+            "grpc.health.v1.Health,lf.a2a.v1.A2AService",
+        ] {
+            let err = serve(&["--auth-open-services", open])
+                .validate()
+                .unwrap_err();
+            assert!(
+                err.starts_with("--auth-open-services") && err.contains("any user"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn insecure_settings_are_named() {
+        let warns = |args: &[&str]| serve(args).insecure_settings();
+        // The defaults listen on loopback only.
+        assert_eq!(warns(&[]), Vec::<String>::new());
+        let w = warns(&["--listen", "0.0.0.0:50051"]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("authentication is off") && w[0].contains("0.0.0.0:50051"),
+            "{w:?}"
+        );
+        let w = warns(&["--a2a-listen", "[::]:8080"]);
+        assert!(w[0].contains("[::]:8080 (--a2a-listen)"), "{w:?}");
+        assert_eq!(
+            warns(&["--listen", "[::1]:1", "--a2a-listen", "127.0.0.2:1"]),
+            Vec::<String>::new()
+        );
+        // Tokens without TLS, off loopback: cleartext tokens.
+        let w = warns(&["--auth-tokens", "t.json", "--listen", "10.0.0.7:50051"]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("cleartext"), "{w:?}");
+        assert_eq!(warns(&["--auth-tokens", "t.json"]), Vec::<String>::new());
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        let mut args = tls.to_vec();
+        args.extend(["--auth-tokens", "t.json", "--listen", "10.0.0.7:50051"]);
+        assert_eq!(warns(&args), Vec::<String>::new());
+        // A client CA without a tokens file: any signed certificate, any user.
+        let mut args = tls.to_vec();
+        args.extend(["--tls-client-ca", "ca.pem"]);
+        let w = warns(&args);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].starts_with("--tls-client-ca without --auth-tokens"),
+            "{w:?}"
+        );
+        args.extend(["--auth-tokens", "t.json"]);
+        assert_eq!(warns(&args), Vec::<String>::new());
     }
 
     #[test]

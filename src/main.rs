@@ -226,6 +226,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "the A2A HTTP port serves plaintext while the gRPC port serves TLS; put it behind a TLS-terminating proxy, or turn it off with --a2a-listen off"
         );
     }
+    // Served, but insecurely: one line each, before the start-up line.
+    for warning in args.insecure_settings() {
+        tracing::warn!("{warning}");
+    }
     // What an incident asks first: which build, which store, which replica,
     // and the durations that decide how it stops.
     tracing::info!(

@@ -69,7 +69,9 @@ async fn check(
             next.run(req).await
         }
         Err(why) => {
-            tracing::info!(reason = %why, "A2A call refused: unauthenticated");
+            // Debug only: anyone can send such calls, and the metrics
+            // count them.
+            tracing::debug!(reason = %why, "A2A call refused: unauthenticated");
             // Counted without its method: the body of an unauthenticated
             // request is not read.
             crate::telemetry::metrics::a2a_request("unknown", "UNAUTHENTICATED", started.elapsed());

@@ -98,7 +98,9 @@ where
                 Either::Left(self.inner.call(req))
             }
             Err(why) => {
-                tracing::info!(reason = %why, "call refused: unauthenticated");
+                // Debug only: anyone can send such calls, and the metrics
+                // count them.
+                tracing::debug!(reason = %why, "call refused: unauthenticated");
                 Either::Right(ready(Ok(
                     crate::grpc::status::unauthenticated(why).into_http()
                 )))

@@ -7,7 +7,9 @@
 //! extensions; the handlers then check the request's `user_id` against it
 //! ([`authorize`]), since the user is inside the message.
 //!
-//! Tokens are compared in constant time and never logged or displayed.
+//! Tokens are kept as SHA-256 digests, compared in constant time (the
+//! comparison shows neither where nor whether the lengths differ), and never
+//! logged or displayed.
 
 mod layer;
 pub mod tls;
@@ -30,10 +32,28 @@ use crate::domain::UserId;
 pub const CALLER_HEADER: &str = "agentd-caller";
 
 /// Services reachable without credentials by default: probes and tooling.
+/// They are also the only services `--auth-open-services` may name
+/// ([`check_open_services`]).
 pub const DEFAULT_OPEN_SERVICES: &[&str] = &[
     "grpc.health.v1.Health",
     "grpc.reflection.v1.ServerReflection",
 ];
+
+/// Checks `--auth-open-services`: only the health and reflection services
+/// may be called without credentials. Any other service (agents.v1, the A2A
+/// service) would run calls with no caller, which [`authorize`] lets act
+/// for every user: authentication would be on in name only.
+pub fn check_open_services(services: &[String]) -> Result<(), String> {
+    for s in services.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        if !DEFAULT_OPEN_SERVICES.contains(&s) {
+            return Err(format!(
+                "--auth-open-services: {s:?} cannot be open; only {} may be called without credentials (an open agents.v1 or A2A service would let any client act for any user)",
+                DEFAULT_OPEN_SERVICES.join(" and ")
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// The user ids a caller may act for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,10 +143,21 @@ pub enum Unauthenticated {
     UnknownCertificate,
 }
 
-/// A token's entry. Debug shows the caller, never the token.
+/// A token's entry: the token's SHA-256 digest, never the token. Debug
+/// shows the caller only.
 struct TokenEntry {
-    token: Vec<u8>,
+    digest: TokenDigest,
     caller: Caller,
+}
+
+/// The SHA-256 digest of a token: what presented tokens are compared by.
+/// Every digest has the same length, so a comparison in constant time
+/// reveals nothing of the stored token's length.
+type TokenDigest = [u8; 32];
+
+fn token_digest(token: &[u8]) -> TokenDigest {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token).into()
 }
 
 impl std::fmt::Debug for TokenEntry {
@@ -187,6 +218,7 @@ impl Authenticator {
         mtls: bool,
         open_services: &[String],
     ) -> anyhow::Result<Self> {
+        check_open_services(open_services).map_err(anyhow::Error::msg)?;
         let (tokens, clients, _listed_clients) = match tokens_file {
             None => (Vec::new(), Vec::new(), false),
             Some(path) => {
@@ -245,15 +277,13 @@ impl Authenticator {
             if t.caller.is_empty() {
                 anyhow::bail!("tokens[{i}]: caller is empty");
             }
-            if tokens
-                .iter()
-                .any(|e: &TokenEntry| e.token == t.token.as_bytes())
-            {
+            let digest = token_digest(t.token.as_bytes());
+            if tokens.iter().any(|e: &TokenEntry| e.digest == digest) {
                 anyhow::bail!("{whose}: the same token is listed twice");
             }
             let scope = Scope::parse(t.user_ids, &whose)?;
             tokens.push(TokenEntry {
-                token: t.token.into_bytes(),
+                digest,
                 caller: Caller {
                     name: t.caller.into(),
                     scope,
@@ -278,12 +308,15 @@ impl Authenticator {
         self.open_services.contains(service)
     }
 
-    /// The caller presenting `token`. Every entry is compared, in constant
-    /// time, whichever matches.
+    /// The caller presenting `token`. The presented token's digest is
+    /// compared with every entry's, each in constant time (digests all have
+    /// one length, so neither the position of a difference nor a stored
+    /// token's length shows), whichever matches.
     pub fn by_token(&self, token: &[u8]) -> Option<&Caller> {
+        let presented = token_digest(token);
         let mut found = None;
         for e in &self.tokens {
-            if bool::from(e.token.as_slice().ct_eq(token)) {
+            if bool::from(e.digest.as_slice().ct_eq(presented.as_slice())) {
                 found = Some(&e.caller);
             }
         }
@@ -421,6 +454,57 @@ mod tests {
         );
         let err = format!("{:#}", Authenticator::parse(&copied).unwrap_err());
         assert!(err.contains("placeholder"), "{err}");
+    }
+
+    #[test]
+    fn tokens_match_only_in_full_and_are_kept_as_fixed_size_digests() {
+        let a = auth();
+        assert_eq!(
+            a.by_token(b"tok-web-0123456789abc").map(|c| &*c.name),
+            Some("web")
+        );
+        for other in [
+            &b"tok-web-0123456789abX"[..], // same length, last byte differs
+            b"Xok-web-0123456789abc",      // same length, first byte differs
+            b"tok-web-0123456789ab",       // a prefix
+            b"tok-web-0123456789abcd",     // one byte longer
+            b"",
+        ] {
+            assert!(a.by_token(other).is_none(), "{other:?}");
+        }
+        // What is compared is a digest of one length whatever the token's,
+        // so the comparison cannot end early on a length difference.
+        for e in &a.tokens {
+            let digest: &TokenDigest = &e.digest;
+            assert_eq!(digest.len(), 32);
+            assert_ne!(digest.as_slice(), b"tok-web-0123456789abc".as_slice());
+        }
+        assert_ne!(token_digest(b"tok-web"), token_digest(b"tok-web-"));
+    }
+
+    #[test]
+    fn only_health_and_reflection_may_be_open() {
+        let defaults: Vec<String> = DEFAULT_OPEN_SERVICES
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        check_open_services(&defaults).unwrap();
+        check_open_services(&[String::new(), " grpc.health.v1.Health ".into()]).unwrap();
+        for open in [
+            "agents.v1.AgentService",
+            crate::a2a::A2A_SERVICE_NAME,
+            "grpc.health.v1.Health2",
+        ] {
+            let listed = vec!["grpc.health.v1.Health".to_owned(), open.to_owned()];
+            let err = check_open_services(&listed).unwrap_err();
+            assert!(
+                err.starts_with("--auth-open-services") && err.contains(open),
+                "{err}"
+            );
+            // Whoever builds the authenticator gets the same refusal.
+            let err = Authenticator::new(None, true, &listed).unwrap_err();
+            assert!(format!("{err:#}").contains(open), "{err:#}");
+        }
     }
 
     #[test]

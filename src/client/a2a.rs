@@ -625,6 +625,22 @@ fn reason(e: &A2AError) -> &'static str {
     }
 }
 
+/// Whether an interface at `interface_url`, listed by the agent card read
+/// from `card_url`, is a downgrade from TLS to plaintext: the card came over
+/// https and the interface is anything but https (a gRPC interface without a
+/// scheme, `host:port`, is plaintext). A client with a bearer token uses no
+/// such interface. Another host than the card's is allowed (agentd's own
+/// card may name the pod rather than the Service it was read through), with
+/// the same or a stronger scheme.
+fn downgrades(card_url: &str, interface_url: &str) -> bool {
+    let scheme = |u: &str| {
+        u.split_once("://")
+            .map(|(scheme, _)| scheme.to_ascii_lowercase())
+    };
+    scheme(card_url).as_deref() == Some("https")
+        && scheme(interface_url).as_deref() != Some("https")
+}
+
 /// A client of one remote A2A agent; clones share the connection.
 #[derive(Clone)]
 pub struct A2aClient {
@@ -642,7 +658,9 @@ impl A2aClient {
     /// [`Self::connect`], sending `authorization: Bearer <token>` on every
     /// call when a token is given. `base_url` may also be the card's own URL
     /// (ending in `/.well-known/agent-card.json`). The card itself is read
-    /// without the token: A2A cards are public.
+    /// without the token: A2A cards are public. With a token, a card read
+    /// over https is used only through its https interfaces: a plaintext
+    /// one is left out, and an error if none is left.
     pub async fn connect_with(
         base_url: &str,
         binding: Option<Binding>,
@@ -682,6 +700,34 @@ impl A2aClient {
                 a2a::TRANSPORT_PROTOCOL_GRPC,
             ],
         };
+        // With a token, no interface that would carry it in plaintext where
+        // the card came over TLS (see `downgrades`).
+        let mut card = card;
+        let mut plaintext: Vec<String> = Vec::new();
+        if token.is_some() {
+            card.supported_interfaces.retain(|i| {
+                let spoken = speaks
+                    .iter()
+                    .any(|p| i.protocol_binding.eq_ignore_ascii_case(p));
+                if spoken && downgrades(base_url, &i.url) {
+                    plaintext.push(format!("{} at {}", i.protocol_binding, i.url));
+                    return false;
+                }
+                true
+            });
+            if !plaintext.is_empty() {
+                // The card's host only: its URL may carry credentials.
+                let host = reqwest::Url::parse(base_url)
+                    .ok()
+                    .and_then(|u| u.host_str().map(str::to_owned))
+                    .unwrap_or_default();
+                tracing::warn!(
+                    card_host = %host,
+                    interfaces = %plaintext.join(", "),
+                    "the agent card, read over https, lists plaintext interfaces: they are not used, so that the bearer token is not sent in cleartext"
+                );
+            }
+        }
         // A2A §8.3.2: the first interface of the card's (ordered) list that
         // the client supports. The factory ranks candidates by this list's
         // order, so it is the card's, with what this client does not speak
@@ -701,6 +747,13 @@ impl A2aClient {
             if !preferred.contains(&i.protocol_binding) {
                 preferred.push(i.protocol_binding.clone());
             }
+        }
+        if preferred.is_empty() && !plaintext.is_empty() {
+            anyhow::bail!(
+                "the agent card at {base_url} was read over https but offers {} only over plaintext ({}): the bearer token is not sent in cleartext; the card must list an https:// interface",
+                binding.map_or("an interface this client speaks", |b| b.protocol()),
+                plaintext.join(", ")
+            );
         }
         if preferred.is_empty() {
             match binding {
@@ -1190,6 +1243,32 @@ fn end_of(st: &CallState, event: Option<&StreamResponse>) -> Option<Result<Outco
 mod tests {
     use super::*;
     use a2a::TaskArtifactUpdateEvent;
+
+    #[test]
+    fn an_interface_downgrades_when_it_leaves_tls_for_plaintext() {
+        let card = "https://partner.example/";
+        for plain in [
+            "http://other-host/",
+            "http://partner.example/",
+            "HTTP://partner.example/",
+            "partner.example:50051",
+            "grpc://partner.example:50051",
+            "",
+        ] {
+            assert!(downgrades(card, plain), "{plain:?}");
+            assert!(downgrades("HTTPS://partner.example", plain), "{plain:?}");
+        }
+        for kept in [
+            "https://partner.example/rpc",
+            "HTTPS://pod-7.partner.svc:8443/",
+        ] {
+            assert!(!downgrades(card, kept), "{kept:?}");
+        }
+        // A card read over plaintext has nothing to lose.
+        for any in ["http://other-host/", "host:50051", "https://x/"] {
+            assert!(!downgrades("http://partner.example", any), "{any:?}");
+        }
+    }
 
     fn chunk(id: &str, text: &str, append: bool, last: bool) -> StreamResponse {
         update(id, vec![Part::text(text)], append, last)

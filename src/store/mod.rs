@@ -367,34 +367,59 @@ fn one_line(e: anyhow::Error) -> anyhow::Error {
     anyhow::anyhow!("{e}")
 }
 
-/// `url` without its password (in the user info, or a `password` query
-/// parameter, which sqlx takes too), for messages and logs.
+/// `url` with its secrets masked (`***`), for messages and logs: the
+/// password of its user info, and the value of every query parameter whose
+/// key, percent-decoded, contains `password` in any case (`password`,
+/// `sslpassword`, `pass%77ord`: sqlx and libpq take several). The rest is
+/// shown as written.
 pub fn redact(url: &str) -> String {
-    let url = match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let userinfo = &url[s + 3..at];
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{}://{}@{}", &url[..s], user, &url[at + 1..])
-        }
-        _ => url.to_owned(),
+    const MASK: &str = "***";
+    // scheme://userinfo@host/path?query#fragment, split by hand so that what
+    // is not a secret is shown exactly as given.
+    let (head, query) = match url.split_once('?') {
+        Some((head, query)) => (head, Some(query)),
+        None => (url, None),
     };
-    match url.split_once('?') {
-        Some((base, query)) => {
-            let kept: Vec<&str> = query
-                .split('&')
-                .filter(|kv| {
-                    let key = kv.split('=').next().unwrap_or_default();
-                    !key.eq_ignore_ascii_case("password")
-                })
-                .collect();
-            if kept.is_empty() {
-                base.to_owned()
-            } else {
-                format!("{base}?{}", kept.join("&"))
-            }
-        }
-        None => url,
+    // The user info ends at the last '@': a password may hold an unescaped
+    // '/' or '@' (sqlx refuses that URL, and its error quotes it).
+    let head = match head.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((userinfo, host)) => match userinfo.split_once(':') {
+                Some((user, _password)) => format!("{scheme}://{user}:{MASK}@{host}"),
+                None => head.to_owned(),
+            },
+            None => head.to_owned(),
+        },
+        None => head.to_owned(),
+    };
+    let Some(query) = query else {
+        return head;
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (query, None),
+    };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _value)) if names_a_password(key) => format!("{key}={MASK}"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    let mut shown = format!("{head}?{}", pairs.join("&"));
+    if let Some(f) = fragment {
+        shown.push('#');
+        shown.push_str(f);
     }
+    shown
+}
+
+/// Whether a URL query key, percent-decoded (and `+` a space, as sqlx reads
+/// it), names a password.
+fn names_a_password(key: &str) -> bool {
+    form_urlencoded::parse(key.as_bytes())
+        .next()
+        .is_some_and(|(key, _)| key.to_lowercase().contains("password"))
 }
 
 /// Every store also keeps the A2A face's tasks ([`a2a_tasks`]).
@@ -582,21 +607,54 @@ mod tests {
     fn a_store_url_is_shown_without_its_password() {
         assert_eq!(
             redact("postgres://agentd:s3cret@db:5432/agentd"),
-            "postgres://agentd@db:5432/agentd"
+            "postgres://agentd:***@db:5432/agentd"
         );
         assert_eq!(redact("postgres://db/agentd"), "postgres://db/agentd");
         assert_eq!(redact("sqlite://agentd.db"), "sqlite://agentd.db");
+        assert_eq!(redact("memory:"), "memory:");
+        assert_eq!(
+            redact("sqlite:///data/a@b.db?mode=rwc"),
+            "sqlite:///data/a@b.db?mode=rwc"
+        );
         assert_eq!(
             redact("postgres://agentd@db/agentd?password=s3cret&sslmode=require"),
-            "postgres://agentd@db/agentd?sslmode=require"
+            "postgres://agentd@db/agentd?password=***&sslmode=require"
         );
         assert_eq!(
             redact("postgres://db/agentd?user=agentd&password=s3cret"),
-            "postgres://db/agentd?user=agentd"
+            "postgres://db/agentd?user=agentd&password=***"
         );
         assert_eq!(
             redact("postgres://agentd:s3cret@db/agentd?password=s3cret"),
-            "postgres://agentd@db/agentd"
+            "postgres://agentd:***@db/agentd?password=***"
+        );
+        // Every key that names a password, however it is spelt or escaped.
+        for (key, shown) in [
+            ("sslpassword", "sslpassword"),
+            ("PASSWORD", "PASSWORD"),
+            ("pass%77ord", "pass%77ord"),
+            ("%70%61%73%73%77%6F%72%64", "%70%61%73%73%77%6F%72%64"),
+            ("ssl%50assword", "ssl%50assword"),
+        ] {
+            let url = format!("postgres://u@db/agentd?sslmode=require&{key}=s3cret&x=1");
+            assert_eq!(
+                redact(&url),
+                format!("postgres://u@db/agentd?sslmode=require&{shown}=***&x=1"),
+                "{key}"
+            );
+        }
+        // A password holding unescaped '/' or '@', which sqlx refuses and
+        // quotes in its error.
+        for url in [
+            "postgres://agentd:s3/cret@db/agentd",
+            "postgres://agentd:s3@cret@db/agentd",
+        ] {
+            assert_eq!(redact(url), "postgres://agentd:***@db/agentd", "{url}");
+        }
+        // Malformed escapes are shown, not decoded.
+        assert_eq!(
+            redact("postgres://db/x?pass%7=a%"),
+            "postgres://db/x?pass%7=a%"
         );
     }
 }
