@@ -148,8 +148,39 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
                 Code::ResourceExhausted,
                 "the client stopped reading events; it stopped following the turn, which goes on (attach to it again)".into(),
             ),
+            // The follower's own bound, not the turn's: the turn may have
+            // completed, or still run.
+            Failure::Deadline { by_server: true } => (
+                TurnState::DeadlineExceeded,
+                Code::DeadlineExceeded,
+                "following the turn exceeded the server's maximum call duration; attach to it again".into(),
+            ),
             ref f => return failure_outcome(f),
         },
+        // Never a turn's outcome: the turn completed, this call did not
+        // get its end.
+        Failure::Undelivered(f) => {
+            let (code, why) = match **f {
+                Failure::SlowConsumer => (
+                    Code::ResourceExhausted,
+                    "the client stopped reading events",
+                ),
+                Failure::Deadline { by_server: false } => {
+                    (Code::DeadlineExceeded, "the call's deadline passed")
+                }
+                Failure::Deadline { by_server: true } => (
+                    Code::DeadlineExceeded,
+                    "the call exceeded the server's maximum run duration",
+                ),
+                Failure::ClientGone => (Code::Cancelled, "the client cancelled the call"),
+                _ => (Code::Unavailable, "the server stopped serving the call"),
+            };
+            (
+                TurnState::Completed,
+                code,
+                format!("{why} before the final answer was delivered; the turn completed: send its request_id again to replay it"),
+            )
+        }
         Failure::ClientGone => (
             TurnState::Cancelled,
             Code::Cancelled,
@@ -210,10 +241,15 @@ pub fn failure(f: Failure) -> Status {
         _ => None,
     };
     // The turn's own outcome: stored, so a resend with the same request_id
-    // replays it. A store failure while following is not, and may pass.
+    // replays it. A store failure (an outcome not confirmed stored among
+    // them), a follower's own end or a final answer this call did not
+    // deliver is not, and may pass.
     let recorded = !matches!(
         f,
-        Failure::Store(_) | Failure::StoppedFollowing(_) | Failure::Removed
+        Failure::Store(_)
+            | Failure::StoppedFollowing(_)
+            | Failure::Removed
+            | Failure::Undelivered(_)
     );
     let o = outcome(&Err(f));
     let mut status = Status::new(Code::from(o.code), o.message);

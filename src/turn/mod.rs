@@ -235,6 +235,13 @@ pub enum Failure {
     /// this is recorded.
     #[error("stopped following the turn: {0}")]
     StoppedFollowing(Box<Failure>),
+    /// The turn completed (its final event and outcome went to the store),
+    /// but this call could not deliver its end: its reader stalled, went
+    /// away or ran out of time, or the server was cut. Only this call ends
+    /// so; the turn is recorded OK, and a repeat of its request id replays
+    /// it.
+    #[error("the final event was not delivered: {0}")]
+    Undelivered(Box<Failure>),
 }
 
 impl Failure {
@@ -242,7 +249,7 @@ impl Failure {
     /// caller is too slow or out of time, so the status goes out first.
     fn discards_buffer(&self) -> bool {
         match self {
-            Failure::StoppedFollowing(f) => f.discards_buffer(),
+            Failure::StoppedFollowing(f) | Failure::Undelivered(f) => f.discards_buffer(),
             f => matches!(f, Failure::SlowConsumer | Failure::Deadline { .. }),
         }
     }
@@ -406,11 +413,13 @@ impl Turns {
         if self.draining.load(Ordering::SeqCst) {
             return Err(RunError::ShuttingDown);
         }
-        let agent = self
-            .agents
-            .get(input.agent.as_deref())
-            .ok_or(RunError::UnknownAgent)?
-            .clone();
+        // An agent not served (any more) still answers a repeat of a turn
+        // it ran: that turn is looked up below, after the read that says
+        // whether it is stored. A request id made here names no such turn.
+        let agent = self.agents.get(input.agent.as_deref()).cloned();
+        if agent.is_none() && input.generated_request_id {
+            return Err(RunError::UnknownAgent);
+        }
         self.check_store()?;
         let deadline = self.deadline(client_timeout);
         let key = input.key.clone();
@@ -427,17 +436,18 @@ impl Turns {
             Some(read) if read.session.user_id == input.user_id => read,
             _ => return Err(RunError::SessionNotFound),
         };
+        let Some(agent) = agent else {
+            return match self.stored_turn(&key, read.turn_stored).await? {
+                Some(existing) => self.join(existing, &input, deadline),
+                None => Err(RunError::UnknownAgent),
+            };
+        };
         let permit = match self.run_slot(&input.user_id) {
             Ok(slot) => slot,
             Err(refused) => {
                 // At a cap, a repeated request id is still answered from the
-                // turn it names; only a new turn is refused (without another
-                // store call when the read found no such turn).
-                let existing = match read.turn_stored {
-                    true => self.store.get_turn(&key).await?,
-                    false => None,
-                };
-                return match existing {
+                // turn it names; only a new turn is refused.
+                return match self.stored_turn(&key, read.turn_stored).await? {
                     Some(existing) => self.join(existing, &input, deadline),
                     None => Err(refused),
                 };
@@ -677,14 +687,30 @@ impl Turns {
             })
     }
 
-    /// Replays or attaches to a turn someone else claimed.
+    /// The turn `key` names, when the read before its claim found it
+    /// stored (without another store call when it did not).
+    async fn stored_turn(
+        &self,
+        key: &TurnKey,
+        stored: bool,
+    ) -> Result<Option<TurnRecord>, RunError> {
+        Ok(match stored {
+            true => self.store.get_turn(key).await?,
+            false => None,
+        })
+    }
+
+    /// Replays or attaches to a turn someone else claimed. A repeat must
+    /// be the same message: the same text and, when it names one, the same
+    /// agent (one naming none asks for the default, whatever it was then).
     fn join(
         self: &Arc<Self>,
         existing: TurnRecord,
         input: &RunInput,
         deadline: Deadline,
     ) -> Result<Started, RunError> {
-        if existing.user_text != input.text.as_str() {
+        let other_agent = input.agent.as_deref().is_some_and(|a| a != existing.agent);
+        if existing.user_text != input.text.as_str() || other_agent {
             return Err(RunError::RequestIdReused);
         }
         let mode = if existing.state.is_terminal() {

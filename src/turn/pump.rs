@@ -27,9 +27,11 @@ const WRITER_QUEUE: usize = 2 * WRITER_BATCH;
 /// twice (WAL, then checkpoint).
 const WRITER_BATCH: usize = 2048;
 /// How long the final status waits for the outcome to be stored, at least:
-/// up to the run's deadline if that is later. A run whose outcome is not
-/// stored by then ends UNAVAILABLE (not OK): a follow-up could otherwise
-/// miss the turn in its history, and the outcome may yet fail to commit.
+/// up to the run's deadline if that is later (after the shutdown's cut, at
+/// most this). A run whose outcome is not stored by then ends UNAVAILABLE
+/// without the `recorded` trailer, whatever it ended with: a follow-up
+/// could otherwise miss the turn in its history, and the outcome may yet
+/// fail to commit.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
 enum ToWriter {
@@ -118,6 +120,7 @@ pub(super) fn spawn(
         kinds: turns.store.kind_encoding(),
         store: turns.store.clone(),
         answer: None,
+        undelivered: None,
         end: end.clone(),
         deadline,
         policy: turns.cfg.slow_consumer,
@@ -157,6 +160,9 @@ struct Pump {
     store: Arc<dyn Store>,
     /// The text of the final answer, once there is one.
     answer: Option<String>,
+    /// Why this call could not deliver the final event, which the writer
+    /// had already taken: the call ends so, the turn is recorded OK.
+    undelivered: Option<Failure>,
     end: Arc<End>,
     deadline: Deadline,
     policy: SlowConsumer,
@@ -176,7 +182,15 @@ impl Pump {
         let _in_flight = crate::telemetry::metrics::RunInFlight::enter();
         let mut sent = 0u64;
         let result = self.forward(&mut sent).await;
-        crate::telemetry::metrics::run_finished(super::Mode::New, &result, sent);
+        let undelivered = self.undelivered.take();
+        // Counted by what stopped the run: a reader that stalled on the
+        // final event ended this call, but cancelled no agent (it had
+        // finished).
+        let counted = match undelivered {
+            Some(Failure::SlowConsumer) => &Err(Failure::SlowConsumer),
+            _ => &result,
+        };
+        crate::telemetry::metrics::run_finished(super::Mode::New, counted, sent);
         // Drop the agent's stream first: that cancels the model call and the
         // tools right now, before anything else is awaited.
         self.events = Box::pin(futures::stream::empty());
@@ -202,11 +216,18 @@ impl Pump {
         } else {
             let until = self.deadline.at.max(Instant::now() + OUTCOME_WAIT);
             let cut = self.cut.clone();
+            // After the shutdown's cut (or the lease lost) the wait is no
+            // longer the run's deadline but the writer's one write after
+            // the cut (which the shutdown waits for too): a cut run whose
+            // outcome is stored ends recorded, one whose is not does not.
+            let cut_short = async {
+                cut.cancelled().await;
+                tokio::time::sleep(OUTCOME_WAIT).await;
+            };
             let mut progress = self.stored.clone();
             tokio::select! {
                 r = tokio::time::timeout_at(until, progress.wait_for(|p| p.done)) => drop(r),
-                // The shutdown's cut (or the lease lost) does not wait.
-                _ = cut.cancelled() => {}
+                _ = cut_short => {}
             }
             let stored = {
                 let p = self.stored.borrow();
@@ -247,12 +268,28 @@ impl Pump {
             Ok(()) if self.stored.borrow().store_failed => Err(Failure::Store(
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
-            // Its end is not in the store yet: retrying with the same
-            // request id replays it once it is (or its lease ends it).
-            Ok(()) if !confirmed => Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
-                "the turn's outcome could not be stored in time"
-            )))),
+            // A lost lease is recorded already: the turn was failed
+            // (replica stopped) by whoever took it for dead.
+            r @ Err(Failure::LeaseLost) => r,
+            // Its end, whatever it is, is not in the store yet: not the
+            // turn's recorded outcome, so no `recorded` trailer. Retrying
+            // with the same request id replays it once it is (or its
+            // lease ends it).
+            r if !confirmed => {
+                let ended = match &r {
+                    Ok(()) => "OK".to_owned(),
+                    Err(f) => format!("{f:#}"),
+                };
+                Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
+                    "the turn's outcome ({ended}) could not be stored in time"
+                ))))
+            }
             r => r,
+        };
+        let result = match (result, undelivered) {
+            // Recorded OK; this call alone could not deliver its end.
+            (Ok(()), Some(f)) => Err(Failure::Undelivered(Box::new(f))),
+            (r, _) => r,
         };
         let code = tonic::Code::from(status::outcome(&result).code);
         let level_warn = matches!(
@@ -360,17 +397,23 @@ impl Pump {
                 stall_timeout: self.stall_timeout,
                 by_server: self.deadline.by_server,
             };
-            let delivered = sink.deliver(wire, &mut deadline, &mut cut).await;
-            match delivered {
-                Ok(true) => *sent += 1,
-                Ok(false) => {}
-                Err(Failure::ClientGone) => self.client_gone()?,
-                Err(Failure::Shutdown) => return Err(self.stopped()),
-                Err(e) => return Err(e),
-            }
+            let delivered = match sink.deliver(wire, &mut deadline, &mut cut).await {
+                Ok(true) => {
+                    *sent += 1;
+                    Ok(())
+                }
+                Ok(false) => Ok(()),
+                Err(Failure::ClientGone) => self.client_gone(),
+                Err(Failure::Shutdown) => Err(self.stopped()),
+                Err(e) => Err(e),
+            };
             if is_final {
+                // The writer has the final event: the turn completed,
+                // whatever becomes of this call's delivery of it.
+                self.undelivered = delivered.err();
                 return Ok(());
             }
+            delivered?;
         }
     }
 
