@@ -112,6 +112,36 @@ async fn a_client_that_drops_the_stream_mid_run_cancels_the_tool() {
     server.stop().await;
 }
 
+/// A client that resets its stream when its own deadline passes (as
+/// gRPC clients do), a moment before the server's deadline for the call
+/// (counted from its arrival; here 100 ms, as for a client that counted
+/// from before it connected): the turn is recorded DEADLINE_EXCEEDED, not
+/// CANCELLED.
+#[tokio::test]
+async fn a_client_that_goes_away_at_its_deadline_is_recorded_past_its_deadline() {
+    let mut server = TestServer::tcp(slow_tool()).await;
+    let s = server.session("alice").await;
+    let deadline = Duration::from_millis(1500);
+    let sent = tokio::time::Instant::now();
+    let mut call = server
+        .client
+        .run(
+            run_request("alice", &s, "r1", "Where is order 1187?"),
+            deadline,
+        )
+        .await
+        .unwrap();
+    call.events.message().await.unwrap().unwrap();
+    tokio::time::sleep_until(sent + deadline - Duration::from_millis(100)).await;
+    drop(call);
+    let tool = server.tool.clone();
+    eventually("the tool is cancelled", || tool.cancelled() == 1).await;
+    let t = server.ended_turn(&s, "r1").await;
+    assert_eq!(t.state, TurnState::DeadlineExceeded);
+    assert_eq!(t.outcome.unwrap().code, Code::DeadlineExceeded as i32);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_client_whose_connection_breaks_cancels_the_tool() {
     let server = TestServer::tcp(slow_tool()).await;

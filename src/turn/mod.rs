@@ -559,6 +559,8 @@ impl Turns {
             return Err(RunError::ShuttingDown);
         }
         self.check_store()?;
+        // Counted from the call's arrival, before the reads below.
+        let deadline = self.deadline(client_timeout);
         self.owned_session(key.session_id, user_id).await?;
         let existing = self
             .store
@@ -576,7 +578,7 @@ impl Turns {
             key.clone(),
             &existing.agent,
             after,
-            self.deadline(client_timeout),
+            deadline,
             mode,
         );
         Ok(Started {

@@ -33,6 +33,9 @@ const WRITER_BATCH: usize = 2048;
 /// could otherwise miss the turn in its history, and the outcome may yet
 /// fail to commit.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
+/// A client that goes away this close to its call's deadline (or later) is
+/// taken to have reached it: the run ends DEADLINE_EXCEEDED, not CANCELLED.
+const DEADLINE_RESET_SLACK: Duration = Duration::from_millis(200);
 
 enum ToWriter {
     /// Encoded by the pump (see [`EncodedEvent`]).
@@ -419,6 +422,14 @@ impl Pump {
 
     /// The client went away: cancel, or keep running without it.
     fn client_gone(&mut self) -> Result<(), Failure> {
+        // gRPC clients reset the stream when their deadline passes, which is
+        // a little before ours (counted from the call's arrival): a reset
+        // that close to the deadline is the deadline, not a cancel.
+        if !self.deadline.by_server
+            && tokio::time::Instant::now() + DEADLINE_RESET_SLACK >= self.deadline.at
+        {
+            return Err(Failure::Deadline { by_server: false });
+        }
         match self.on_disconnect {
             OnDisconnect::Cancel => Err(Failure::ClientGone),
             OnDisconnect::Continue => {
