@@ -226,6 +226,8 @@ struct FailingTasks {
     /// Once set, reads of a task never answer (a database that stopped
     /// answering on a connection already open).
     hang_gets: std::sync::atomic::AtomicBool,
+    /// The store refuses to create a context's session (it failed over).
+    refuse_sessions: bool,
 }
 
 #[async_trait::async_trait]
@@ -274,6 +276,11 @@ impl agentd::store::a2a_tasks::A2aTasks for FailingTasks {
         id: agentd::domain::SessionId,
         user: &agentd::domain::UserId,
     ) -> agentd::store::StoreResult<()> {
+        if self.refuse_sessions {
+            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                "the store failed over"
+            )));
+        }
         self.inner.ensure_session(id, user).await
     }
     async fn create_for(
@@ -323,6 +330,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
                 refuse,
                 refused: Default::default(),
                 hang_gets: Default::default(),
+                refuse_sessions: false,
             }))),
             inner,
         });
@@ -365,6 +373,50 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
     }
 }
 
+/// A task whose run the store refused before it started (its context's
+/// session could not be made), and whose end (FAILED) the store refused
+/// too, is still ended: it does not read SUBMITTED for ever.
+#[tokio::test]
+async fn a_task_whose_run_and_end_the_store_refused_still_gets_its_end() {
+    use a2a::Part;
+    use agentd::store::a2a_tasks::A2aTaskSource;
+    use futures::StreamExt;
+    let inner = Arc::new(agentd::store::memory::MemoryStore::new());
+    let store = Arc::new(store_wrap::Wrapped {
+        hooks: Arc::new(Failing(Arc::new(FailingTasks {
+            inner: inner.a2a_tasks(),
+            refuse: Refuse::Terminal,
+            refused: Default::default(),
+            hang_gets: Default::default(),
+            refuse_sessions: true,
+        }))),
+        inner,
+    });
+    let server = a2a_support::A2aServer::start_on(store).await;
+    let client = server.grpc_client().await;
+    let req = a2a_support::echo_request(vec![Part::text("hello there")]);
+    let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+    let mut task_id = None;
+    for _ in 0..64 {
+        match events.next().await {
+            Some(Ok(StreamResponse::Task(t))) => task_id = Some(t.id),
+            Some(Ok(_)) => {}
+            Some(Err(_)) | None => break,
+        }
+    }
+    let task_id = task_id.expect("the stream named its task");
+    let mut task = client.get_task(&task_id).await.unwrap();
+    for _ in 0..200 {
+        if task.status.state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        task = client.get_task(&task_id).await.unwrap();
+    }
+    assert_eq!(task.status.state, TaskState::Failed, "{:?}", task.status);
+    server.stop().await;
+}
+
 /// The A2A task store's calls are bounded by the store timeout, as the
 /// session store's are, and counted: a read that never answers fails the
 /// call (retry later) instead of holding it until TCP gives up.
@@ -379,6 +431,7 @@ async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counte
         // Refused already: every update is stored.
         refused: std::sync::atomic::AtomicBool::new(true),
         hang_gets: Default::default(),
+        refuse_sessions: false,
     });
     let store = Arc::new(store_wrap::Wrapped {
         hooks: Arc::new(Failing(tasks.clone())),

@@ -178,6 +178,47 @@ async fn a_task_cut_by_a_killed_process_is_failed_at_the_next_start_on_sqlite() 
     second.kill9().await;
 }
 
+/// A task whose run ends while the server shuts down (SIGTERM) has its end
+/// stored before the process exits: after a restart on the same SQLite file
+/// it reads COMPLETED with the answer (a task left unfinished would read
+/// FAILED, failed at the start). The message returns at once, so no call
+/// waits for the task's end: only shutdown's wait for idle does. The run
+/// streams large chunks, each stored again with the whole artifact, so
+/// the storing of the task's updates ends well after the turn has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_run_ends_during_shutdown_reads_completed_after_a_restart_on_sqlite() {
+    const EVENTS: u32 = 40;
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let first = serve(&db.url, &["--stream-agent"]).await;
+    let client = a2a_at(first.addr).await;
+    let mut message = user_message(&format!("wait=300ms n={EVENTS} size=65536"), None);
+    message.metadata = Some([("agent".to_owned(), serde_json::json!("stream"))].into());
+    let req = SendMessageRequest {
+        configuration: Some(a2a::SendMessageConfiguration {
+            accepted_output_modes: None,
+            task_push_notification_config: None,
+            history_length: None,
+            return_immediately: Some(true),
+        }),
+        ..send_request(message)
+    };
+    let task = match client.raw().send_message(&req).await.unwrap() {
+        a2a::SendMessageResponse::Task(t) => t,
+        other => panic!("not a task: {other:?}"),
+    };
+    assert!(!task.status.state.is_terminal(), "{:?}", task.status);
+    drop(client);
+    let exit = first.terminate().await;
+    assert!(exit.success(), "{exit:?}");
+
+    let second = serve(&db.url, &[]).await;
+    let client = a2a_at(second.addr).await;
+    let task = client.get_task(&task.id).await.unwrap();
+    assert_eq!(task.status.state, TaskState::Completed, "{:?}", task.status);
+    assert_eq!(answer_of(&task), format!("sent {EVENTS} events"));
+    second.kill9().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_tasks_pages_filters_and_refuses_a_bad_token() {
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();

@@ -227,12 +227,15 @@ impl<E: AgentExecutor> AgentExecutor for ConformanceExecutor<E> {
             task_id: ctx.task_id.clone(),
             context_id: ctx.context_id.clone(),
         };
-        let first = (script != Script::MessageResponse
-            && ctx
-                .stored_task
-                .as_ref()
-                .is_none_or(|t| t.status.state == TaskState::Submitted))
-        .then(|| ids.task(ctx.message.iter().cloned().collect()));
+        // A task's stream begins with the task: a new one SUBMITTED, a
+        // waiting one the reply continues as it continues it.
+        let first = match (&ctx.stored_task, &ctx.message) {
+            _ if script == Script::MessageResponse => None,
+            (Some(t), Some(m)) if t.status.state != TaskState::Submitted => {
+                Some(StreamResponse::Task(super::executor::continued_task(t, m)))
+            }
+            _ => Some(ids.task(ctx.message.iter().cloned().collect())),
+        };
         let wait = self.resubscribe_wait;
         Box::pin(async_stream::stream! {
             if let Some(t) = first {

@@ -74,20 +74,6 @@ impl TurnExecutor {
     }
 }
 
-impl Shared {
-    /// The session of (`user`, `context`), created on first use: derived
-    /// from the pair, so every replica and every restart finds the same one.
-    async fn session(&self, user: &UserId, context: &str) -> Result<SessionId, RunError> {
-        let id = context_session(user, context);
-        self.turns
-            .store()
-            .a2a_tasks()
-            .ensure_session(id, user)
-            .await?;
-        Ok(id)
-    }
-}
-
 /// Everything one execution needs, taken from the executor context.
 pub(crate) struct Job {
     task_id: String,
@@ -97,8 +83,10 @@ pub(crate) struct Job {
     agent: Option<String>,
     /// Distinguishes the turns of one task (a task may take several messages).
     turn_index: usize,
-    /// The task starts with this message (not a reply to INPUT_REQUIRED).
-    is_new: bool,
+    /// For a reply to a waiting task (INPUT_REQUIRED): the task as the
+    /// reply continues it ([`continued_task`]), which its stream begins
+    /// with; `None` for a task that starts with this message.
+    continued: Option<Task>,
     /// The trace context the message's call carried.
     trace_parent: opentelemetry::Context,
 }
@@ -146,7 +134,13 @@ impl Job {
             .stored_task
             .as_ref()
             .is_none_or(|t| t.status.state == TaskState::Submitted);
+        let continued = ctx
+            .stored_task
+            .as_ref()
+            .filter(|_| !is_new)
+            .map(|t| continued_task(t, &message));
         Ok(Job {
+            continued,
             trace_parent: crate::telemetry::trace::extract_params(&ctx.service_params),
             task_id: ctx.task_id,
             context_id: ctx.context_id,
@@ -154,7 +148,6 @@ impl Job {
             user,
             agent,
             turn_index,
-            is_new,
         })
     }
 
@@ -168,7 +161,7 @@ impl Job {
             user: UserId::parse(ANONYMOUS_USER).expect("a valid id"),
             agent: None,
             turn_index: 0,
-            is_new: false,
+            continued: None,
             trace_parent: opentelemetry::Context::new(),
         }
     }
@@ -212,13 +205,12 @@ impl Job {
         })
     }
 
-    /// The task as it is when its run starts; for a reply to a waiting
-    /// task, WORKING (a task snapshot would replace its history).
+    /// The task as it is when its run starts, which its stream begins
+    /// with (spec: a stream begins with the Task): SUBMITTED with its first
+    /// message, or, for a reply to a waiting task, WORKING with the
+    /// history it has (the handler stores the snapshot as the task).
     fn submitted(&self, session: Option<SessionId>) -> StreamResponse {
-        if !self.is_new {
-            return self.status(TaskState::Working, None);
-        }
-        StreamResponse::Task(Task {
+        let mut task = self.continued.clone().unwrap_or_else(|| Task {
             id: self.task_id.clone(),
             context_id: self.context_id.clone(),
             status: TaskStatus {
@@ -228,13 +220,15 @@ impl Job {
             },
             artifacts: None,
             history: Some(vec![self.message.clone()]),
-            metadata: session.map(|s| {
-                HashMap::from([(
-                    crate::store::a2a_tasks::SESSION_METADATA_KEY.to_owned(),
-                    serde_json::Value::String(s.to_string()),
-                )])
-            }),
-        })
+            metadata: None,
+        });
+        if let Some(s) = session {
+            task.metadata.get_or_insert_with(HashMap::new).insert(
+                crate::store::a2a_tasks::SESSION_METADATA_KEY.to_owned(),
+                serde_json::Value::String(s.to_string()),
+            );
+        }
+        StreamResponse::Task(task)
     }
 
     /// The task ends without running: REJECTED for a request we will not
@@ -245,6 +239,27 @@ impl Job {
             self.status(state, Some(self.agent_message(vec![Part::text(why)]))),
         ]
     }
+}
+
+/// A waiting task (INPUT_REQUIRED) as `message`, the reply to it,
+/// continues it: WORKING, with the reply last in its history (the handler
+/// hands the task to a blocking call with the reply already there, to a
+/// streaming one without).
+pub(crate) fn continued_task(stored: &Task, message: &Message) -> Task {
+    let mut task = stored.clone();
+    let history = task.history.get_or_insert_with(Vec::new);
+    if history
+        .last()
+        .is_none_or(|m| m.message_id != message.message_id)
+    {
+        history.push(message.clone());
+    }
+    task.status = TaskStatus {
+        state: TaskState::Working,
+        message: None,
+        timestamp: Some(chrono::Utc::now()),
+    };
+    task
 }
 
 fn agent_name(message: &Message) -> Option<String> {
@@ -367,8 +382,28 @@ impl Drop for Running {
 }
 
 impl Shared {
+    /// The run of one task, as the stream of its updates.
+    ///
+    /// The handler drives the stream on a task of its own, storing each
+    /// update before it takes the next, and drops the stream only once it
+    /// has stored the last. The stream holds the turn engine ([`Turns::hold`])
+    /// for as long as it lives, so that shutdown waits for the task's end to
+    /// be stored, not only for the turn's.
     fn run(self: Arc<Self>, job: Job) -> BoxStream<'static, Result<StreamResponse, A2AError>> {
+        let hold = self.turns.hold();
         Box::pin(async_stream::stream! {
+            let _hold = hold;
+            // The turn's key is derived, not stored: armed before anything
+            // can fail, `settle` ends the task even when the store refused
+            // both the run and the update that would have ended it. A task
+            // that ended (refused here, say) is left as it is.
+            let key = RequestId::parse(format!("{}.{}", job.task_id, job.turn_index)).map(|request_id| TurnKey {
+                session_id: context_session(&job.user, &job.context_id),
+                request_id,
+            });
+            let mut settle = key.as_ref().ok().map(|key| {
+                super::settle::Settle::new(self.turns.clone(), job.task_id.clone(), job.context_id.clone(), key.clone())
+            });
             let Some(text) = message_text(&job.message) else {
                 for e in job.refused(TaskState::Rejected, "the message has no text part; this agent reads text only") {
                     yield Ok(e);
@@ -384,26 +419,24 @@ impl Shared {
                     return;
                 }
             };
-            let request_id = RequestId::parse(format!("{}.{}", job.task_id, job.turn_index));
-            let (Ok(request_id), Some(agent)) = (request_id, valid_agent(job.agent.clone())) else {
+            let (Ok(key), Some(agent)) = (key, valid_agent(job.agent.clone())) else {
                 for e in job.refused(TaskState::Rejected, "the task id or the agent name is malformed") {
                     yield Ok(e);
                 }
                 return;
             };
-            let session_id = match self.session(&job.user, &job.context_id).await {
-                Ok(s) => s,
-                Err(e) => {
-                    for e in job.refused(TaskState::Failed, refusal(e, &self.turns).1.as_str()) {
-                        yield Ok(e);
-                    }
-                    return;
+            // The session of (user, context), created on first use: derived
+            // from the pair, so every replica and every restart finds it.
+            let session_id = key.session_id;
+            if let Err(e) = self.turns.store().a2a_tasks().ensure_session(session_id, &job.user).await {
+                for e in job.refused(TaskState::Failed, refusal(e.into(), &self.turns).1.as_str()) {
+                    yield Ok(e);
                 }
-            };
-            let key = TurnKey { session_id, request_id };
+                return;
+            }
             let input = RunInput {
                 user_id: job.user.clone(),
-                key: key.clone(),
+                key,
                 generated_request_id: false,
                 text,
                 agent,
@@ -426,11 +459,10 @@ impl Shared {
                     return;
                 }
             };
-            // From here the task's end is stored even if the handler stops
-            // storing its updates (see `settle`).
-            let mut settle = super::settle::Settle::new(self.turns.clone(), job.task_id.clone(), job.context_id.clone(), key);
             yield Ok(job.submitted(Some(session_id)));
-            yield Ok(job.status(TaskState::Working, None));
+            if job.continued.is_none() {
+                yield Ok(job.status(TaskState::Working, None));
+            }
             let task_id = job.task_id.clone();
             let mut updates = std::pin::pin!(updates(job, events));
             loop {
@@ -441,7 +473,9 @@ impl Shared {
                         // pump sees the channel close and cancels the agent.
                         // CancelTask reports CANCELED itself.
                         tracing::info!(task = %task_id, "a2a: task cancelled; run dropped");
-                        settle.disarm();
+                        if let Some(settle) = settle.as_mut() {
+                            settle.disarm();
+                        }
                         return;
                     }
                     next = updates.next() => next,
@@ -666,7 +700,7 @@ mod tests {
             user: UserId::parse("u").unwrap(),
             agent: None,
             turn_index: 0,
-            is_new: true,
+            continued: None,
             trace_parent: opentelemetry::Context::new(),
         }
     }

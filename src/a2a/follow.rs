@@ -128,6 +128,21 @@ impl Handler {
         Ok(())
     }
 
+    /// Push notifications are off (the card says so): a message asking
+    /// for them is refused before the handler stores anything. The handler
+    /// refuses its push config only after it has stored the task, and runs
+    /// nothing for it: the task would read SUBMITTED for ever.
+    fn check_push(req: &SendMessageRequest) -> Result<(), A2AError> {
+        let asks = req
+            .configuration
+            .as_ref()
+            .is_some_and(|c| c.task_push_notification_config.is_some());
+        if asks {
+            return Err(A2AError::push_notification_not_supported());
+        }
+        Ok(())
+    }
+
     /// A message into an existing task continues it only where the task
     /// waits for one (INPUT_REQUIRED, AUTH_REQUIRED). One still submitted or
     /// working is refused here, on every replica: the handler refuses it
@@ -474,6 +489,7 @@ impl RequestHandler for Handler {
         obs.unary(
             async {
                 let caller = self.caller(params)?;
+                Self::check_push(&req)?;
                 Self::check_parts(&req.message)?;
                 executor::check_request(&req, self.max_input_bytes, self.turns.agents())?;
                 if let Some(id) = &req.message.task_id {
@@ -505,6 +521,7 @@ impl RequestHandler for Handler {
         obs.stream(
             async {
                 let caller = self.caller(params)?;
+                Self::check_push(&req)?;
                 Self::check_parts(&req.message)?;
                 executor::check_request(&req, self.max_input_bytes, self.turns.agents())?;
                 if let Some(id) = &req.message.task_id {

@@ -21,6 +21,14 @@
 //! ([`settle_expired`]), so the task reads FAILED and takes follow-ups as
 //! a task that ended.
 //!
+//! A settle holds the turn engine ([`Turns::hold`]) until it is done, so
+//! that a shutdown waits for it as for the run whose stream it follows;
+//! once the server drains, it retries a store that refuses for
+//! [`SETTLE_WHILE_DRAINING`] at most, and stops when shutdown cuts the runs
+//! ([`Turns::cut_requested`]). What it could not store is left to the next
+//! start (which fails the tasks left unfinished on SQLite) or to another
+//! replica ([`reconcile`]).
+//!
 //! That news is lost where the replica that failed the turn dies before
 //! settling, where too many turns failed at once, or where the store would
 //! not take the end for [`SETTLE_FOR`]. So every replica also looks, now
@@ -31,6 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use a2a::{Artifact, Message, Part, Role, Task, TaskState, TaskStatus};
+use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::domain::TurnKey;
 use crate::store::TurnState;
@@ -40,12 +49,25 @@ use crate::turn::Turns;
 /// How long a task's end is retried for before it is left to the next
 /// reader's eyes (and the log).
 pub(crate) const SETTLE_FOR: Duration = Duration::from_secs(600);
+/// How long, once the server drains, a task's end is retried for while
+/// the store refuses it: shutdown waits for a settle.
+pub(crate) const SETTLE_WHILE_DRAINING: Duration = Duration::from_secs(5);
 /// Earlier turns searched for the answer of the task's turn.
 const ANSWER_SEARCH: usize = 64;
 
 /// Armed while a run's stream is live; settles the task when dropped.
 pub(crate) struct Settle {
-    armed: Option<(Arc<Turns>, String, String, TurnKey)>,
+    armed: Option<Armed>,
+}
+
+struct Armed {
+    turns: Arc<Turns>,
+    task_id: String,
+    context_id: String,
+    key: TurnKey,
+    /// Held from arming to the settle's end, so that shutdown's wait for
+    /// idle never sees a gap between the run's stream and its settle.
+    hold: TaskTrackerToken,
 }
 
 impl Settle {
@@ -55,8 +77,15 @@ impl Settle {
         context_id: String,
         key: TurnKey,
     ) -> Self {
+        let hold = turns.hold();
         Settle {
-            armed: Some((turns, task_id, context_id, key)),
+            armed: Some(Armed {
+                turns,
+                task_id,
+                context_id,
+                key,
+                hold,
+            }),
         }
     }
 
@@ -68,13 +97,16 @@ impl Settle {
 
 impl Drop for Settle {
     fn drop(&mut self) {
-        let Some((turns, task_id, context_id, key)) = self.armed.take() else {
+        let Some(a) = self.armed.take() else {
             return;
         };
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        rt.spawn(settle(turns, task_id, Some(context_id), key));
+        rt.spawn(async move {
+            let _hold = a.hold;
+            settle(a.turns, a.task_id, Some(a.context_id), a.key).await;
+        });
     }
 }
 
@@ -225,10 +257,12 @@ fn task_of(key: &TurnKey) -> Option<&str> {
 
 /// `context_id`: the task's context as its executor knows it; `None` for a
 /// turn that only names the task ([`settle_expired`]), whose task must then
-/// be of the turn's session.
+/// be of the turn's session. Once shutdown cuts the runs, it stops at the
+/// first attempt that does not settle the task.
 async fn settle(turns: Arc<Turns>, task_id: String, context_id: Option<String>, key: TurnKey) {
     let tasks = turns.store().a2a_tasks();
-    let give_up = tokio::time::Instant::now() + SETTLE_FOR;
+    let mut give_up = tokio::time::Instant::now() + SETTLE_FOR;
+    let mut draining = false;
     let mut wait = Duration::from_millis(50);
     loop {
         match settle_once(&turns, &*tasks, &task_id, context_id.as_deref(), &key).await {
@@ -236,13 +270,22 @@ async fn settle(turns: Arc<Turns>, task_id: String, context_id: Option<String>, 
             Ok(false) => {}
             Err(why) => {
                 tracing::debug!(task = %task_id, error = %why, "a2a: cannot settle the task yet");
+                if turns.is_draining() && !std::mem::replace(&mut draining, true) {
+                    give_up = give_up.min(tokio::time::Instant::now() + SETTLE_WHILE_DRAINING);
+                }
             }
         }
         if tokio::time::Instant::now() + wait > give_up {
             tracing::warn!(task = %task_id, "a2a: the task's end could not be stored; it reads as not ended");
             return;
         }
-        tokio::time::sleep(wait).await;
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = turns.cut_requested() => {
+                tracing::warn!(task = %task_id, "a2a: shutdown cut the runs before the task's end was stored; it reads as not ended");
+                return;
+            }
+        }
         wait = (wait * 2).min(Duration::from_secs(5));
     }
 }
