@@ -453,6 +453,44 @@ async fn dying_replica(store: &str, lease: &str) -> Child {
     .await
 }
 
+/// Sends the order question on `on_a` as a streaming message and reads
+/// until the task is WORKING (its tool started); returns the task's id and
+/// the stream, still open.
+async fn start_working(
+    on_a: &A2aClient,
+) -> (
+    String,
+    impl futures::Stream<Item = Result<StreamResponse, a2a::A2AError>>,
+) {
+    let req = send_request(user_message(ORDER_Q, None));
+    let mut stream = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let mut running = None;
+    while let Some(ev) = stream.next().await {
+        match ev.unwrap() {
+            StreamResponse::Task(t) => running = Some(t.id),
+            StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working => break,
+            _ => {}
+        }
+    }
+    (running.expect("the stream named its task"), stream)
+}
+
+/// Waits (at most 10 s) for task `id` to end on `on_b`, and checks that it
+/// ended FAILED because its replica stopped.
+async fn assert_ends_replica_stopped(on_b: &A2aClient, id: &str) {
+    let mut task = on_b.get_task(id).await.unwrap();
+    for _ in 0..200 {
+        if task.status.state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        task = on_b.get_task(id).await.unwrap();
+    }
+    assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
+    let why = parts_text(&task.status.message.unwrap().parts);
+    assert!(why.contains("serving replica stopped"), "{why}");
+}
+
 /// A replica killed while it runs a task nobody follows: once the task's
 /// turn lease expires, a replica still alive fails the turn and ends the
 /// task with it (FAILED, "the serving replica stopped"). The task used to
@@ -466,17 +504,7 @@ async fn a_task_whose_replica_died_is_ended_failed_by_the_replica_that_fails_its
     let a = dying_replica(&db.url, "1s").await;
     let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
-    let req = send_request(user_message(ORDER_Q, None));
-    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
-    let mut running = None;
-    while let Some(ev) = on_a_stream.next().await {
-        match ev.unwrap() {
-            StreamResponse::Task(t) => running = Some(t.id),
-            StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working => break,
-            _ => {}
-        }
-    }
-    let running = running.expect("the stream named its task");
+    let (running, on_a_stream) = start_working(&on_a).await;
     assert_eq!(
         on_b.get_task(&running).await.unwrap().status.state,
         TaskState::Working,
@@ -485,17 +513,7 @@ async fn a_task_whose_replica_died_is_ended_failed_by_the_replica_that_fails_its
     a.kill9().await;
     drop(on_a_stream);
     // A's lease is 1 s; B sweeps expired leases every second.
-    let mut task = on_b.get_task(&running).await.unwrap();
-    for _ in 0..200 {
-        if task.status.state.is_terminal() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        task = on_b.get_task(&running).await.unwrap();
-    }
-    assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
-    let why = parts_text(&task.status.message.unwrap().parts);
-    assert!(why.contains("serving replica stopped"), "{why}");
+    assert_ends_replica_stopped(&on_b, &running).await;
     b.kill9().await;
 }
 
@@ -510,17 +528,7 @@ async fn a_task_left_working_after_its_turn_failed_is_ended_by_any_replica() {
     };
     let a = dying_replica(&db.url, "1s").await;
     let on_a = a2a_at(a.addr).await;
-    let req = send_request(user_message(ORDER_Q, None));
-    let mut on_a_stream = on_a.raw().send_streaming_message(&req).await.unwrap();
-    let mut running = None;
-    while let Some(ev) = on_a_stream.next().await {
-        match ev.unwrap() {
-            StreamResponse::Task(t) => running = Some(t.id),
-            StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Working => break,
-            _ => {}
-        }
-    }
-    let running = running.expect("the stream named its task");
+    let (running, on_a_stream) = start_working(&on_a).await;
     a.kill9().await;
     drop(on_a_stream);
     // The replica that fails the turn, and dies before it settles the task:
@@ -542,17 +550,7 @@ async fn a_task_left_working_after_its_turn_failed_is_ended_by_any_replica() {
     )
     .await;
     let on_b = a2a_at(b.addr).await;
-    let mut task = on_b.get_task(&running).await.unwrap();
-    for _ in 0..200 {
-        if task.status.state.is_terminal() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        task = on_b.get_task(&running).await.unwrap();
-    }
-    assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
-    let why = parts_text(&task.status.message.unwrap().parts);
-    assert!(why.contains("serving replica stopped"), "{why}");
+    assert_ends_replica_stopped(&on_b, &running).await;
     b.kill9().await;
 }
 
