@@ -81,6 +81,34 @@ impl MemoryStore {
         Self { inner, a2a }
     }
 
+    /// The sessions `user`'s A2A tasks name (`a2a_tasks::named_session`),
+    /// the tasks a session of theirs can have.
+    async fn task_sessions(&self, user: &UserId) -> StoreResult<Vec<SessionId>> {
+        use a2a_tasks::A2aTasks as _;
+        let mut req = a2a::ListTasksRequest {
+            context_id: None,
+            status: None,
+            page_size: None,
+            page_token: None,
+            history_length: Some(0),
+            status_timestamp_after: None,
+            include_artifacts: None,
+            tenant: None,
+        };
+        let mut named = Vec::new();
+        // Ends: each page starts past the last, in a list that is finite.
+        loop {
+            let page = self.a2a.list_for(user, &req).await.map_err(|e| {
+                StoreError::Unexpected(anyhow::anyhow!("cannot list A2A tasks: {e}"))
+            })?;
+            named.extend(page.tasks.iter().filter_map(a2a_tasks::named_session));
+            if page.next_page_token.is_empty() || page.tasks.is_empty() {
+                return Ok(named);
+            }
+            req.page_token = Some(page.next_page_token);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave a half-written row:
         // every mutation below is a single insert or push.
@@ -385,21 +413,47 @@ impl Store for MemoryStore {
     }
 
     async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
+        let pruned = |inner: &Inner, s: &Session| {
+            s.updated_at < before && inner.by_session.get(&s.id).is_none_or(|k| k.is_empty())
+        };
+        let found: Vec<(SystemTime, SessionId, UserId)> = {
+            let inner = self.lock();
+            let mut found: Vec<_> = inner
+                .sessions
+                .values()
+                .filter(|s| pruned(&inner, s))
+                .map(|s| (s.updated_at, s.id, s.user_id.clone()))
+                .collect();
+            found.sort_by_key(|(at, id, _)| (*at, *id));
+            found
+        };
+        if found.is_empty() {
+            return Ok(0);
+        }
+        // A session an A2A task names stays, as the SQL stores keep it: the
+        // task reads it.
+        let mut users: Vec<&UserId> = found.iter().map(|(_, _, u)| u).collect();
+        users.sort();
+        users.dedup();
+        let mut tasked = std::collections::HashSet::new();
+        for user in users {
+            tasked.extend(self.task_sessions(user).await?);
+        }
         let mut inner = self.lock();
-        let mut old: Vec<(SystemTime, SessionId)> = inner
-            .sessions
-            .values()
-            .filter(|s| s.updated_at < before)
-            .filter(|s| inner.by_session.get(&s.id).is_none_or(|k| k.is_empty()))
-            .map(|s| (s.updated_at, s.id))
-            .collect();
-        old.sort();
-        old.truncate(limit);
-        for (_, id) in &old {
+        let mut gone = 0;
+        for (_, id, _) in &found {
+            if gone == limit {
+                break;
+            }
+            // Checked again: a turn claimed meanwhile keeps it.
+            if tasked.contains(id) || !inner.sessions.get(id).is_some_and(|s| pruned(&inner, s)) {
+                continue;
+            }
             inner.sessions.remove(id);
             inner.by_session.remove(id);
+            gone += 1;
         }
-        Ok(old.len() as u64)
+        Ok(gone as u64)
     }
 
     async fn ping(&self) -> StoreResult<()> {

@@ -71,7 +71,7 @@ impl PostgresStore {
              AND first_seq >= COALESCE((SELECT MAX(first_seq) FROM event_batches \
                  WHERE session_id = $1 AND request_id = $2 AND first_seq <= $3), 0) \
              AND last_seq > $3 ORDER BY first_seq LIMIT $4",
-        delete_session_events: None,
+        session_events: None,
         lock_session: Some("SELECT 1 FROM sessions WHERE id = $1 FOR UPDATE"),
         prune_events: None,
         // Values over 2 kB go to TOAST, in chunks, whatever the row's size.
@@ -212,6 +212,12 @@ async fn migrate(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
         tokio::time::sleep(MIGRATION_LOCK_POLL).await;
     }
     rebuild_invalid_index(&mut conn, "sessions_by_update", "sessions (updated_at)").await?;
+    rebuild_invalid_index(
+        &mut conn,
+        "a2a_tasks_by_owner_update",
+        "a2a_tasks (owner, updated_at, id)",
+    )
+    .await?;
     super::migrator(sqlx::migrate!("migrations/postgres"))
         .run(&mut conn)
         .await?;
@@ -256,10 +262,7 @@ impl PostgresStore {
                 blob.push(Blob(events));
             }
         }
-        let outcomes: Vec<_> = group
-            .iter()
-            .filter_map(|p| Some((p, p.outcome.as_ref()?)))
-            .collect();
+        let outcomes = super::sql::group_outcomes(group);
         const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
              SELECT b.* FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[]) \
              AS b(session_id, request_id, first_seq, last_seq, events) \
@@ -380,15 +383,28 @@ impl PostgresStore {
                     }
                 }
                 // A read fails alone only for what it read (a bad row); the
-                // database away fails every read of the group at once.
+                // database away fails every read of the group at once, and
+                // the rest once one of them finds it away.
                 Err(super::StoreError::Unexpected(_)) if group.len() > 1 => {
+                    let mut away: Option<super::sql::Failed> = None;
                     for r in group.drain(..) {
+                        if let Some(failed) = &away {
+                            let _ = r.done.send(Err(failed.clone()));
+                            continue;
+                        }
                         let one = super::sql::bounded(Self::read_sessions(
                             &pool,
                             std::slice::from_ref(&r),
                         ))
                         .await
-                        .map_err(super::sql::db_err)
+                        .map_err(|e| {
+                            let gone = super::sql::gone(&e);
+                            let failed = super::sql::Failed::from(super::sql::db_err(e));
+                            if gone {
+                                away = Some(failed.clone());
+                            }
+                            super::StoreError::from(failed)
+                        })
                         .and_then(|rows| Self::found(std::slice::from_ref(&r), &rows))
                         .map(|mut found| found.pop().flatten())
                         .map_err(super::sql::Failed::from);

@@ -84,18 +84,57 @@ fn sqlite_unavailable(primary: i32) -> bool {
 /// lease, a commit is what a retry replays.
 pub(super) const GROUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
+#[cfg(test)]
+thread_local! {
+    /// A shorter [`GROUP_TIMEOUT`] for the tasks this thread runs (a unit
+    /// test on a current-thread runtime, whose store's tasks run there too).
+    pub(super) static GROUP_TIMEOUT_HERE: std::cell::Cell<Option<std::time::Duration>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// [`GROUP_TIMEOUT`] (in unit tests, [`GROUP_TIMEOUT_HERE`] where set).
+fn group_timeout() -> std::time::Duration {
+    #[cfg(test)]
+    if let Some(t) = GROUP_TIMEOUT_HERE.get() {
+        return t;
+    }
+    GROUP_TIMEOUT
+}
+
 /// `statement`, failed as the database not answering after [`GROUP_TIMEOUT`].
 pub(super) async fn bounded<T, E: From<sqlx::Error>>(
     statement: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, E> {
-    match tokio::time::timeout(GROUP_TIMEOUT, statement).await {
+    let limit = group_timeout();
+    match tokio::time::timeout(limit, statement).await {
         Ok(r) => r,
         Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("the database did not answer within {GROUP_TIMEOUT:?}"),
+            format!("the database did not answer within {limit:?}"),
         ))
         .into()),
     }
+}
+
+/// Whether a statement that failed so may have been carried out all the
+/// same: it was cut off ([`bounded`]) or its connection lost after it was
+/// sent, where the database, or SQLite's thread, may still commit it. An
+/// error the database answered with (a lock timeout, BUSY, a constraint)
+/// says it was not.
+pub(super) fn maybe_done(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::WorkerCrashed
+    )
+}
+
+/// Whether, after a statement failed so, the next one should not be tried
+/// at all: the database is away (not a conflict, which the next may pass).
+pub(super) fn gone(e: &sqlx::Error) -> bool {
+    unavailable(e) && !conflict(e)
 }
 
 pub(super) fn bad_row(what: &str) -> StoreError {
@@ -359,18 +398,45 @@ where
         .collect())
 }
 
+/// The outcomes `group` records: each turn's first. A turn can have two in
+/// one group (its writer's call timed out while queued, and the writer then
+/// recorded another): one statement given both would record either, and
+/// tell both they were; the later one is answered not recorded
+/// ([`outcomes_recorded`]), as it would be in a later group.
+pub(super) fn group_outcomes(group: &[PendingBatch]) -> Vec<(&PendingBatch, &PendingOutcome)> {
+    let mut outcomes: Vec<_> = group
+        .iter()
+        .filter_map(|p| Some((p, p.outcome.as_ref()?)))
+        .collect();
+    if outcomes.len() > 1 {
+        let mut seen = std::collections::HashSet::with_capacity(outcomes.len());
+        outcomes.retain(|(p, _)| seen.insert((p.sid.as_str(), p.rid.as_str())));
+    }
+    outcomes
+}
+
 /// Per batch of `group`, whether its outcome was recorded (true for one
 /// without), given the (session_id, request_id) of the turns whose outcome
-/// the statement recorded.
+/// the statement recorded: only a turn's first outcome in the group
+/// ([`group_outcomes`]) was.
 pub(super) fn outcomes_recorded(
     group: &[PendingBatch],
     recorded: &[(String, String)],
 ) -> Vec<bool> {
+    let mut seen = std::collections::HashSet::new();
     group
         .iter()
-        .map(|p| p.outcome.is_none() || recorded.iter().any(|(s, r)| *s == p.sid && *r == p.rid))
+        .map(|p| {
+            p.outcome.is_none()
+                || (seen.insert((p.sid.as_str(), p.rid.as_str()))
+                    && recorded.iter().any(|(s, r)| *s == p.sid && *r == p.rid))
+        })
         .collect()
 }
+
+/// A claim to withdraw (nobody will run its turn): its session, request,
+/// owner and claim time, which tell the row it wrote from any other.
+pub(super) type Withdrawn = (String, String, String, i64);
 
 /// Claims the claimer writes in one statement at most.
 pub(super) const CLAIMS_MAX: usize = 128;
@@ -423,9 +489,9 @@ pub(super) struct Dialect {
     /// A turn's batches ending after a seq: ($1 session, $2 request,
     /// $3 seq, $4 limit), selecting `events`, in order.
     pub events_after: &'static str,
-    /// Deletes a session's event batches ($1 session), where no foreign key
-    /// does it with the session.
-    pub delete_session_events: Option<&'static str>,
+    /// Where no foreign key deletes a session's event log with it: how it
+    /// is deleted after the session, a bounded chunk at a time.
+    pub session_events: Option<SessionEvents>,
     /// Locks a session's row ($1 session) for the rest of its transaction,
     /// where writers other than the store's one connection could claim a
     /// turn in it meanwhile.
@@ -448,6 +514,23 @@ pub(super) struct Dialect {
     /// The health check: one boolean, whether the database takes writes.
     pub ping: &'static str,
 }
+
+/// A session's event log deleted after the session, in chunks: a large
+/// session's log deleted in the session's transaction held SQLite's one
+/// writer for seconds, and every claim and commit waiting for it failed.
+pub(super) struct SessionEvents {
+    /// The numbers of a session's turns ($1 session), read in the
+    /// transaction that deletes them.
+    pub turn_numbers: &'static str,
+    /// Deletes at most $2 event rows of the turns whose numbers $1 (a JSON
+    /// array) holds.
+    pub delete_rows: &'static str,
+}
+
+/// Event rows one statement of a session's delete removes at most.
+pub(super) const DELETE_EVENT_ROWS: usize = 512;
+/// Turns whose event rows one such statement looks for.
+pub(super) const DELETE_EVENT_TURNS: usize = 256;
 
 pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
@@ -577,23 +660,56 @@ macro_rules! sql_store {
                     let started = std::time::Instant::now();
                     let written = $crate::store::sql::bounded(Self::insert_claims(&pool, &first)).await;
                     $crate::telemetry::metrics::store_group("claim", first.len(), started.elapsed());
+                    // Claims whose statement failed but may have been
+                    // written (cut off, or its connection lost): their
+                    // callers are told to retry, and would find a turn
+                    // nobody runs.
+                    let withdrawn = |c: &$crate::store::sql::PendingClaim| (c.sid.clone(), c.rid.clone(), c.owner.clone(), c.at);
+                    let mut cut = Vec::new();
                     let results: Vec<Result<bool, Failed>> = match written {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
                         // One claim at a time, so that only a bad one fails
-                        // (the database away fails them all at once).
+                        // (the database away fails them all at once, and
+                        // the rest once one of them finds it away).
                         Err(e) if first.len() > 1 && (!$crate::store::sql::unavailable(&e) || $crate::store::sql::conflict(&e)) => {
                             let mut results = Vec::with_capacity(first.len());
+                            let mut away: Option<Failed> = None;
                             for c in &first {
+                                if let Some(f) = &away {
+                                    results.push(Err(f.clone()));
+                                    continue;
+                                }
                                 let r = $crate::store::sql::bounded(Self::insert_claims(&pool, std::slice::from_ref(c))).await;
-                                results.push(r.map(|s| s[0]).map_err(|e| db_err(e).into()));
+                                results.push(r.map(|s| s[0]).map_err(|e| {
+                                    if $crate::store::sql::maybe_done(&e) {
+                                        cut.push(withdrawn(c));
+                                    }
+                                    let gone = $crate::store::sql::gone(&e);
+                                    let failed = Failed::from(db_err(e));
+                                    if gone {
+                                        away = Some(failed.clone());
+                                    }
+                                    failed
+                                }));
                             }
                             results
                         }
                         Err(e) => {
+                            if $crate::store::sql::maybe_done(&e) {
+                                cut.extend(first.iter().map(withdrawn));
+                            }
                             let failed = Failed::from(db_err(e));
                             first.iter().map(|_| Err(failed.clone())).collect()
                         }
                     };
+                    // Withdrawn before their callers hear to retry, on the
+                    // side: the database may not answer this either.
+                    if !cut.is_empty() {
+                        let (pool, sessions) = (pool.clone(), sessions.clone());
+                        tokio::spawn(async move {
+                            Self::withdraw_claims(&pool, &cut, sessions.as_deref(), "a claim whose statement was cut off was written all the same").await;
+                        });
+                    }
                     // A repeated key fails with its first claim, or finds
                     // the turn that claim stored (or found).
                     let repeat_results: Vec<Result<bool, Failed>> = repeats
@@ -614,32 +730,36 @@ macro_rules! sql_store {
                         if let (true, Some(cache)) = (stored, &sessions) {
                             cache.claimed(&c.sid, &c.rid, c.at, &c.user_text);
                         }
-                        let $crate::store::sql::PendingClaim { sid, rid, owner, done, .. } = c;
+                        let $crate::store::sql::PendingClaim { sid, rid, owner, at, done, .. } = c;
                         if done.send(r).is_err() && stored {
-                            abandoned.push((sid, rid, owner));
+                            abandoned.push((sid, rid, owner, at));
                         }
                     }
                     for (c, r) in repeats.into_iter().zip(repeat_results) {
                         let _ = c.done.send(r);
                     }
-                    Self::release_abandoned(&pool, &abandoned, sessions.as_deref()).await;
+                    Self::withdraw_claims(&pool, &abandoned, sessions.as_deref(), "the caller went away while its turn was claimed").await;
                 }
             }
 
-            /// Turns whose claimant went away while their claim was being
-            /// written (the client cancelled or its deadline passed, or its
-            /// store call timed out and it was told to retry): nothing ran
-            /// and no one will run them, so the claims are removed. A retry
-            /// with the same request id then claims the turn afresh and runs
-            /// it (had the claim been recorded cancelled, it would replay a
-            /// cancel its caller never asked for). Left alone, a claim stays
-            /// `running` until its lease ends it UNAVAILABLE.
-            async fn release_abandoned(
+            /// Removes claims nobody will run, `why` (said in the log):
+            /// their claimant went away while they were written (the client
+            /// cancelled or its deadline passed, or its store call timed out
+            /// and it was told to retry), or their statement failed in a way
+            /// that may have written them (its caller, told to retry, would
+            /// follow a turn nobody runs). A retry with the same request id
+            /// then claims the turn afresh and runs it (had the claim been
+            /// recorded cancelled, it would replay a cancel its caller never
+            /// asked for). Left alone, a claim stays `running` until its
+            /// lease ends it UNAVAILABLE. Only the row the claim wrote goes
+            /// (its owner and claim time), and only while it runs.
+            async fn withdraw_claims(
                 pool: &sqlx::Pool<$db>,
-                abandoned: &[(String, String, String)],
+                claims: &[$crate::store::sql::Withdrawn],
                 sessions: Option<&$crate::store::session_cache::SessionCache>,
+                why: &str,
             ) {
-                for (sid, rid, owner) in abandoned {
+                for (i, (sid, rid, owner, at)) in claims.iter().enumerate() {
                     // Forgotten before and after: see `delete_session`.
                     let forget = || {
                         if let Some(cache) = sessions {
@@ -649,19 +769,30 @@ macro_rules! sql_store {
                     forget();
                     let done = $crate::store::sql::bounded(
                         sqlx::query(
-                            "DELETE FROM turns \
-                             WHERE session_id = $1 AND request_id = $2 AND owner = $3 AND state = 'running'",
+                            "DELETE FROM turns WHERE session_id = $1 AND request_id = $2 AND owner = $3 \
+                             AND state = 'running' AND created_at = $4",
                         )
                         .bind(sid)
                         .bind(rid)
                         .bind(owner)
+                        .bind(at)
                         .execute(pool),
                     )
                     .await;
                     forget();
                     match done {
-                        Ok(_) => tracing::info!(session = %sid, request_id = %rid, "the caller went away while its turn was claimed; the claim is released for a retry"),
-                        Err(e) => tracing::warn!(session = %sid, request_id = %rid, error = %e, "could not release a turn whose caller went away during its claim; its lease will end it"),
+                        Ok(d) if d.rows_affected() > 0 => {
+                            tracing::info!(session = %sid, request_id = %rid, "{why}; the claim is released for a retry")
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            let left = claims.len() - i - 1;
+                            tracing::warn!(session = %sid, request_id = %rid, error = %e, left, "{why}, and could not be released; its lease will end it");
+                            // The rest would wait as long for the same answer.
+                            if $crate::store::sql::gone(&e) {
+                                break;
+                            }
+                        }
                     }
                 }
             }
@@ -688,14 +819,22 @@ macro_rules! sql_store {
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) {
+                    use $crate::store::sql::{Failed, GROUP_MAX, LINGER, PendingBatch};
                     // A turn's end reaches the cache before its writer hears
                     // the outcome is stored (and a follow-up Run can come).
-                    let ended = |p: &$crate::store::sql::PendingBatch| {
+                    // An outcome not recorded, or not known to be, leaves
+                    // the cache not knowing how the turn ended (a write
+                    // whose answer was lost may have recorded it; another
+                    // did, or a lease ran out): it forgets the session.
+                    let answer = |p: PendingBatch, r: Result<bool, Failed>| {
                         if let (Some(cache), Some(o)) = (&sessions, &p.outcome) {
-                            cache.ended(&p.sid, &p.rid, o.answer.as_deref(), o.at);
+                            match r {
+                                Ok(true) => cache.ended(&p.sid, &p.rid, o.answer.as_deref(), o.at),
+                                _ => cache.forget(&p.sid),
+                            }
                         }
+                        let _ = p.done.send(r);
                     };
-                    use $crate::store::sql::{GROUP_MAX, LINGER};
                     let mut group = Vec::with_capacity(GROUP_MAX);
                     let mut last = tokio::time::Instant::now();
                     loop {
@@ -717,38 +856,47 @@ macro_rules! sql_store {
                         last = tokio::time::Instant::now();
                         let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
                         $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
-                        match written {
+                        let e = match written {
                             Ok(recorded) => {
                                 for (p, recorded) in group.drain(..).zip(recorded) {
-                                    if recorded {
-                                        ended(&p);
-                                    }
-                                    let _ = p.done.send(Ok(recorded));
+                                    answer(p, Ok(recorded));
                                 }
+                                continue;
                             }
-                            // One batch at a time, so that only a bad one fails
-                            // (the database away fails them all at once)
-                            // (without its events again if the group's are stored).
-                            Err(e) if group.len() > 1 && (!$crate::store::sql::unavailable(&e.error) || $crate::store::sql::conflict(&e.error)) => {
-                                for mut p in group.drain(..) {
-                                    if e.events_stored {
-                                        p.events.clear();
-                                    }
-                                    let r = $crate::store::sql::bounded(Self::write_group(&pool, std::slice::from_ref(&p)))
-                                        .await
-                                        .map(|recorded| recorded.first().copied().unwrap_or(true));
-                                    if r.as_ref().is_ok_and(|recorded| *recorded) {
-                                        ended(&p);
-                                    }
-                                    let _ = p.done.send(r.map_err(|e| db_err(e.error).into()));
+                            Err(e) => e,
+                        };
+                        // One batch at a time, so that only a bad one fails
+                        // (the database away fails them all at once, and the
+                        // rest once one of them finds it away). With the
+                        // group's events stored, only its outcomes are left
+                        // to write (a batch without one is stored).
+                        let one_by_one = group.len() > 1
+                            && (!$crate::store::sql::unavailable(&e.error) || $crate::store::sql::conflict(&e.error));
+                        let events_stored = e.events_stored;
+                        let mut away = (!one_by_one).then(|| Failed::from(db_err(e.error)));
+                        for mut p in group.drain(..) {
+                            if events_stored {
+                                if p.outcome.is_none() {
+                                    answer(p, Ok(true));
+                                    continue;
                                 }
+                                p.events.clear();
                             }
-                            Err(e) => {
-                                let failed = $crate::store::sql::Failed::from(db_err(e.error));
-                                for p in group.drain(..) {
-                                    let _ = p.done.send(Err(failed.clone()));
-                                }
-                            }
+                            let r = match &away {
+                                Some(failed) => Err(failed.clone()),
+                                None => match $crate::store::sql::bounded(Self::write_group(&pool, std::slice::from_ref(&p))).await {
+                                    Ok(recorded) => Ok(recorded.first().copied().unwrap_or(true)),
+                                    Err(e) => {
+                                        let gone = $crate::store::sql::gone(&e.error);
+                                        let failed = Failed::from(db_err(e.error));
+                                        if gone {
+                                            away = Some(failed.clone());
+                                        }
+                                        Err(failed)
+                                    }
+                                },
+                            };
+                            answer(p, r);
                         }
                     }
             }
@@ -948,13 +1096,14 @@ macro_rules! sql_store {
                     tx.rollback().await.map_err(db_err)?;
                     return Ok(Deletion::Busy);
                 }
-                if let Some(sql) = Self::SQL.delete_session_events {
-                    sqlx::query(sql)
+                let numbers: Vec<i64> = match &Self::SQL.session_events {
+                    Some(events) => sqlx::query_scalar(events.turn_numbers)
                         .bind(id.to_string())
-                        .execute(&mut *tx)
+                        .fetch_all(&mut *tx)
                         .await
-                        .map_err(db_err)?;
-                }
+                        .map_err(db_err)?,
+                    None => Vec::new(),
+                };
                 let done = sqlx::query("DELETE FROM sessions WHERE id = $1")
                     .bind(id.to_string())
                     .execute(&mut *tx)
@@ -965,6 +1114,9 @@ macro_rules! sql_store {
                     cache.forget(&id.to_string());
                 }
                 committed?;
+                if let Some(events) = &Self::SQL.session_events {
+                    self.delete_turn_events(events, &numbers).await;
+                }
                 Ok(if done.rows_affected() > 0 { Deletion::Deleted } else { Deletion::NotFound })
             }
 
@@ -1006,23 +1158,43 @@ macro_rules! sql_store {
             }
 
             async fn fail_expired(&self, now: std::time::SystemTime, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
-                let rows = sqlx::query(
-                    "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-                     WHERE state = 'running' AND lease_expires_at < $4 \
-                     RETURNING session_id, request_id",
-                )
-                .bind(outcome.state.as_str())
-                .bind(outcome.code as i64)
-                .bind(&outcome.message)
-                .bind(to_micros(now))
-                .fetch_all(&self.write)
-                .await
-                .map_err(db_err)?;
-                if !rows.is_empty() {
-                    if let Some(cache) = &self.sessions {
-                        cache.clear();
+                let update = {
+                    let (pool, outcome) = (self.write.clone(), outcome.clone());
+                    async move {
+                        sqlx::query(
+                            "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                             WHERE state = 'running' AND lease_expires_at < $4 \
+                             RETURNING session_id, request_id",
+                        )
+                        .bind(outcome.state.as_str())
+                        .bind(outcome.code as i64)
+                        .bind(&outcome.message)
+                        .bind(to_micros(now))
+                        .fetch_all(&pool)
+                        .await
+                    }
+                };
+                let rows = match &self.sessions {
+                    None => update.await,
+                    // The cache lets go of the turns the update ended once
+                    // it is done, whether or not this call is still there
+                    // to hear of it (its caller's timeout may drop it while
+                    // SQLite's thread commits it): the update runs on its
+                    // own. One that failed may have been carried out.
+                    Some(cache) => {
+                        let cache = cache.clone();
+                        tokio::spawn(async move {
+                            let rows = $crate::store::sql::bounded(update).await;
+                            if !rows.as_ref().is_ok_and(Vec::is_empty) {
+                                cache.clear();
+                            }
+                            rows
+                        })
+                        .await
+                        .map_err(|e| StoreError::Unexpected(anyhow::anyhow!("the expiry of leases stopped: {e}")))?
                     }
                 }
+                .map_err(db_err)?;
                 rows.iter()
                     .map(|r| {
                         let sid: String = r.try_get("session_id").map_err(db_err)?;
@@ -1146,11 +1318,11 @@ macro_rules! sql_store {
                 };
                 let release: Box<dyn FnOnce() + Send> = {
                     let (pool, sessions) = (self.write.clone(), self.sessions.clone());
-                    let abandoned = (t.key.session_id.to_string(), t.key.request_id.as_str().to_owned(), t.owner.clone());
+                    let abandoned = (claim.sid.clone(), claim.rid.clone(), claim.owner.clone(), claim.at);
                     Box::new(move || {
                         if let Ok(rt) = tokio::runtime::Handle::try_current() {
                             rt.spawn(async move {
-                                Self::release_abandoned(&pool, &[abandoned], sessions.as_deref()).await;
+                                Self::withdraw_claims(&pool, &[abandoned], sessions.as_deref(), "the caller went away before it read its claim's answer").await;
                             });
                         }
                     })
@@ -1203,6 +1375,36 @@ macro_rules! sql_store {
                 cache.offer(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..]);
                 read.history.drain(..read.history.len().saturating_sub(limit));
                 Ok(Some(read))
+            }
+
+            /// Deletes the event log of the turns numbered `numbers`, whose
+            /// session was just deleted: a bounded chunk of rows per
+            /// statement, each its own transaction, so that the claims and
+            /// commits waiting for SQLite's one writer are written between
+            /// them. What is left by an error, or a crash, is never read (no
+            /// turn has those numbers, and none will get them) and goes at
+            /// the next start.
+            async fn delete_turn_events(&self, sql: &$crate::store::sql::SessionEvents, numbers: &[i64]) {
+                use $crate::store::sql::{DELETE_EVENT_ROWS, DELETE_EVENT_TURNS};
+                for turns in numbers.chunks(DELETE_EVENT_TURNS) {
+                    let list = format!("[{}]", turns.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
+                    // Ends: the turns are gone, so their log takes no rows.
+                    loop {
+                        let done = sqlx::query(sql.delete_rows)
+                            .bind(&list)
+                            .bind(DELETE_EVENT_ROWS as i64)
+                            .execute(&self.write)
+                            .await;
+                        match done {
+                            Ok(d) if d.rows_affected() < DELETE_EVENT_ROWS as u64 => break,
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not delete the event log of a deleted session; it is never read, and goes at the next start");
+                                return;
+                            }
+                        }
+                    }
+                }
             }
 
             /// Whether turn `rid` of session `id` is stored.

@@ -432,10 +432,7 @@ impl SqliteStore {
         group: &[super::sql::PendingBatch],
     ) -> Result<Vec<bool>, super::sql::GroupError> {
         Self::write_events(pool, group).await?;
-        let outcomes: Vec<_> = group
-            .iter()
-            .filter_map(|p| Some((p, p.outcome.as_ref()?)))
-            .collect();
+        let outcomes = super::sql::group_outcomes(group);
         if outcomes.is_empty() {
             return Ok(vec![true; group.len()]);
         }
@@ -586,9 +583,11 @@ impl SqliteStore {
         // Every write goes through the one writer connection, which this
         // transaction holds.
         lock_session: None,
-        delete_session_events: Some(
-            "DELETE FROM event_log WHERE turn_no IN (SELECT turn_no FROM turns WHERE session_id = $1)",
-        ),
+        session_events: Some(super::sql::SessionEvents {
+            turn_numbers: "SELECT turn_no FROM turns WHERE session_id = $1 AND turn_no IS NOT NULL",
+            delete_rows: "DELETE FROM event_log WHERE rowid IN (SELECT rowid FROM event_log \
+                 WHERE turn_no IN (SELECT value FROM json_each($1)) LIMIT $2)",
+        }),
         prune_events: Some(
             "DELETE FROM event_log WHERE turn_no IN \
              (SELECT turn_no FROM turns WHERE state <> 'running' AND updated_at < $1 \
@@ -1390,5 +1389,154 @@ mod tests {
             tasks.list_for(&anonymous, &req).await.unwrap().total_size,
             1
         );
+    }
+
+    /// Holds writes to the main file of the database at `url` (a
+    /// transaction of another connection) until the connection is rolled
+    /// back; the event log's file stays writable.
+    async fn hold_main(url: &str) -> sqlx::SqliteConnection {
+        use sqlx::Connection as _;
+        let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c
+    }
+
+    /// A claim whose statement was cut off by the group timeout (the
+    /// database slow to answer) but that SQLite's thread wrote all the same
+    /// is withdrawn: its caller was told UNAVAILABLE, retry with the same
+    /// request id, and the retry claims the turn afresh instead of finding
+    /// a running turn nobody runs, to follow until its lease ends it.
+    #[tokio::test]
+    async fn a_claim_cut_off_by_the_group_timeout_but_written_is_withdrawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("cut.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let session = store
+            .create_session(&crate::domain::UserId::parse("alice").unwrap())
+            .await
+            .unwrap();
+        let turn = crate::store::NewTurn {
+            key: TurnKey {
+                session_id: session.id,
+                request_id: RequestId::parse("r1").unwrap(),
+            },
+            user_text: "hi".into(),
+            agent: "echo".into(),
+            owner: "a".into(),
+            lease: std::time::Duration::from_secs(60),
+        };
+        let mut held = hold_main(&url).await;
+        // The claimer runs on this thread (a current-thread runtime): its
+        // statement is cut off well within SQLite's busy timeout.
+        crate::store::sql::GROUP_TIMEOUT_HERE.set(Some(std::time::Duration::from_secs(2)));
+        let cut = store.claim_turn(&turn).await;
+        assert!(
+            matches!(cut, Err(crate::store::StoreError::Unavailable(_))),
+            "{cut:?}"
+        );
+        // SQLite's thread writes the claim once the lock is free.
+        sqlx::query("ROLLBACK").execute(&mut held).await.unwrap();
+        let mut withdrawn = false;
+        for _ in 0..500 {
+            if store.get_turn(&turn.key).await.unwrap().is_none()
+                && count(&store.write, "SELECT COUNT(*) FROM turns").await == 0
+            {
+                withdrawn = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(
+            withdrawn,
+            "the claim written after it was cut off is withdrawn"
+        );
+        crate::store::sql::GROUP_TIMEOUT_HERE.set(None);
+        assert_eq!(
+            store.claim_turn(&turn).await.unwrap(),
+            crate::store::Claim::New,
+            "the retry claims the turn afresh"
+        );
+    }
+
+    /// A session's event log is deleted after the session, a chunk of
+    /// rows at a time, each its own transaction: a claim waiting for the
+    /// one writer meanwhile is written between them, not after the whole
+    /// log is gone (which held the writer for seconds on a large session,
+    /// failing every claim and commit waiting for it). The session, its
+    /// turns and their log are all gone at the end.
+    #[tokio::test]
+    async fn a_sessions_event_log_is_deleted_in_chunks_that_let_other_writes_in() {
+        use crate::store::Deletion;
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("del.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        let big = turn_with_events(&store, "r1", 1).await;
+        let done = crate::store::TurnOutcome {
+            state: crate::store::TurnState::Completed,
+            code: 0,
+            message: String::new(),
+        };
+        assert!(store.finish_turn(&big, &done, Some("a")).await.unwrap());
+        let no = count(
+            &store.write,
+            &format!(
+                "SELECT turn_no FROM turns WHERE session_id = '{}'",
+                big.session_id
+            ),
+        )
+        .await;
+        let rows = 4 * super::super::sql::DELETE_EVENT_ROWS as i64;
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $2) \
+             INSERT INTO event_log (turn_no, first_seq, last_seq, events) SELECT $1, i, i, x'' FROM n",
+        )
+        .bind(no)
+        .bind(rows)
+        .execute(&store.write)
+        .await
+        .unwrap();
+        // What is left of the session's log as each turn is claimed (the
+        // writer's one connection keeps these temporary objects).
+        sqlx::raw_sql(&format!(
+            "CREATE TEMP TABLE left_at_claim (n INTEGER); \
+             CREATE TEMP TRIGGER count_left AFTER INSERT ON main.turns BEGIN \
+               INSERT INTO left_at_claim SELECT COUNT(*) FROM event_log WHERE turn_no = {no}; END;"
+        ))
+        .execute(&store.write)
+        .await
+        .unwrap();
+        let other = store
+            .create_session(&crate::domain::UserId::parse("bob").unwrap())
+            .await
+            .unwrap();
+        let claim = crate::store::NewTurn {
+            key: TurnKey {
+                session_id: other.id,
+                request_id: RequestId::parse("r1").unwrap(),
+            },
+            user_text: "hi".into(),
+            agent: "echo".into(),
+            owner: "a".into(),
+            lease: std::time::Duration::from_secs(60),
+        };
+        let mut delete = Box::pin(store.delete_session(big.session_id));
+        assert!(futures::poll!(delete.as_mut()).is_pending());
+        let (deleted, other) = tokio::join!(delete, store.claim_turn(&claim));
+        assert_eq!(deleted.unwrap(), Deletion::Deleted);
+        assert_eq!(other.unwrap(), crate::store::Claim::New);
+        let left = count(&store.write, "SELECT n FROM temp.left_at_claim").await;
+        assert!(
+            left > 0,
+            "the claim was written before the log was all gone"
+        );
+        assert_eq!(
+            count(&store.write, "SELECT COUNT(*) FROM event_log").await,
+            0
+        );
+        assert!(store.get_session(big.session_id).await.unwrap().is_none());
+        assert!(store.get_turn(&big).await.unwrap().is_none());
     }
 }
