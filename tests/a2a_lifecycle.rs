@@ -1,8 +1,10 @@
 //! The life of an A2A task on our server, as a client sees it: what a
 //! message may ask for before a task is made, and how a stream of a task
-//! begins, for a new task and for a reply to one that waits for input.
+//! begins, for a new task and for a reply to one that waits for input, and
+//! how a run ends when its task is cancelled through another replica.
 
 mod a2a_support;
+mod support;
 
 use std::time::Duration;
 
@@ -11,8 +13,26 @@ use a2a::{
     SendMessageResponse, StreamResponse, Task, TaskPushNotificationConfig, TaskState,
 };
 use a2a_support::A2aServer;
-use agentd::client::a2a::parts_text;
+use agentd::client::a2a::{A2aClient, parts_text};
 use futures::StreamExt;
+use support::{Backend, Child, TestDb};
+
+/// Our A2A client on a replica's gRPC face.
+async fn a2a_at(addr: std::net::SocketAddr) -> A2aClient {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)))
+}
+
+/// A replica of `agentd serve` on the PostgreSQL database `store`.
+async fn replica(store: &str, id: &str, extra: &[&str]) -> Child {
+    let mut args = vec!["--store", store, "--a2a-listen", "off", "--replica-id", id];
+    args.extend_from_slice(extra);
+    Child::serve(&args).await
+}
 
 /// Events a stream may carry before the test gives up on its end.
 const MOST_EVENTS: usize = 64;
@@ -196,6 +216,140 @@ async fn a_streamed_reply_to_a_waiting_task_begins_with_the_task() {
     assert_eq!(
         history_texts(&stored(&client, &task.id).await),
         ["start", "blocking"]
+    );
+    server.stop().await;
+}
+
+/// A CancelTask served by another replica stops the run where it runs, at
+/// once: the run used to go on (here, a tool call of a minute, then the
+/// answer) until its next update was refused, holding its run slot and
+/// adding its answer to the context's history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cancelled_through_another_replica_stops_its_run_promptly() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = replica(&db.url, "replica-a", &["--tool-delay", "60s"]).await;
+    let b = replica(&db.url, "replica-b", &[]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    let req = SendMessageRequest {
+        message: Message::new(Role::User, vec![Part::text("Where is order 1187?")]),
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut sent = on_a.raw().send_streaming_message(&req).await.unwrap();
+    let task = match sent.next().await.unwrap().unwrap() {
+        StreamResponse::Task(t) => t,
+        other => panic!("first event is not the task: {other:?}"),
+    };
+    // Read until the tool call: the tool then sleeps for a minute.
+    for n in 0.. {
+        assert!(n < MOST_EVENTS, "no tool call");
+        let ev = sent
+            .next()
+            .await
+            .expect("ended before the tool call")
+            .unwrap();
+        if let StreamResponse::StatusUpdate(u) = ev
+            && u.status.message.as_ref().is_some_and(|m| {
+                m.parts
+                    .iter()
+                    .any(|p| matches!(&p.content, a2a::PartContent::Data(_)))
+            })
+        {
+            break;
+        }
+    }
+    assert_eq!(
+        on_b.cancel(&task.id).await.unwrap().status.state,
+        TaskState::Canceled
+    );
+    let cancelled = std::time::Instant::now();
+
+    // The turn on A ends CANCELLED within seconds, not after the tool's minute.
+    let session = task.metadata.as_ref().unwrap()[agentd::store::a2a_tasks::SESSION_METADATA_KEY]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut ended = None;
+    for _ in 0..100 {
+        let s = a
+            .client
+            .raw()
+            .get_session(agentd::pb::GetSessionRequest {
+                user_id: agentd::store::a2a_tasks::A2A_USER.into(),
+                session_id: session.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        ended = s
+            .turns
+            .into_iter()
+            .find(|t| t.state() != agentd::pb::TurnState::Running);
+        if ended.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let turn = ended.expect("the run on A was not stopped within 10 s of the cancel");
+    assert_eq!(turn.state(), agentd::pb::TurnState::Cancelled, "{turn:?}");
+    assert!(cancelled.elapsed() < Duration::from_secs(10));
+
+    // A's stream of the task ends with the CANCELED status.
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(10), sent.collect::<Vec<_>>())
+        .await
+        .expect("A's stream did not end");
+    let Some(Ok(StreamResponse::StatusUpdate(end))) = rest.last() else {
+        panic!("A's stream did not end with a status: {rest:?}")
+    };
+    assert_eq!(end.status.state, TaskState::Canceled, "{rest:?}");
+    for c in [&on_a, &on_b] {
+        assert_eq!(stored(c, &task.id).await.status.state, TaskState::Canceled);
+    }
+    a.kill9().await;
+    b.kill9().await;
+}
+
+/// Spec (SubscribeToTask): any task not in a terminal state can be
+/// subscribed to, and the stream begins with the Task. One that waits for
+/// input streams the task as it waits, then ends (nothing runs until a
+/// reply); it used to answer TaskNotFound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribing_to_a_task_waiting_for_input_streams_the_task() {
+    let server = A2aServer::start_with(Duration::ZERO, Some(Duration::from_millis(200))).await;
+    let client = server.grpc_client().await;
+    let task = waiting_task(&client).await;
+    let events = client
+        .raw()
+        .subscribe_to_task(&a2a::SubscribeToTaskRequest {
+            id: task.id.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    let seen: Vec<_> = tokio::time::timeout(
+        Duration::from_secs(10),
+        events.take(MOST_EVENTS).collect::<Vec<_>>(),
+    )
+    .await
+    .expect("the stream did not end");
+    let [Ok(StreamResponse::Task(first))] = seen.as_slice() else {
+        panic!("not the task alone: {seen:?}")
+    };
+    assert_eq!(first.id, task.id);
+    assert_eq!(first.status.state, TaskState::InputRequired);
+    assert_eq!(history_texts(first), ["start"]);
+    // The task still takes its reply.
+    let answered = client
+        .raw()
+        .send_message(&reply(&task, "go on", None))
+        .await
+        .unwrap();
+    assert!(
+        matches!(answered, SendMessageResponse::Task(t) if t.status.state == TaskState::Completed)
     );
     server.stop().await;
 }

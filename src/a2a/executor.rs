@@ -8,6 +8,8 @@
 //!                               final answer      → the last chunk, then COMPLETED
 //!                               failure           → FAILED with the sanitised message
 //! CancelTask ─▶ token ─▶ the RunStream is dropped (the agents.v1 drop path) ─▶ CANCELED
+//! CancelTask on another replica ─▶ the task reads CANCELED in the store (read
+//!   back every second while the run lives) ─▶ token ─▶ as above
 //! ```
 //!
 //! Going through the turn engine, not `Agent::run` directly, gives A2A
@@ -31,7 +33,7 @@ use crate::domain::{OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserI
 use crate::grpc::status;
 use crate::pb;
 use crate::store::TurnState;
-use crate::store::a2a_tasks::context_session;
+use crate::store::a2a_tasks::{A2aTasks, context_session};
 use crate::turn::{Failure, RunError, Turns};
 
 /// The id of the artifact that carries an agent's answer.
@@ -464,19 +466,46 @@ impl Shared {
                 yield Ok(job.status(TaskState::Working, None));
             }
             let task_id = job.task_id.clone();
-            let mut updates = std::pin::pin!(updates(job, events));
+            let mut updates = Box::pin(updates(job, events));
+            // A CancelTask served by another replica marks the task CANCELED
+            // in the store and cannot reach `cancel`: the stored task is read
+            // back every WATCH_EVERY while the run lives, and a task found
+            // ended fires `cancel` as a CancelTask served here would.
+            let tasks = self.turns.store().a2a_tasks();
+            let mut watch = tokio::time::interval_at(tokio::time::Instant::now() + WATCH_EVERY, WATCH_EVERY);
+            watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut ended_elsewhere = None;
             loop {
                 let next = tokio::select! {
                     biased;
                     _ = cancel.cancelled() => {
                         // Dropping the stream is the agents.v1 cancel path: the
                         // pump sees the channel close and cancels the agent.
-                        // CancelTask reports CANCELED itself.
+                        // CancelTask reports CANCELED itself; one served
+                        // elsewhere stored it, and the task's streams here end
+                        // with that stored status.
                         tracing::info!(task = %task_id, "a2a: task cancelled; run dropped");
                         if let Some(settle) = settle.as_mut() {
                             settle.disarm();
                         }
+                        drop(updates);
+                        if let Some(end) = ended_elsewhere {
+                            yield Ok(end);
+                        }
                         return;
+                    }
+                    _ = watch.tick() => {
+                        if let Some(t) = ended_in_store(&*tasks, &task_id).await {
+                            tracing::info!(task = %task_id, state = ?t.status.state, "a2a: the task ended elsewhere; stopping its run");
+                            ended_elsewhere = Some(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                                task_id: t.id,
+                                context_id: t.context_id,
+                                status: t.status,
+                                metadata: None,
+                            }));
+                            cancel.cancel();
+                        }
+                        continue;
                     }
                     next = updates.next() => next,
                 };
@@ -486,6 +515,21 @@ impl Shared {
                 }
             }
         })
+    }
+}
+
+/// How often the task of a run live here is read back from the store, to
+/// notice a CancelTask served by another replica: one read per live task
+/// per interval.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The task, when the store has it ended (CANCELED by a CancelTask served
+/// elsewhere); `None` while it is not, or when the store does not answer
+/// within [`WATCH_EVERY`] (the next read looks again).
+async fn ended_in_store(tasks: &dyn A2aTasks, task_id: &str) -> Option<Task> {
+    match tokio::time::timeout(WATCH_EVERY, tasks.get(task_id)).await {
+        Ok(Ok(Some(t))) if t.status.state.is_terminal() => Some(t),
+        _ => None,
     }
 }
 

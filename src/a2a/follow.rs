@@ -17,6 +17,8 @@
 //!                     ─▶ Turns::attach ─▶ the task snapshot, then every event of the turn mapped
 //!                        as the executor maps them (the first answer chunk replaces the
 //!                        snapshot's), then the terminal status
+//!                  └ TaskNotFound, task in the store waiting for input (INPUT_REQUIRED)
+//!                     ─▶ the task snapshot alone: nothing runs until a reply
 //! ```
 //!
 //! A task whose replica died is ended when its turn's lease expires: the
@@ -24,13 +26,16 @@
 //! (see `settle`), and so does a follower that sees the turn end so.
 //!
 //! A task another replica cancels (CancelTask served there marks it CANCELED
-//! in the store) is noticed here when its run's next update is refused: the
-//! inner handler then stops the run (it drops the executor's stream, which
-//! cancels the turn) and ends the task's streams with that refusal. Every
-//! stream of a task served here, and a blocking SendMessage, turns that
-//! refusal, when the task it names is terminal in the store, into the task's
-//! end: its stored terminal status (CANCELED), as every stream of a task
-//! must end.
+//! in the store) is noticed here within a second: the executor reads the
+//! task of each run live here back from the store every second, and one
+//! found ended stops its run (the turn is cancelled) and ends with the
+//! stored status (see `executor`). Should the run's next update come first,
+//! the store refuses it: the inner handler then stops the run (it drops the
+//! executor's stream, which cancels the turn) and ends the task's streams
+//! with that refusal. Every stream of a task served here, and a blocking
+//! SendMessage, turns that refusal, when the task it names is terminal in
+//! the store, into the task's end: its stored terminal status (CANCELED), as
+//! every stream of a task must end.
 //!
 //! A task is its owner's alone (the caller that created it; without
 //! authentication every caller is one anonymous user). Every call runs as its
@@ -171,8 +176,13 @@ impl Handler {
                 return Err(terminal(task_id));
             }
             if !matches!(task.status.state, TaskState::Submitted | TaskState::Working) {
-                // Waiting for input: nothing runs, here or elsewhere.
-                return Err(A2AError::task_not_found(task_id));
+                // Waiting for input: nothing runs, here or elsewhere. The
+                // stream is the task as it waits (spec: a subscription
+                // begins with the Task), and ends there; the reply starts
+                // a stream of its own.
+                return Ok(Box::pin(futures::stream::once(async move {
+                    Ok(StreamResponse::Task(task))
+                })));
             }
             let session = task_session(&task);
             let latest = super::settle::latest_turn(&**self.turns.store(), session, &prefix)
