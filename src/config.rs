@@ -417,7 +417,10 @@ impl ServeArgs {
         if let Some(u) = &self.a2a_advertise_url {
             advertise_url(u).map_err(|why| format!("--a2a-advertise-url: {why}"))?;
         }
-        crate::auth::check_open_services(&self.auth_open_services)?;
+        // Without authentication every service is open anyway.
+        if self.auth_tokens.is_some() || self.tls_client_ca.is_some() {
+            crate::auth::check_open_services(&self.auth_open_services)?;
+        }
         Ok(())
     }
 
@@ -892,13 +895,16 @@ mod tests {
             "agents.v1.AgentService",
             "grpc.health.v1.Health,lf.a2a.v1.A2AService",
         ] {
-            let err = serve(&["--auth-open-services", open])
+            let err = serve(&["--auth-tokens", "tokens.toml", "--auth-open-services", open])
                 .validate()
                 .unwrap_err();
             assert!(
                 err.starts_with("--auth-open-services") && err.contains("any user"),
                 "{err}"
             );
+            // Without authentication every service is open anyway: a
+            // setting left over is no reason to refuse to start.
+            serve(&["--auth-open-services", open]).validate().unwrap();
         }
     }
 

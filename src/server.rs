@@ -460,7 +460,7 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const H2_KEEPALIVE: Duration = Duration::from_secs(30);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `router` on `listener` (HTTP/1 and HTTP/2) until `stop` resolves,
+/// Serves `router` on `listener` (HTTP/1, and HTTP/2 with `http2`) until `stop` resolves,
 /// then lets the connections finish what they serve (their streams
 /// included) and returns. At most `max_connections` at once (counted under
 /// `port` in `agentd_connections_refused_total` past it). axum's own
@@ -473,6 +473,7 @@ pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     max_connections: usize,
+    http2: bool,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -503,15 +504,22 @@ pub async fn serve_http(
         let mut closing = closing_rx.clone();
         connections.spawn(async move {
             let _slot = slot;
-            match tokio::time::timeout(HEADER_READ_TIMEOUT, first_bytes(&stream)).await {
-                Ok(true) => {}
-                Ok(false) => return,
-                Err(_) => {
-                    tracing::debug!(port, "a connection sent no request in time; closed");
-                    return;
-                }
+            tokio::select! {
+                first = tokio::time::timeout(HEADER_READ_TIMEOUT, first_bytes(&stream)) => match first {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(_) => {
+                        tracing::debug!(port, "a connection sent no request in time; closed");
+                        return;
+                    }
+                },
+                // Shutting down: a connection that has sent nothing is closed.
+                _ = closing.changed() => return,
             }
             let mut builder = Builder::new(TokioExecutor::new());
+            if !http2 {
+                builder = builder.http1_only();
+            }
             builder
                 .http1()
                 .timer(TokioTimer::new())

@@ -478,6 +478,12 @@ async fn start_working(
 /// Waits (at most 10 s) for task `id` to end on `on_b`, and checks that it
 /// ended FAILED because its replica stopped.
 async fn assert_ends_replica_stopped(on_b: &A2aClient, id: &str) {
+    assert_ends(on_b, id, "serving replica stopped").await;
+}
+
+/// Waits (at most 10 s) for task `id` to end on `on_b`, and checks that it
+/// ended FAILED saying `why`.
+async fn assert_ends(on_b: &A2aClient, id: &str, why: &str) {
     let mut task = on_b.get_task(id).await.unwrap();
     for _ in 0..200 {
         if task.status.state.is_terminal() {
@@ -487,8 +493,8 @@ async fn assert_ends_replica_stopped(on_b: &A2aClient, id: &str) {
         task = on_b.get_task(id).await.unwrap();
     }
     assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
-    let why = parts_text(&task.status.message.unwrap().parts);
-    assert!(why.contains("serving replica stopped"), "{why}");
+    let said = parts_text(&task.status.message.unwrap().parts);
+    assert!(said.contains(why), "{said}");
 }
 
 /// A replica killed while it runs a task nobody follows: once the task's
@@ -551,6 +557,51 @@ async fn a_task_left_working_after_its_turn_failed_is_ended_by_any_replica() {
     .await;
     let on_b = a2a_at(b.addr).await;
     assert_ends_replica_stopped(&on_b, &running).await;
+    b.kill9().await;
+}
+
+/// A task left SUBMITTED without a session (its replica died, or its store
+/// failed, between storing it and starting its run) is failed once it has
+/// been so for ten minutes, by any replica: it read SUBMITTED for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_run_never_started_is_failed_by_any_replica() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let anonymous = agentd::domain::UserId::parse(agentd::store::a2a_tasks::A2A_USER).unwrap();
+    let task = |id: &str| a2a::Task {
+        id: id.into(),
+        context_id: "ctx".into(),
+        status: a2a::TaskStatus {
+            state: TaskState::Submitted,
+            message: None,
+            timestamp: Some(chrono::Utc::now()),
+        },
+        artifacts: None,
+        history: Some(vec![user_message(ORDER_Q, Some("ctx"))]),
+        metadata: None,
+    };
+    let tasks = store.a2a_tasks();
+    tasks.create_for(&anonymous, task("orphan")).await.unwrap();
+    tasks.create_for(&anonymous, task("recent")).await.unwrap();
+    store.close().await;
+    // "orphan" was stored twenty minutes ago, "recent" just now.
+    let pg = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::query("UPDATE a2a_tasks SET updated_at = updated_at - 1200000000 WHERE id = 'orphan'")
+        .execute(&pg)
+        .await
+        .unwrap();
+    pg.close().await;
+
+    let b = serve(&db.url, &["--turn-lease", "1s"]).await;
+    let on_b = a2a_at(b.addr).await;
+    assert_ends(&on_b, "orphan", "run is gone").await;
+    assert_eq!(
+        on_b.get_task("recent").await.unwrap().status.state,
+        TaskState::Submitted,
+        "a task stored moments ago is left to its run"
+    );
     b.kill9().await;
 }
 

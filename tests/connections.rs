@@ -212,7 +212,7 @@ async fn past_its_connection_limit_the_admin_port_closes_new_connections() {
 
     // Idle connections take every slot (each may wait 10 s for a request).
     let mut idle = Vec::new();
-    for _ in 0..64 {
+    for _ in 0..128 {
         idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -240,4 +240,25 @@ async fn past_its_connection_limit_the_admin_port_closes_new_connections() {
     );
     let _ = stop.send(());
     serving.await.unwrap().unwrap();
+}
+
+/// Shutting down, the HTTP face closes a connection that has sent nothing
+/// yet at once: it used to wait for it to send a request or time out (10 s).
+#[tokio::test]
+async fn a_silent_http_connection_does_not_hold_up_the_shutdown() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 8, async {
+        let _ = stopped.await;
+    }));
+    let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = stop.send(());
+    let stopped = tokio::time::timeout(agentd::a2a::HEADER_READ_TIMEOUT / 2, serving).await;
+    assert!(
+        stopped.is_ok(),
+        "the shutdown waited for a silent connection"
+    );
 }

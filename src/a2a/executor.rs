@@ -578,6 +578,11 @@ pub(crate) fn updates(
                         yield update;
                     }
                 }
+                // The turn completed (its answer is stored) but this stream
+                // could not take its final event: no end is written here.
+                // The task's settle stores the end the turn recorded,
+                // COMPLETED with the stored answer.
+                Some(Err(Failure::Undelivered(_))) => return,
                 Some(Err(f)) => {
                     let state = match &f {
                         Failure::ClientGone => TaskState::Canceled,
@@ -804,6 +809,22 @@ mod tests {
         assert!(
             matches!(&rest[4], StreamResponse::StatusUpdate(u) if u.status.state == TaskState::Completed)
         );
+    }
+
+    /// A run whose turn completed but whose stream could not take the
+    /// final event writes no end (least of all FAILED, which would
+    /// contradict the stored turn): the task's settle stores COMPLETED.
+    #[tokio::test]
+    async fn an_undelivered_final_event_ends_the_updates_without_a_status() {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        tx.unbounded_send(Ok(event(pb::EventKind::PartialText, "a")))
+            .unwrap();
+        tx.unbounded_send(Err(Failure::Undelivered(Box::new(Failure::SlowConsumer))))
+            .unwrap();
+        drop(tx);
+        let out: Vec<StreamResponse> = updates(job(), rx).collect().await;
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(chunk(&out[0]), ("a".into(), false, false));
     }
 
     #[test]

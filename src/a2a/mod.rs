@@ -219,7 +219,7 @@ pub async fn serve_http(
     max_connections: usize,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    crate::server::serve_http("a2a_http", listener, router, max_connections, stop).await
+    crate::server::serve_http("a2a_http", listener, router, max_connections, true, stop).await
 }
 
 /// The card's addresses for servers bound to `grpc` and `http`: `host` when

@@ -143,29 +143,37 @@ pub(crate) fn settle_expired(turns: &Arc<Turns>) {
     });
 }
 
+/// Why a task whose run is gone (never started, or its turn removed) ends.
+const RUN_GONE: &str = "the task's run is gone; send the message again";
+
 /// Tasks [`reconcile`] reads per page, and at most per pass.
 const RECONCILE_PAGE: usize = 100;
 const RECONCILE_PASS: usize = 1000;
 
-/// Settles, every `every`, the tasks still SUBMITTED or WORKING, not
-/// updated for `quiet`, whose latest turn has ended, for as long as
-/// `turns` lives. The first pass runs at once: a replica that starts after
-/// a crash settles what the crash left.
+/// Settles, every `every` (each replica at its own moment within it), the
+/// tasks still SUBMITTED or WORKING, not updated for `quiet`, whose latest
+/// turn has ended, for as long as `turns` lives. A pass reads at most
+/// [`RECONCILE_PASS`] tasks and the next goes on from there (from the
+/// oldest again after the newest), so tasks that stay unfinished (their
+/// runs still going) cannot keep it from the rest. The first pass runs at
+/// once: a replica that starts after a crash settles what the crash left.
 pub(crate) fn reconcile(turns: &Arc<Turns>, every: Duration, quiet: Duration) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let turns = Arc::downgrade(turns);
     rt.spawn(async move {
-        let mut tick = tokio::time::interval(every);
+        let spread = every.mul_f64(fastrand::f64());
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + spread, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut from = None;
         loop {
             tick.tick().await;
             let Some(turns) = turns.upgrade() else {
                 return;
             };
-            let before = std::time::SystemTime::now() - quiet;
-            match reconcile_pass(&turns, before).await {
+            let now = std::time::SystemTime::now();
+            match reconcile_pass(&turns, now - quiet, now - ORPHAN_QUIET, &mut from).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(tasks = n, "a2a: settled tasks whose runs had ended"),
                 Err(e) => {
@@ -176,23 +184,59 @@ pub(crate) fn reconcile(turns: &Arc<Turns>, every: Duration, quiet: Duration) {
     });
 }
 
-/// One pass of [`reconcile`] over tasks last updated before `before`;
-/// returns how many it settled.
-async fn reconcile_pass(turns: &Turns, before: std::time::SystemTime) -> Result<usize, String> {
+/// How long a task may stay SUBMITTED without a session before it is
+/// taken for one whose run never started (its replica died, or its store
+/// failed, between storing it and starting its run): it is failed.
+const ORPHAN_QUIET: Duration = Duration::from_secs(600);
+
+/// One pass of [`reconcile`] over tasks last updated before `before`, from
+/// just after `from`, which it moves on; returns how many it settled.
+/// `orphaned_before`: SUBMITTED tasks without a session, last updated
+/// before it, are failed.
+async fn reconcile_pass(
+    turns: &Turns,
+    before: std::time::SystemTime,
+    orphaned_before: std::time::SystemTime,
+    from: &mut Option<crate::store::a2a_tasks::UnfinishedKey>,
+) -> Result<usize, String> {
     let tasks = turns.store().a2a_tasks();
-    let (mut after, mut seen, mut settled) = (None, 0, 0);
+    let orphaned_before = crate::store::to_micros(orphaned_before);
+    let (mut seen, mut settled) = (0, 0);
     while seen < RECONCILE_PASS {
         let page = tasks
-            .unfinished(before, after.as_ref(), RECONCILE_PAGE)
+            .unfinished(before, from.as_ref(), RECONCILE_PAGE)
             .await
             .map_err(|e| e.to_string())?;
         seen += page.len();
         let last = page.len() < RECONCILE_PAGE;
         for found in page {
-            after = Some(found.key);
-            // A task its executor has not tied to a session yet has no turn
-            // to look at.
+            *from = Some(found.key.clone());
             let Some(session) = named_session(&found.task) else {
+                // Its executor never tied it to a session: no turn of it
+                // ever started.
+                if found.task.status.state == TaskState::Submitted && found.key.0 < orphaned_before
+                {
+                    let mut task = found.task;
+                    let task_id = task.id.clone();
+                    task.status = TaskStatus {
+                        state: TaskState::Failed,
+                        message: Some(Message {
+                            context_id: Some(task.context_id.clone()),
+                            task_id: Some(task_id.clone()),
+                            ..Message::new(Role::Agent, vec![Part::text(RUN_GONE)])
+                        }),
+                        timestamp: Some(chrono::Utc::now()),
+                    };
+                    match tasks.update(task).await {
+                        Ok(_) => {
+                            tracing::warn!(task = %task_id, "a2a: failed a task whose run never started");
+                            settled += 1;
+                        }
+                        Err(e) => {
+                            tracing::debug!(task = %task_id, error = %e.message, "a2a: cannot fail the task yet")
+                        }
+                    }
+                }
                 continue;
             };
             let task_id = found.task.id;
@@ -216,6 +260,8 @@ async fn reconcile_pass(turns: &Turns, before: std::time::SystemTime) -> Result<
             }
         }
         if last {
+            // The newest read: the next pass starts from the oldest.
+            *from = None;
             break;
         }
     }
@@ -326,10 +372,7 @@ async fn settle_once(
             Some("the task's updates could not be stored; its run was stopped".to_owned()),
         ),
         Some(o) => (TaskState::Failed, Some(o.message.clone())),
-        None => (
-            TaskState::Failed,
-            Some("the task's run is gone; send the message again".to_owned()),
-        ),
+        None => (TaskState::Failed, Some(RUN_GONE.to_owned())),
     };
     if state == TaskState::Completed {
         // The answer as the turn stored it: the artifact may lack the

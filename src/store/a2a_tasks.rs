@@ -247,13 +247,16 @@ fn decode(json: &str) -> Result<Task, A2AError> {
 /// ListTasks pages most recently updated first, as the spec requires, by
 /// (updated_at, id); the token is the last row's key. A task updated while
 /// a client pages moves to the front, so that client's later pages do not
-/// show it again (or, if it had not been shown yet, at all).
+/// show it again (or, if it had not been shown yet, at all). The token
+/// starts with `u`: one of a release that paged by creation (digits first)
+/// is refused, not read as a time of another kind.
 fn encode_cursor(updated_at: i64, id: &str) -> String {
-    format!("{updated_at}.{id}")
+    format!("u{updated_at}.{id}")
 }
 
 fn decode_cursor(token: &str) -> Result<(i64, String), A2AError> {
     let bad = || A2AError::invalid_params("invalid page token");
+    let token = token.strip_prefix('u').ok_or_else(bad)?;
     let (micros, id) = token.split_once('.').ok_or_else(bad)?;
     let micros = micros.parse::<i64>().map_err(|_| bad())?;
     if id.is_empty() {
@@ -790,7 +793,8 @@ mod tests {
             decode_cursor(&encode_cursor(17, "t.1")).unwrap(),
             (17, "t.1".to_owned())
         );
-        for bad in ["", "x", "12.", "x.y", ".t"] {
+        // The last is a token of the release that paged by creation.
+        for bad in ["", "x", "12.", "x.y", ".t", "u12.", "u.t", "17.t.1"] {
             assert!(decode_cursor(bad).is_err(), "{bad}");
         }
     }

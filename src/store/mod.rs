@@ -375,22 +375,25 @@ fn one_line(e: anyhow::Error) -> anyhow::Error {
 pub fn redact(url: &str) -> String {
     const MASK: &str = "***";
     // scheme://userinfo@host/path?query#fragment, split by hand so that what
-    // is not a secret is shown exactly as given.
-    let (head, query) = match url.split_once('?') {
-        Some((head, query)) => (head, Some(query)),
-        None => (url, None),
-    };
-    // The user info ends at the last '@': a password may hold an unescaped
-    // '/' or '@' (sqlx refuses that URL, and its error quotes it).
-    let head = match head.split_once("://") {
-        Some((scheme, rest)) => match rest.rsplit_once('@') {
-            Some((userinfo, host)) => match userinfo.split_once(':') {
-                Some((user, _password)) => format!("{scheme}://{user}:{MASK}@{host}"),
-                None => head.to_owned(),
-            },
-            None => head.to_owned(),
+    // is not a secret is shown exactly as given. The user info first, over
+    // the whole URL: a password may hold an unescaped '/', '?', '#' or '@'
+    // (sqlx refuses that URL, and its error quotes it), so it runs from the
+    // first ':' after a user name to the URL's last '@' (which, if it is in
+    // the query instead, masks more than the password: never less).
+    let url = match url.split_once("://") {
+        Some((scheme, rest)) => match (rest.find(':'), rest.rfind('@')) {
+            (Some(colon), Some(at))
+                if colon < at && !rest[..colon].contains(['/', '?', '#', '@']) =>
+            {
+                format!("{scheme}://{}:{MASK}@{}", &rest[..colon], &rest[at + 1..])
+            }
+            _ => url.to_owned(),
         },
-        None => head.to_owned(),
+        None => url.to_owned(),
+    };
+    let (head, query) = match url.split_once('?') {
+        Some((head, query)) => (head.to_owned(), Some(query)),
+        None => (url.clone(), None),
     };
     let Some(query) = query else {
         return head;
@@ -628,6 +631,16 @@ mod tests {
             redact("postgres://agentd:s3cret@db/agentd?password=s3cret"),
             "postgres://agentd:***@db/agentd?password=***"
         );
+        // A password holding what else splits a URL.
+        for password in ["pa?ss", "pa/ss", "pa#ss", "p@ss", "pa?x=1&password"] {
+            let shown = redact(&format!(
+                "postgres://agentd:{password}@db/agentd?sslmode=require"
+            ));
+            assert_eq!(
+                shown, "postgres://agentd:***@db/agentd?sslmode=require",
+                "{password}"
+            );
+        }
         // Every key that names a password, however it is spelt or escaped.
         for (key, shown) in [
             ("sslpassword", "sslpassword"),

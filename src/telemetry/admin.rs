@@ -35,7 +35,7 @@ impl Readiness {
 /// Connections the admin port serves at once: scrapers and probes make a
 /// few short ones. Past it new ones are closed, so a peer that opens many
 /// cannot take the file descriptors the other ports and the store need.
-const MAX_CONNECTIONS: usize = 64;
+const MAX_CONNECTIONS: usize = 128;
 
 /// The admin routes.
 pub fn router(readiness: Readiness) -> Router {
@@ -65,6 +65,9 @@ pub async fn serve(
         listener,
         router(readiness),
         MAX_CONNECTIONS,
+        // HTTP/1 only: what scrapers and probes speak, and an HTTP/2
+        // connection could be held open idle, holding a slot.
+        false,
         shutdown,
     )
     .await;

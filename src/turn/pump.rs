@@ -33,6 +33,11 @@ const WRITER_BATCH: usize = 2048;
 /// could otherwise miss the turn in its history, and the outcome may yet
 /// fail to commit.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
+/// After the shutdown's cut, how long the final status waits for the
+/// outcome to be stored: less than the shutdown's wait for the cut runs
+/// to end (`CUT_FLUSH` in src/server.rs, 5 s), so that the run ends within
+/// it either way.
+const CUT_OUTCOME_WAIT: Duration = Duration::from_secs(4);
 /// A client that goes away this close to its call's deadline (or later) is
 /// taken to have reached it: the run ends DEADLINE_EXCEEDED, not CANCELLED.
 const DEADLINE_RESET_SLACK: Duration = Duration::from_millis(200);
@@ -225,7 +230,7 @@ impl Pump {
             // outcome is stored ends recorded, one whose is not does not.
             let cut_short = async {
                 cut.cancelled().await;
-                tokio::time::sleep(OUTCOME_WAIT).await;
+                tokio::time::sleep(CUT_OUTCOME_WAIT).await;
             };
             let mut progress = self.stored.clone();
             tokio::select! {
