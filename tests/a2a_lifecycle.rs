@@ -244,23 +244,7 @@ async fn a_task_cancelled_through_another_replica_stops_its_run_promptly() {
         other => panic!("first event is not the task: {other:?}"),
     };
     // Read until the tool call: the tool then sleeps for a minute.
-    for n in 0.. {
-        assert!(n < MOST_EVENTS, "no tool call");
-        let ev = sent
-            .next()
-            .await
-            .expect("ended before the tool call")
-            .unwrap();
-        if let StreamResponse::StatusUpdate(u) = ev
-            && u.status.message.as_ref().is_some_and(|m| {
-                m.parts
-                    .iter()
-                    .any(|p| matches!(&p.content, a2a::PartContent::Data(_)))
-            })
-        {
-            break;
-        }
-    }
+    a2a_support::until_tool_call(&mut sent).await;
     assert_eq!(
         on_b.cancel(&task.id).await.unwrap().status.state,
         TaskState::Canceled

@@ -3,6 +3,7 @@
 //! task (GetTask, ListTasks, SubscribeToTask), and an A2A context keeps its
 //! session (the agent's memory) across restarts and replicas.
 
+mod a2a_support;
 mod support;
 
 use std::net::SocketAddr;
@@ -334,18 +335,7 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
         other => panic!("first event is not the task: {other:?}"),
     };
     // Wait until A has sent the tool call (the tool then sleeps).
-    loop {
-        let ev = on_a_stream.next().await.expect("A's stream ended").unwrap();
-        if let StreamResponse::StatusUpdate(u) = ev
-            && u.status.message.as_ref().is_some_and(|m| {
-                m.parts
-                    .iter()
-                    .any(|p| matches!(&p.content, a2a::PartContent::Data(_)))
-            })
-        {
-            break;
-        }
-    }
+    a2a_support::until_tool_call(&mut on_a_stream).await;
     assert_eq!(
         on_b.get_task(&running).await.unwrap().status.state,
         TaskState::Working

@@ -106,15 +106,28 @@ async fn past_the_connection_limit_a_new_grpc_connection_is_closed_until_one_end
     server.stop().await;
 }
 
-#[tokio::test]
-async fn past_the_connection_limit_a_new_a2a_http_connection_is_closed_until_one_ends() {
+/// The A2A HTTP face's serving loop, answering "ok" on `/`, at most `max`
+/// connections: its address, what stops it, and its task.
+async fn http_face(
+    max: usize,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 1, async {
+    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, max, async {
         let _ = stopped.await;
     }));
+    (addr, stop, serving)
+}
+
+#[tokio::test]
+async fn past_the_connection_limit_a_new_a2a_http_connection_is_closed_until_one_ends() {
+    let (addr, stop, serving) = http_face(1).await;
     let http = agentd::agent::openai::http_client().unwrap();
     let get = || {
         http.get(format!("http://{addr}/"))
@@ -161,13 +174,7 @@ async fn past_the_connection_limit_a_new_a2a_http_connection_is_closed_until_one
 #[tokio::test]
 async fn an_http_connection_that_sends_no_request_is_closed_in_time() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 8, async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, serving) = http_face(8).await;
     let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut partial = tokio::net::TcpStream::connect(addr).await.unwrap();
     partial.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
@@ -246,13 +253,7 @@ async fn past_its_connection_limit_the_admin_port_closes_new_connections() {
 /// yet at once: it used to wait for it to send a request or time out (10 s).
 #[tokio::test]
 async fn a_silent_http_connection_does_not_hold_up_the_shutdown() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(agentd::a2a::serve_http(listener, router, 8, async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, serving) = http_face(8).await;
     let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = stop.send(());

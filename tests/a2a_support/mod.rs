@@ -378,3 +378,30 @@ pub fn all_tasks() -> a2a::ListTasksRequest {
         tenant: None,
     }
 }
+
+/// Reads a task's stream until the status update that carries the order
+/// tool's call (the tool then runs, for as long as `--tool-delay` says);
+/// at most 100 events.
+pub async fn until_tool_call<S>(stream: &mut S)
+where
+    S: futures::Stream<Item = Result<a2a::StreamResponse, a2a::A2AError>> + Unpin,
+{
+    use futures::StreamExt as _;
+    for _ in 0..100 {
+        let ev = stream
+            .next()
+            .await
+            .expect("ended before the tool call")
+            .unwrap();
+        if let a2a::StreamResponse::StatusUpdate(u) = ev
+            && u.status.message.as_ref().is_some_and(|m| {
+                m.parts
+                    .iter()
+                    .any(|p| matches!(&p.content, a2a::PartContent::Data(_)))
+            })
+        {
+            return;
+        }
+    }
+    panic!("no tool call in 100 events");
+}
