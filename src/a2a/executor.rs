@@ -470,11 +470,18 @@ impl Shared {
             // A CancelTask served by another replica marks the task CANCELED
             // in the store and cannot reach `cancel`: the stored task is read
             // back every WATCH_EVERY while the run lives, and a task found
-            // ended fires `cancel` as a CancelTask served here would.
-            let tasks = self.turns.store().a2a_tasks();
-            let mut watch = tokio::time::interval_at(tokio::time::Instant::now() + WATCH_EVERY, WATCH_EVERY);
-            watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut ended_elsewhere = None;
+            // ended fires `cancel` as a CancelTask served here would. The
+            // reads run beside the stream, never in the way of its updates.
+            let ended_elsewhere = Arc::new(std::sync::Mutex::new(None));
+            let watching = CancellationToken::new();
+            let _stop_watching = watching.clone().drop_guard();
+            tokio::spawn(watch_stored_end(
+                self.turns.store().a2a_tasks(),
+                task_id.clone(),
+                cancel.clone(),
+                watching,
+                ended_elsewhere.clone(),
+            ));
             loop {
                 let next = tokio::select! {
                     biased;
@@ -489,23 +496,11 @@ impl Shared {
                             settle.disarm();
                         }
                         drop(updates);
-                        if let Some(end) = ended_elsewhere {
+                        let end = ended_elsewhere.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(end) = end {
                             yield Ok(end);
                         }
                         return;
-                    }
-                    _ = watch.tick() => {
-                        if let Some(t) = ended_in_store(&*tasks, &task_id).await {
-                            tracing::info!(task = %task_id, state = ?t.status.state, "a2a: the task ended elsewhere; stopping its run");
-                            ended_elsewhere = Some(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
-                                task_id: t.id,
-                                context_id: t.context_id,
-                                status: t.status,
-                                metadata: None,
-                            }));
-                            cancel.cancel();
-                        }
-                        continue;
                     }
                     next = updates.next() => next,
                 };
@@ -522,6 +517,44 @@ impl Shared {
 /// notice a CancelTask served by another replica: one read per live task
 /// per interval.
 const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Reads task `task_id` back every [`WATCH_EVERY`] until `watching` is
+/// cancelled (the run's stream ended) or `cancel` fires; once it reads the
+/// task ended (a CancelTask served by another replica), leaves its status
+/// in `ended` and fires `cancel`.
+async fn watch_stored_end(
+    tasks: Arc<dyn A2aTasks>,
+    task_id: String,
+    cancel: CancellationToken,
+    watching: CancellationToken,
+    ended: Arc<std::sync::Mutex<Option<StreamResponse>>>,
+) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + WATCH_EVERY, WATCH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = watching.cancelled() => return,
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let found = tokio::select! {
+            _ = watching.cancelled() => return,
+            found = ended_in_store(&*tasks, &task_id) => found,
+        };
+        if let Some(t) = found {
+            tracing::info!(task = %task_id, state = ?t.status.state, "a2a: the task ended elsewhere; stopping its run");
+            *ended.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                    task_id: t.id,
+                    context_id: t.context_id,
+                    status: t.status,
+                    metadata: None,
+                }));
+            cancel.cancel();
+            return;
+        }
+    }
+}
 
 /// The task, when the store has it ended (CANCELED by a CancelTask served
 /// elsewhere); `None` while it is not, or when the store does not answer

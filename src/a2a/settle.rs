@@ -155,8 +155,9 @@ const RECONCILE_PASS: usize = 1000;
 /// turn has ended, for as long as `turns` lives. A pass reads at most
 /// [`RECONCILE_PASS`] tasks and the next goes on from there (from the
 /// oldest again after the newest), so tasks that stay unfinished (their
-/// runs still going) cannot keep it from the rest. The first pass runs at
-/// once: a replica that starts after a crash settles what the crash left.
+/// runs still going) cannot keep it from the rest. The first pass runs
+/// within `every` of the start: a replica that starts after a crash
+/// settles what the crash left.
 pub(crate) fn reconcile(turns: &Arc<Turns>, every: Duration, quiet: Duration) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;

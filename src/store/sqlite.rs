@@ -585,8 +585,12 @@ impl SqliteStore {
         lock_session: None,
         session_events: Some(super::sql::SessionEvents {
             turn_numbers: "SELECT turn_no FROM turns WHERE session_id = $1 AND turn_no IS NOT NULL",
+            // A number the session's turns had may name a new turn by now
+            // (one of them had the highest number and no events): its rows
+            // are that turn's.
             delete_rows: "DELETE FROM event_log WHERE rowid IN (SELECT rowid FROM event_log \
-                 WHERE turn_no IN (SELECT value FROM json_each($1)) LIMIT $2)",
+                 WHERE turn_no IN (SELECT value FROM json_each($1)) \
+                 AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.turn_no = event_log.turn_no) LIMIT $2)",
         }),
         prune_events: Some(
             "DELETE FROM event_log WHERE turn_no IN \
@@ -1458,6 +1462,83 @@ mod tests {
             store.claim_turn(&turn).await.unwrap(),
             crate::store::Claim::New,
             "the retry claims the turn afresh"
+        );
+    }
+
+    /// A turn that takes the number of a deleted session's turn (one with
+    /// no events, the highest) while that session's log is still being
+    /// deleted keeps its events: the chunks skip numbers that name a turn.
+    #[tokio::test]
+    async fn a_turn_numbered_like_a_deleted_one_keeps_its_events_through_the_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("reuse.db").display());
+        let store = SqliteStore::open(&url).await.unwrap();
+        // A session whose first turn has a long log, and whose second (the
+        // highest number) has none: once the session's turns are deleted,
+        // the next claim anywhere takes that second turn's number, while
+        // the first's log is still being deleted.
+        let big = turn_with_events(&store, "r1", 1).await;
+        let second = TurnKey {
+            session_id: big.session_id,
+            request_id: RequestId::parse("r2").unwrap(),
+        };
+        store
+            .claim_turn(&crate::store::NewTurn {
+                key: second.clone(),
+                user_text: "hi".into(),
+                agent: "echo".into(),
+                owner: "a".into(),
+                lease: std::time::Duration::from_secs(60),
+            })
+            .await
+            .unwrap();
+        let first_no = count(
+            &store.write,
+            &format!(
+                "SELECT turn_no FROM turns WHERE session_id = '{}' AND request_id = 'r1'",
+                big.session_id
+            ),
+        )
+        .await;
+        let rows = 16 * super::super::sql::DELETE_EVENT_ROWS as i64;
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $2) \
+             INSERT INTO event_log (turn_no, first_seq, last_seq, events) SELECT $1, i, i, x'' FROM n",
+        )
+        .bind(first_no)
+        .bind(rows)
+        .execute(&store.write)
+        .await
+        .unwrap();
+        // The second turn's end cancels nothing: the delete refuses a
+        // running turn.
+        let done = crate::store::TurnOutcome {
+            state: crate::store::TurnState::Completed,
+            code: 0,
+            message: String::new(),
+        };
+        assert!(store.finish_turn(&big, &done, Some("a")).await.unwrap());
+        assert!(store.finish_turn(&second, &done, Some("b")).await.unwrap());
+
+        let mut delete = Box::pin(store.delete_session(big.session_id));
+        assert!(futures::poll!(delete.as_mut()).is_pending());
+        let newcomer = async {
+            let key = claimed_turn(&store, "r9").await;
+            let events: Vec<_> = (0..3)
+                .map(|seq| crate::store::SeqEvent {
+                    seq,
+                    event: crate::agent::Event::partial("echo", format!("n{seq}")),
+                })
+                .collect();
+            store.append_events(&key, events).await.unwrap();
+            key
+        };
+        let (deleted, newcomer) = tokio::join!(delete, newcomer);
+        assert_eq!(deleted.unwrap(), crate::store::Deletion::Deleted);
+        assert_eq!(
+            store.events_after(&newcomer, None, 10).await.unwrap().len(),
+            3,
+            "the new turn's events outlive the delete of the turn that had its number"
         );
     }
 
