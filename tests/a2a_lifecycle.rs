@@ -12,20 +12,10 @@ use a2a::{
     GetTaskRequest, Message, Part, Role, SendMessageConfiguration, SendMessageRequest,
     SendMessageResponse, StreamResponse, Task, TaskPushNotificationConfig, TaskState,
 };
-use a2a_support::A2aServer;
-use agentd::client::a2a::{A2aClient, parts_text};
+use a2a_support::{A2aServer, a2a_at};
+use agentd::client::a2a::parts_text;
 use futures::StreamExt;
 use support::{Backend, Child, TestDb};
-
-/// Our A2A client on a replica's gRPC face.
-async fn a2a_at(addr: std::net::SocketAddr) -> A2aClient {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)))
-}
 
 /// A replica of `agentd serve` on the PostgreSQL database `store`.
 async fn replica(store: &str, id: &str, extra: &[&str]) -> Child {

@@ -6,13 +6,13 @@
 mod a2a_support;
 mod support;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use a2a::{
     ListTasksRequest, Message, Part, Role, SendMessageRequest, StreamResponse,
     SubscribeToTaskRequest, TaskState,
 };
+use a2a_support::a2a_at;
 use agentd::client::a2a::{A2aClient, CallOptions, Outcome, parts_text};
 use futures::StreamExt;
 use support::*;
@@ -28,16 +28,6 @@ fn opts() -> CallOptions {
         deadline: Duration::from_secs(60),
         ..CallOptions::default()
     }
-}
-
-/// Our A2A client on a server's gRPC face.
-async fn a2a_at(addr: SocketAddr) -> A2aClient {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(channel)))
 }
 
 async fn serve(store: &str, extra: &[&str]) -> Child {

@@ -1465,6 +1465,19 @@ mod tests {
         );
     }
 
+    /// Writes `rows` empty event rows for turn number `turn_no`.
+    async fn fill_event_log(store: &SqliteStore, turn_no: i64, rows: i64) {
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $2) \
+             INSERT INTO event_log (turn_no, first_seq, last_seq, events) SELECT $1, i, i, x'' FROM n",
+        )
+        .bind(turn_no)
+        .bind(rows)
+        .execute(&store.write)
+        .await
+        .unwrap();
+    }
+
     /// A turn that takes the number of a deleted session's turn (one with
     /// no events, the highest) while that session's log is still being
     /// deleted keeps its events: the chunks skip numbers that name a turn.
@@ -1501,15 +1514,7 @@ mod tests {
         )
         .await;
         let rows = 16 * super::super::sql::DELETE_EVENT_ROWS as i64;
-        sqlx::query(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $2) \
-             INSERT INTO event_log (turn_no, first_seq, last_seq, events) SELECT $1, i, i, x'' FROM n",
-        )
-        .bind(first_no)
-        .bind(rows)
-        .execute(&store.write)
-        .await
-        .unwrap();
+        fill_event_log(&store, first_no, rows).await;
         // The second turn's end cancels nothing: the delete refuses a
         // running turn.
         let done = crate::store::TurnOutcome {
@@ -1570,15 +1575,7 @@ mod tests {
         )
         .await;
         let rows = 4 * super::super::sql::DELETE_EVENT_ROWS as i64;
-        sqlx::query(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $2) \
-             INSERT INTO event_log (turn_no, first_seq, last_seq, events) SELECT $1, i, i, x'' FROM n",
-        )
-        .bind(no)
-        .bind(rows)
-        .execute(&store.write)
-        .await
-        .unwrap();
+        fill_event_log(&store, no, rows).await;
         // What is left of the session's log as each turn is claimed (the
         // writer's one connection keeps these temporary objects).
         sqlx::raw_sql(&format!(

@@ -405,3 +405,16 @@ where
     }
     panic!("no tool call in 100 events");
 }
+
+/// Our A2A client on the gRPC face of a server at `addr` (an `agentd serve`
+/// child, say).
+pub async fn a2a_at(addr: SocketAddr) -> agentd::client::a2a::A2aClient {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    agentd::client::a2a::A2aClient::from_transport(Box::new(a2a_grpc::GrpcTransport::from_channel(
+        channel,
+    )))
+}
