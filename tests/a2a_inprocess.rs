@@ -219,6 +219,30 @@ enum Refuse {
     Chunk,
 }
 
+/// A memory store whose A2A tasks fail as [`FailingTasks`] with `refuse`
+/// (`refused`: the one refusal spent already) and `refuse_sessions` say;
+/// with its failing tasks, for the test to steer.
+fn failing_store(
+    refuse: Refuse,
+    refused: bool,
+    refuse_sessions: bool,
+) -> (Arc<store_wrap::Wrapped>, Arc<FailingTasks>) {
+    use agentd::store::a2a_tasks::A2aTaskSource;
+    let inner = Arc::new(agentd::store::memory::MemoryStore::new());
+    let tasks = Arc::new(FailingTasks {
+        inner: inner.a2a_tasks(),
+        refuse,
+        refused: std::sync::atomic::AtomicBool::new(refused),
+        hang_gets: Default::default(),
+        refuse_sessions,
+    });
+    let store = Arc::new(store_wrap::Wrapped {
+        hooks: Arc::new(Failing(tasks.clone())),
+        inner,
+    });
+    (store, tasks)
+}
+
 struct FailingTasks {
     inner: Arc<dyn agentd::store::a2a_tasks::A2aTasks>,
     refuse: Refuse,
@@ -320,20 +344,9 @@ impl store_wrap::Hooks for Failing {
 #[tokio::test]
 async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
     use a2a::Part;
-    use agentd::store::a2a_tasks::A2aTaskSource;
     use futures::StreamExt;
     for refuse in [Refuse::Terminal, Refuse::Chunk] {
-        let inner = Arc::new(agentd::store::memory::MemoryStore::new());
-        let store = Arc::new(store_wrap::Wrapped {
-            hooks: Arc::new(Failing(Arc::new(FailingTasks {
-                inner: inner.a2a_tasks(),
-                refuse,
-                refused: Default::default(),
-                hang_gets: Default::default(),
-                refuse_sessions: false,
-            }))),
-            inner,
-        });
+        let (store, _) = failing_store(refuse, false, false);
         let server = a2a_support::A2aServer::start_on(store).await;
         let client = server.grpc_client().await;
         let req = a2a_support::echo_request(vec![Part::text("hello there")]);
@@ -379,19 +392,8 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
 #[tokio::test]
 async fn a_task_whose_run_and_end_the_store_refused_still_gets_its_end() {
     use a2a::Part;
-    use agentd::store::a2a_tasks::A2aTaskSource;
     use futures::StreamExt;
-    let inner = Arc::new(agentd::store::memory::MemoryStore::new());
-    let store = Arc::new(store_wrap::Wrapped {
-        hooks: Arc::new(Failing(Arc::new(FailingTasks {
-            inner: inner.a2a_tasks(),
-            refuse: Refuse::Terminal,
-            refused: Default::default(),
-            hang_gets: Default::default(),
-            refuse_sessions: true,
-        }))),
-        inner,
-    });
+    let (store, _) = failing_store(Refuse::Terminal, false, true);
     let server = a2a_support::A2aServer::start_on(store).await;
     let client = server.grpc_client().await;
     let req = a2a_support::echo_request(vec![Part::text("hello there")]);
@@ -423,20 +425,8 @@ async fn a_task_whose_run_and_end_the_store_refused_still_gets_its_end() {
 #[tokio::test]
 async fn a_task_read_that_never_answers_fails_at_the_store_timeout_and_is_counted() {
     use a2a::Part;
-    use agentd::store::a2a_tasks::A2aTaskSource;
-    let inner = Arc::new(agentd::store::memory::MemoryStore::new());
-    let tasks = Arc::new(FailingTasks {
-        inner: inner.a2a_tasks(),
-        refuse: Refuse::Terminal,
-        // Refused already: every update is stored.
-        refused: std::sync::atomic::AtomicBool::new(true),
-        hang_gets: Default::default(),
-        refuse_sessions: false,
-    });
-    let store = Arc::new(store_wrap::Wrapped {
-        hooks: Arc::new(Failing(tasks.clone())),
-        inner,
-    });
+    // Refused already: every update is stored.
+    let (store, tasks) = failing_store(Refuse::Terminal, true, false);
     let metered = agentd::store::metered::Metered::new(store, Some(Duration::from_millis(500)));
     let server = a2a_support::A2aServer::start_on(Arc::new(metered)).await;
     let client = server.grpc_client().await;

@@ -212,12 +212,7 @@ impl tonic::codec::Codec for RawCodec {
 #[tokio::test]
 async fn a_request_that_is_not_valid_protobuf_is_invalid_argument() {
     let server = TestServer::tcp(Options::default()).await;
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr.unwrap()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+    let channel = server.channel().await;
     let mut grpc = tonic::client::Grpc::new(channel);
     for body in [vec![0x0a, 0x02, 0xff, 0xfe], vec![0x0a, 0x05, 0xab]] {
         grpc.ready().await.unwrap();

@@ -11,12 +11,7 @@ use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 #[tokio::test]
 async fn reflection_lists_the_agent_and_health_services() {
     let server = TestServer::tcp(Options::default()).await;
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr.unwrap()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+    let channel = server.channel().await;
     let mut client = ServerReflectionClient::new(channel);
     let req = ServerReflectionRequest {
         host: String::new(),
@@ -46,12 +41,7 @@ async fn reflection_lists_the_agent_and_health_services() {
 #[tokio::test]
 async fn reflection_lists_and_describes_the_a2a_service() {
     let server = TestServer::tcp(Options::default()).await;
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr.unwrap()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+    let channel = server.channel().await;
     let mut client = ServerReflectionClient::new(channel);
     let reqs = [
         MessageRequest::ListServices(String::new()),

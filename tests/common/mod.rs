@@ -150,6 +150,15 @@ impl TestServer {
             .map_err(|_| anyhow::anyhow!("server did not stop within {within:?}"))??
     }
 
+    /// A new gRPC channel to a server started with [`TestServer::tcp`].
+    pub async fn channel(&self) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr.unwrap()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
     pub async fn stop(mut self) {
         self.begin_shutdown();
         self.join(Duration::from_secs(20)).await.unwrap();
