@@ -327,3 +327,79 @@ async fn subscribing_to_a_task_waiting_for_input_streams_the_task() {
     );
     server.stop().await;
 }
+
+/// A stream whose reader falls behind its run goes on from the task as it
+/// stands, and loses nothing. The crate keeps 32 updates per run for its
+/// subscribers; one further behind used to get INTERNAL "Internal error"
+/// and lose the rest of the run. Here the client's HTTP/2 windows (4 KiB)
+/// hold the server back while the client reads nothing for the first 1.5 s
+/// of a run of 600 chunks paced over 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_nothing() {
+    const CHUNKS: usize = 600;
+    const SIZE: usize = 16;
+    let server = A2aServer::start(Duration::ZERO).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .initial_stream_window_size(4096)
+        .initial_connection_window_size(4096)
+        .connect()
+        .await
+        .unwrap();
+    let client = agentd::client::a2a::A2aClient::from_transport(Box::new(
+        a2a_grpc::GrpcTransport::from_channel(channel),
+    ));
+    let mut message = Message::new(
+        Role::User,
+        vec![Part::text(format!("n={CHUNKS} size={SIZE} rate=200"))],
+    );
+    message.metadata = Some([("agent".to_owned(), serde_json::json!("stream"))].into());
+    let req = SendMessageRequest {
+        message,
+        configuration: None,
+        metadata: None,
+        tenant: None,
+    };
+    let mut events = client.raw().send_streaming_message(&req).await.unwrap();
+    let first = events.next().await.unwrap().unwrap();
+    assert!(matches!(first, StreamResponse::Task(_)), "{first:?}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // The answer's text as the client holds it: a Task replaces it, an
+    // appended chunk adds to it. Just before the final answer (which
+    // replaces the streamed text) it must be every chunk, once.
+    let (mut text, mut streamed, mut snapshots, mut end) = (0, None, 0, None);
+    let read = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(ev) = events.next().await {
+            match ev.unwrap_or_else(|e| panic!("the stream failed after {text} bytes: {e:?}")) {
+                StreamResponse::Task(t) => {
+                    snapshots += 1;
+                    end = Some(t.status.state.clone());
+                    text = t
+                        .artifacts
+                        .iter()
+                        .flatten()
+                        .map(|a| parts_text(&a.parts).len())
+                        .sum();
+                }
+                StreamResponse::ArtifactUpdate(u) if u.last_chunk == Some(true) => {
+                    streamed = Some(text);
+                }
+                StreamResponse::ArtifactUpdate(u) => {
+                    assert_eq!(u.append.unwrap_or(false), text > 0, "{u:?}");
+                    text += parts_text(&u.artifact.parts).len();
+                }
+                StreamResponse::StatusUpdate(s) => end = Some(s.status.state),
+                StreamResponse::Message(m) => panic!("{m:?}"),
+            }
+        }
+    });
+    read.await.expect("the stream does not end");
+    assert!(
+        snapshots >= 1,
+        "the stream never fell behind: nothing was tested"
+    );
+    assert_eq!(streamed, Some(CHUNKS * SIZE), "chunks lost or repeated");
+    assert_eq!(end, Some(TaskState::Completed));
+    server.stop().await;
+}

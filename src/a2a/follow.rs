@@ -37,6 +37,12 @@
 //! the store, into the task's end: its stored terminal status (CANCELED), as
 //! every stream of a task must end.
 //!
+//! The crate keeps 32 updates of a run for its subscribers, and drops one
+//! that falls further behind (a reader slower than the model) with an
+//! INTERNAL error. Every stream of a task served here picks up again
+//! instead, from the task as it stands: the Task (its artifacts hold every
+//! chunk so far), then the updates after it (`Handler::resuming`).
+//!
 //! A task is its owner's alone (the caller that created it; without
 //! authentication every caller is one anonymous user). Every call runs as its
 //! caller (`as_caller`: ListTasks lists the caller's tasks, a new task is the
@@ -64,7 +70,9 @@ use crate::turn::Turns;
 const TURN_WAIT_POLLS: u32 = 50;
 
 pub struct Handler {
-    inner: DefaultRequestHandler,
+    /// Shared with the streams it opens, which subscribe again through it
+    /// ([`resuming`]).
+    inner: Arc<DefaultRequestHandler>,
     turns: Arc<Turns>,
     tasks: Arc<dyn A2aTasks>,
     /// `--max-input-bytes`: a message's text past it is refused.
@@ -83,7 +91,7 @@ impl Handler {
         authenticated: bool,
     ) -> Self {
         Self {
-            inner,
+            inner: Arc::new(inner),
             turns,
             tasks,
             max_input_bytes,
@@ -166,10 +174,15 @@ impl Handler {
     }
 
     /// Follows a task of `caller`'s that is not terminal and runs elsewhere.
-    async fn follow_remote(&self, caller: &UserId, task_id: &str) -> Result<EventStream, A2AError> {
+    async fn follow_remote(
+        turns: &Arc<Turns>,
+        tasks: &Arc<dyn A2aTasks>,
+        caller: &UserId,
+        task_id: &str,
+    ) -> Result<EventStream, A2AError> {
         let prefix = format!("{task_id}.");
         for _ in 0..TURN_WAIT_POLLS {
-            let Some(task) = self.tasks.get(task_id).await? else {
+            let Some(task) = tasks.get(task_id).await? else {
                 return Err(A2AError::task_not_found(task_id));
             };
             if task.status.state.is_terminal() {
@@ -185,7 +198,7 @@ impl Handler {
                 })));
             }
             let session = task_session(&task);
-            let latest = super::settle::latest_turn(&**self.turns.store(), session, &prefix)
+            let latest = super::settle::latest_turn(&**turns.store(), session, &prefix)
                 .await
                 .map_err(|_| A2AError::internal("the task store is unavailable; retry later"))?;
             let Some(turn) = latest else {
@@ -197,7 +210,7 @@ impl Handler {
                     ));
                 }
                 // Submitted, its turn not claimed yet: look again shortly.
-                tokio::time::sleep(self.turns.config().follow_poll).await;
+                tokio::time::sleep(turns.config().follow_poll).await;
                 continue;
             };
             let key = TurnKey {
@@ -205,8 +218,7 @@ impl Handler {
                 request_id: RequestId::parse(turn.key.request_id.as_str().to_owned())
                     .map_err(|_| A2AError::internal("the task's turn is malformed"))?,
             };
-            let started = self
-                .turns
+            let started = turns
                 .attach(caller, key.clone(), None, None)
                 .await
                 .map_err(|e| {
@@ -217,7 +229,7 @@ impl Handler {
                 })?;
             tracing::info!(task = %task_id, mode = started.mode.as_str(), "a2a: following a task run elsewhere");
             let job = Job::follower(task.id.clone(), task.context_id.clone());
-            let (tasks, store) = (self.tasks.clone(), self.turns.store().clone());
+            let (tasks, store) = (tasks.clone(), turns.store().clone());
             return Ok(Box::pin(async_stream::stream! {
                 let id = task.id.clone();
                 yield Ok(StreamResponse::Task(task));
@@ -302,29 +314,137 @@ async fn ended_elsewhere(tasks: &dyn A2aTasks, e: &A2AError) -> Option<Task> {
     }
 }
 
-/// `events` of a task, ending with the task's stored terminal status in
-/// place of the error of a task that ended elsewhere ([`ended_elsewhere`]).
-fn ending_as_stored(tasks: Arc<dyn A2aTasks>, events: EventStream) -> EventStream {
-    Box::pin(async_stream::stream! {
-        let mut events = events;
-        while let Some(item) = events.next().await {
-            match item {
-                Ok(ev) => yield Ok(ev),
-                Err(e) => {
-                    match ended_elsewhere(&*tasks, &e).await {
-                        Some(t) => yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
-                            task_id: t.id,
-                            context_id: t.context_id,
-                            status: t.status,
-                            metadata: None,
-                        })),
-                        None => yield Err(e),
+/// Times one stream of a task picks up again after the handler dropped it
+/// for falling behind ([`Handler::resuming`]).
+const MAX_RESUMES: u32 = 8;
+
+/// The crate's answer to a subscriber that fell more than its buffer (32
+/// updates) behind the run: an INTERNAL error with its generic message (the
+/// cause goes only to its log). Other errors of ours say more.
+fn fell_behind(e: &A2AError) -> bool {
+    e.code == error_code::INTERNAL_ERROR && e.message == "Internal error"
+}
+
+/// The task an update belongs to.
+fn task_of(update: &StreamResponse) -> Option<&str> {
+    match update {
+        StreamResponse::Task(t) => Some(&t.id),
+        StreamResponse::StatusUpdate(u) => Some(&u.task_id),
+        StreamResponse::ArtifactUpdate(u) => Some(&u.task_id),
+        StreamResponse::Message(_) => None,
+    }
+}
+
+/// What a task's stream needs to pick up again once the call that opened
+/// it has returned.
+struct Resume {
+    inner: Arc<DefaultRequestHandler>,
+    turns: Arc<Turns>,
+    tasks: Arc<dyn A2aTasks>,
+    caller: UserId,
+    params: ServiceParams,
+}
+
+impl Resume {
+    /// The task `id` from where it stands: a subscription to its run here
+    /// (the task as it stands, then every update after it); once that run
+    /// is over, the task as stored, when it has ended or waits for input;
+    /// otherwise its turn, followed as another replica's would be.
+    async fn resume(&self, id: &str) -> Result<EventStream, A2AError> {
+        let req = SubscribeToTaskRequest {
+            id: id.to_owned(),
+            tenant: None,
+        };
+        let again = as_caller(
+            self.caller.clone(),
+            self.inner.subscribe_to_task(&self.params, req),
+        )
+        .await;
+        if let Ok(events) = again {
+            return Ok(events);
+        }
+        match self.tasks.get(id).await? {
+            None => Err(A2AError::task_not_found(&shown_id(id))),
+            Some(t) if !matches!(t.status.state, TaskState::Submitted | TaskState::Working) => {
+                Ok(Box::pin(futures::stream::once(async move {
+                    Ok(StreamResponse::Task(t))
+                })))
+            }
+            Some(_) => Handler::follow_remote(&self.turns, &self.tasks, &self.caller, id).await,
+        }
+    }
+}
+
+impl Handler {
+    /// `events` of a task (`task_id`, or the one its first update names),
+    /// as the caller gets them:
+    ///
+    /// - The error of a task that ended elsewhere becomes the task's stored
+    ///   terminal status ([`ended_elsewhere`]).
+    /// - A stream the crate dropped for falling behind its run (a reader
+    ///   slower than the model: the crate keeps 32 updates per run) picks
+    ///   up again from the task as it stands ([`Resume::resume`]): the
+    ///   Task, whose artifacts hold every chunk sent so far, replaces what
+    ///   the caller has (spec: a Task in a stream is the task's state), and
+    ///   the updates after it follow. Before, the caller got an INTERNAL
+    ///   "Internal error" and lost the rest of the run.
+    fn resuming(
+        &self,
+        caller: UserId,
+        params: &ServiceParams,
+        task_id: Option<String>,
+        events: EventStream,
+    ) -> EventStream {
+        let resume = Resume {
+            inner: self.inner.clone(),
+            turns: self.turns.clone(),
+            tasks: self.tasks.clone(),
+            caller,
+            params: params.clone(),
+        };
+        Box::pin(async_stream::stream! {
+            let mut events = events;
+            let mut task_id = task_id;
+            let mut resumed = 0;
+            while let Some(item) = events.next().await {
+                let e = match item {
+                    Ok(update) => {
+                        if task_id.is_none() {
+                            task_id = task_of(&update).map(str::to_owned);
+                        }
+                        yield Ok(update);
+                        continue;
                     }
+                    Err(e) => e,
+                };
+                if let Some(t) = ended_elsewhere(&*resume.tasks, &e).await {
+                    yield Ok(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+                        task_id: t.id,
+                        context_id: t.context_id,
+                        status: t.status,
+                        metadata: None,
+                    }));
                     return;
                 }
+                if let Some(id) = task_id.as_deref().filter(|_| fell_behind(&e) && resumed < MAX_RESUMES) {
+                    resumed += 1;
+                    match resume.resume(id).await {
+                        Ok(more) => {
+                            tracing::info!(task = %id, resumed, "a2a: a stream fell behind its run; it goes on from the task as it stands");
+                            crate::telemetry::metrics::a2a_stream_resumed();
+                            events = more;
+                            continue;
+                        }
+                        Err(why) => {
+                            tracing::warn!(task = %id, error = %why.message, "a2a: a stream fell behind its run and cannot go on");
+                        }
+                    }
+                }
+                yield Err(e);
+                return;
             }
-        }
-    })
+        })
+    }
 }
 
 /// The crate's `apply_history_length` (not public): the last
@@ -543,11 +663,11 @@ impl RequestHandler for Handler {
                 // handler trims only that one).
                 let history_length = req.configuration.as_ref().and_then(|c| c.history_length);
                 as_caller(
-                    caller,
+                    caller.clone(),
                     self.inner.send_streaming_message(&traced(params), req),
                 )
                 .await
-                .map(|events| ending_as_stored(self.tasks.clone(), events))
+                .map(|events| self.resuming(caller, params, None, events))
                 .map(|events| -> EventStream {
                     match history_length {
                         None => events,
@@ -625,9 +745,9 @@ impl RequestHandler for Handler {
                 self.check_owner(&caller, &id).await?;
                 match as_caller(caller.clone(), self.inner.subscribe_to_task(params, req)).await {
                     Err(e) if e.code == error_code::TASK_NOT_FOUND => {
-                        self.follow_remote(&caller, &id).await
+                        Self::follow_remote(&self.turns, &self.tasks, &caller, &id).await
                     }
-                    Ok(events) => Ok(ending_as_stored(self.tasks.clone(), events)),
+                    Ok(events) => Ok(self.resuming(caller, params, Some(id), events)),
                     Err(e) => Err(e),
                 }
             }

@@ -38,6 +38,7 @@ pub const SLOW_CONSUMER: &str = "agentd_slow_consumer_terminations_total";
 pub const DEDUP: &str = "agentd_dedup_total";
 pub const A2A_REQUESTS: &str = "agentd_a2a_requests_total";
 pub const A2A_REQUEST_SECONDS: &str = "agentd_a2a_request_seconds";
+pub const A2A_STREAM_RESUMES: &str = "agentd_a2a_stream_resumes_total";
 pub const STORE_CALL_SECONDS: &str = "agentd_store_call_seconds";
 pub const STORE_ERRORS: &str = "agentd_store_errors_total";
 pub const STORE_UP: &str = "agentd_store_up";
@@ -125,6 +126,10 @@ fn describe() {
         A2A_REQUEST_SECONDS,
         metrics::Unit::Seconds,
         "A2A request duration to its answer, or to the end of its stream"
+    );
+    metrics::describe_counter!(
+        A2A_STREAM_RESUMES,
+        "A2A streams that fell behind their run and went on from the task as it stood"
     );
     metrics::describe_histogram!(
         STORE_CALL_SECONDS,
@@ -292,6 +297,12 @@ pub fn a2a_request(method: &'static str, outcome: &'static str, elapsed: std::ti
     metrics::counter!(A2A_REQUESTS, "method" => method, "outcome" => outcome).increment(1);
     metrics::histogram!(A2A_REQUEST_SECONDS, "method" => method, "outcome" => outcome)
         .record(elapsed.as_secs_f64());
+}
+
+/// An A2A stream fell behind its run and went on from the task's state.
+pub fn a2a_stream_resumed() {
+    handle();
+    metrics::counter!(A2A_STREAM_RESUMES).increment(1);
 }
 
 /// The name of a gRPC status code as the gRPC specification spells it.
