@@ -14,15 +14,17 @@
   operator) on the rendered pods.
 - Checks what the schemas cannot: terminationGracePeriodSeconds exceeds
   preStop + drain delay + shutdown grace + the server's own flush time in
-  every workload, the maximum run duration is below the shutdown grace,
-  each workload names its store (SQLite on a persistent volume with one
-  replica, PostgreSQL from a Secret), a read-only root has a bounded
-  emptyDir at /tmp, a persistent volume is not chowned at every start,
-  every AGENTD_* variable is a flag the binary knows, the listen addresses
-  and ports (gRPC, admin, A2A), the host the A2A agent card advertises (the
+  every workload, the maximum run duration plus a run's wait for its
+  outcome fits in the shutdown grace, each workload names its store
+  (SQLite on a persistent volume with one replica, PostgreSQL from a
+  Secret), a read-only root has a bounded emptyDir at /tmp, a persistent
+  volume is not chowned at every start, every AGENTD_* variable is a flag
+  of `agentd serve` (not a client command's), the listen addresses and
+  ports (gRPC, admin, A2A), the host the A2A agent card advertises (the
   Service's DNS name), the probes (gRPC startup and readiness, HTTP
-  liveness), the rollout strategy, the headless Service, the PDB, and
-  the Dockerfile's shape.
+  liveness) and, with bearer tokens, an open health service for them, the
+  memory limit against the runs in flight and their history, the rollout
+  strategy, the headless Service, the PDB, and the Dockerfile's shape.
 - With --self-test, breaks the manifests in memory in each of those ways and
   fails unless every break is caught.
 
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import functools
 import json
 import os
 import re
@@ -70,6 +74,10 @@ SCRAPE_CONFIG = "monitoring/scrape-config.yaml"
 # session store to close (STORE_CLOSE_TIMEOUT in src/main.rs).
 SERVER_FLUSH_SECONDS = 20
 
+# The service health checkers (the kubelet's gRPC probes) call without
+# credentials.
+HEALTH_SERVICE = "grpc.health.v1.Health"
+
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "schemas/podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "schemas/prometheusrule.json",
@@ -85,6 +93,10 @@ WORKLOADS = {"Deployment", "StatefulSet"}
 
 class RenderError(Exception):
     pass
+
+
+class SourceError(Exception):
+    """What this script reads from the Rust sources is not where it expects."""
 
 
 # --- rendering ---------------------------------------------------------------
@@ -211,19 +223,84 @@ def duration_seconds(s: str) -> float:
     return sum(int(n) * units[u] for n, u in parts)
 
 
+@functools.cache
+def outcome_wait_seconds() -> float:
+    """How long a run may hold its stream past its deadline while its outcome
+    is stored (OUTCOME_WAIT in src/turn/pump.rs): a run lasts up to the
+    maximum run duration plus this, which the shutdown grace must cover."""
+    m = re.search(r"const OUTCOME_WAIT: Duration = Duration::from_secs\((\d+)\);", (ROOT / "src/turn/pump.rs").read_text())
+    if not m:
+        raise SourceError("src/turn/pump.rs: no `const OUTCOME_WAIT: Duration = Duration::from_secs(N);` (update outcome_wait_seconds)")
+    return float(m.group(1))
+
+
+def arg_flags(text: str, global_only: bool = False) -> dict[str, str | None]:
+    """The AGENTD_* variables of the #[arg(...)] attributes in `text` (only
+    those with `global = true` if `global_only`), with their defaults (a
+    string default_value, or an integer default_value_t)."""
+    flags: dict[str, str | None] = {}
+    for attr in re.findall(r"#\[arg\((.*?)\)\]", text, re.S):
+        env = re.search(r'env\s*=\s*"(AGENTD_[A-Z0-9_]+)"', attr)
+        if env and (not global_only or re.search(r"\bglobal\s*=\s*true\b", attr)):
+            default = re.search(r'default_value\s*=\s*"([^"]*)"', attr)
+            number = re.search(r"default_value_t\s*=\s*([0-9_][0-9_\s*+]*)(?=[,)]|$)", attr.strip())
+            if default:
+                flags[env.group(1)] = default.group(1)
+            elif number:
+                flags[env.group(1)] = str(eval(number.group(1), {"__builtins__": {}}))  # digits, _, * and + only
+            else:
+                flags[env.group(1)] = None
+    return flags
+
+
+@functools.cache
+def config_source() -> str:
+    return (ROOT / "src/config.rs").read_text()
+
+
 def known_flags() -> dict[str, str | None]:
-    """AGENTD_* variables in src/config.rs, with their defaults, and
-    AGENTD_LOG, which src/telemetry.rs reads."""
-    text = (ROOT / "src/config.rs").read_text()
+    """The AGENTD_* variables `agentd serve` reads, with their defaults: the
+    fields of ServeArgs in src/config.rs, the global flags (`global = true`),
+    and AGENTD_LOG, which src/telemetry.rs reads. The client commands'
+    variables (AGENTD_SERVER, AGENTD_TOKEN, AGENTD_TLS_CA, ...) are not
+    among them: on the server's workload they would be ignored."""
+    text = config_source()
+    m = re.search(r"^pub struct ServeArgs \{\n(.*?)^\}", text, re.S | re.M)
+    if not m:
+        raise SourceError("src/config.rs: no `pub struct ServeArgs { ... }` (update known_flags)")
+    if "flatten" in m.group(1):
+        raise SourceError("src/config.rs: ServeArgs flattens another struct, whose flags known_flags does not read (teach it to)")
     flags: dict[str, str | None] = {}
     if '"AGENTD_LOG"' in (ROOT / "src/telemetry.rs").read_text():
         flags["AGENTD_LOG"] = None
-    for attr in re.findall(r"#\[arg\((.*?)\)\]", text, re.S):
-        env = re.search(r'env\s*=\s*"(AGENTD_[A-Z0-9_]+)"', attr)
-        if env:
-            default = re.search(r'default_value\s*=\s*"([^"]*)"', attr)
-            flags[env.group(1)] = default.group(1) if default else None
+    flags |= arg_flags(text, global_only=True)
+    flags |= arg_flags(m.group(1))
     return flags
+
+
+def unknown_flag(name: str, flags: dict[str, str | None]) -> str:
+    """Why `name` is not one of `flags` (serve's), for its error."""
+    if name in arg_flags(config_source()):
+        # A client's variable is mistaken for the server's of the same
+        # family (AGENTD_TLS_CA for AGENTD_TLS_CLIENT_CA): name the family.
+        family = "_".join(name.split("_")[:2]) + "_"
+        kin = sorted(f for f in flags if f.startswith(family))
+        hint = f" (serve's {family}* variables: {', '.join(kin)})" if kin else ""
+        return f"{name} is a flag of agentd's client commands, not of agentd serve: the server would ignore it{hint}"
+    near = difflib.get_close_matches(name, list(flags), n=1, cutoff=0.75)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return f"{name} is not a flag of agentd serve (src/config.rs): the server would ignore it{hint}"
+
+
+def quantity_bytes(q: str | int) -> float:
+    """A Kubernetes memory quantity (512Mi, 1G, 1e9, 1073741824) in bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(?:([KMGTPE]i|[kMGTPE]|m)|[eE](-?\d+))?", str(q).strip())
+    if not m:
+        raise ValueError(f"not a quantity: {q!r}")
+    number, suffix, exponent = m.groups()
+    factors = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+    factors |= {f"{p}i": 1024 ** (i + 1) for i, p in enumerate("KMGTPE")}
+    return float(number) * (factors[suffix] if suffix else 10 ** int(exponent or 0))
 
 
 def effective_env(container: dict, docs: list[dict], errors: list[str], what: str) -> dict[str, str | None]:
@@ -279,7 +356,7 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
 
     for name in env:
         if name.startswith("AGENTD_") and name not in flags:
-            errors.append(f"{what}: {name} is not a flag of agentd (src/config.rs); the binary would ignore it")
+            errors.append(f"{what}: {unknown_flag(name, flags)}")
 
     def setting(name: str) -> float:
         value = env.get(name, flags.get(name))
@@ -309,8 +386,12 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
             f"{what}: terminationGracePeriodSeconds {tgps} must exceed preStop {pre:g}s + drain delay {drain:g}s"
             f" + shutdown grace {grace:g}s + {SERVER_FLUSH_SECONDS}s = {needed:g}s, or the kubelet kills runs the drain promised"
         )
-    if not max_run < grace:
-        errors.append(f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) must be shorter than AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise")
+    wait = outcome_wait_seconds()
+    if not max_run + wait <= grace:
+        errors.append(
+            f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) + {wait:g}s (a run's wait past it for its outcome to be stored)"
+            f" = {max_run + wait:g}s must be at most AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise"
+        )
 
     for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090"), ("AGENTD_A2A_LISTEN", "0.0.0.0:8080")]:
         if env.get(name) != want:
@@ -347,10 +428,50 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     live = c.get("livenessProbe", {}).get("httpGet", {})
     if live.get("path") != "/healthz" or live.get("port") not in (9090, "admin"):
         errors.append(f"{what}: livenessProbe must be an HTTP GET of /healthz on the admin port 9090")
+    # With bearer tokens every call needs one unless its service is open;
+    # the kubelet's gRPC probes send none, so the health service must be
+    # open or the pod never turns ready (the server only warns).
+    if "AGENTD_AUTH_TOKENS" in env and any("grpc" in c.get(p, {}) for p in ["startupProbe", "readinessProbe", "livenessProbe"]):
+        value = env.get("AGENTD_AUTH_OPEN_SERVICES", flags.get("AGENTD_AUTH_OPEN_SERVICES"))
+        if value is None:
+            errors.append(f"{what}: AGENTD_AUTH_OPEN_SERVICES must be a plain value (the gRPC probes need {HEALTH_SERVICE} in it)")
+        elif HEALTH_SERVICE not in [s.strip() for s in value.split(",")]:
+            errors.append(
+                f"{what}: AGENTD_AUTH_OPEN_SERVICES ({value!r}) must name {HEALTH_SERVICE} with AGENTD_AUTH_TOKENS set and gRPC probes:"
+                " the kubelet's probes carry no token, get UNAUTHENTICATED, and the pod never turns ready"
+            )
     resources = c.get("resources", {})
     for kind in ["requests", "limits"]:
         if not {"cpu", "memory"} <= set(resources.get(kind, {})):
             errors.append(f"{what}: resources.{kind} must set cpu and memory")
+    # Each run in flight holds its session's history (up to
+    # AGENTD_HISTORY_BYTES): at the run cap, that must leave the other half
+    # of the limit to the process, its buffers and connections, or a busy
+    # pod is OOM-killed with every run on it.
+    def count(name: str) -> int | None:
+        value = env.get(name, flags.get(name))
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            errors.append(f"{what}: {name}: not a number: {value!r}")
+            return None
+
+    runs, history = count("AGENTD_MAX_CONCURRENT_RUNS"), count("AGENTD_HISTORY_BYTES")
+    memory = resources.get("limits", {}).get("memory")
+    if runs is None or history is None:
+        errors.append(f"{what}: AGENTD_MAX_CONCURRENT_RUNS and AGENTD_HISTORY_BYTES need plain values (the memory limit is checked against them)")
+    elif memory is not None:
+        try:
+            limit = quantity_bytes(memory)
+        except ValueError as e:
+            errors.append(f"{what}: resources.limits.memory: {e}")
+        else:
+            if runs * history > limit / 2:
+                mib = 1024 * 1024
+                errors.append(
+                    f"{what}: AGENTD_MAX_CONCURRENT_RUNS ({runs}) x AGENTD_HISTORY_BYTES ({history}) = {runs * history / mib:g} MiB of history"
+                    f" must be at most half of limits.memory {memory} ({limit / 2 / mib:g} MiB): lower either, or raise the limit"
+                )
     if not spec.get("securityContext", {}).get("runAsNonRoot"):
         errors.append(f"{what}: the pod must run as non-root (securityContext.runAsNonRoot)")
     # A read-only root leaves nowhere for temporary files (SQLite's sorts
@@ -608,8 +729,14 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("an unknown field in an alert rule", mon, "'fro' was unexpected", lambda d: find(d, "PrometheusRule")["spec"]["groups"][1]["rules"][0].update(fro="5m")),
         ("a grace period too short for the drain", pg, "terminationGracePeriodSeconds 160 must exceed", lambda d: find(d, "Deployment")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=160)),
         ("a longer shutdown grace without a longer grace period", sq, "shutdown grace 180s", lambda d: env(d, "AGENTD_SHUTDOWN_GRACE", "3m", "StatefulSet")),
-        ("a run longer than the shutdown grace", pg, "AGENTD_MAX_RUN_DURATION (600s) must be shorter", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "10m")),
-        ("a misspelt AGENTD_ variable", pg, "AGENTD_DRAIN_DELEY is not a flag", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_DRAIN_DELEY="5s")),
+        ("a run longer than the shutdown grace", pg, "AGENTD_MAX_RUN_DURATION (600s) + 5s", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "10m")),
+        ("a run bound without room for its outcome", sq, "AGENTD_MAX_RUN_DURATION (128s) + 5s (a run's wait past it for its outcome to be stored) = 133s must be at most AGENTD_SHUTDOWN_GRACE (130s)", lambda d: env(d, "AGENTD_MAX_RUN_DURATION", "128s", "StatefulSet")),
+        ("a misspelt AGENTD_ variable", pg, "AGENTD_DRAIN_DELEY is not a flag of agentd serve (src/config.rs): the server would ignore it (did you mean AGENTD_DRAIN_DELAY?)", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_DRAIN_DELEY="5s")),
+        ("a client command's variable on the server", pg, "AGENTD_TLS_CA is a flag of agentd's client commands, not of agentd serve: the server would ignore it (serve's AGENTD_TLS_* variables: AGENTD_TLS_CERT, AGENTD_TLS_CLIENT_CA, AGENTD_TLS_KEY)", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_TLS_CA="/etc/agentd/tls/ca.pem")),
+        ("the health service closed to tokenless probes", sq, "AGENTD_AUTH_OPEN_SERVICES ('') must name grpc.health.v1.Health", lambda d: container(d, "StatefulSet")["env"].append({"name": "AGENTD_AUTH_OPEN_SERVICES", "value": ""})),
+        ("only reflection open to tokenless probes", pg, "AGENTD_AUTH_OPEN_SERVICES ('grpc.reflection.v1.ServerReflection') must name", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_AUTH_OPEN_SERVICES="grpc.reflection.v1.ServerReflection")),
+        ("the binary's default history at the shipped run cap", pg, "AGENTD_HISTORY_BYTES (1048576) = 1024 MiB of history must be at most half of limits.memory 512Mi (256 MiB)", lambda d: find(d, "ConfigMap")["data"].pop("AGENTD_HISTORY_BYTES")),
+        ("a memory limit too small for the runs' history", sq, "must be at most half of limits.memory 256Mi", lambda d: container(d, "StatefulSet")["resources"]["limits"].update(memory="256Mi")),
         ("the gRPC port on loopback", pg, "AGENTD_LISTEN must be 0.0.0.0:50051", lambda d: env(d, "AGENTD_LISTEN", "127.0.0.1:50051")),
         ("a liveness probe on gRPC health", sq, "livenessProbe must be an HTTP GET of /healthz", lambda d: container(d, "StatefulSet").update(livenessProbe={"grpc": {"port": 50051}})),
         ("an HTTP readiness probe", pg, "readinessProbe must be a gRPC probe", lambda d: container(d).update(readinessProbe={"httpGet": {"path": "/readyz", "port": 9090}})),
@@ -704,7 +831,11 @@ def main() -> int:
     if args.print:
         print(yaml.safe_dump_all(rendered[args.print], sort_keys=False), end="")
         return 0
-    errors = validate(rendered, plain, DEPLOY / "Dockerfile")
+    try:
+        errors = validate(rendered, plain, DEPLOY / "Dockerfile")
+    except (SourceError, OSError) as e:
+        print(f"deploy/validate.py: cannot read the sources: {e}", file=sys.stderr)
+        return 1
     for e in errors:
         print(f"deploy/validate.py: {e}", file=sys.stderr)
     if errors:

@@ -97,8 +97,9 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_STALL_TIMEOUT", value_parser = duration, default_value = "30s")]
     pub stall_timeout: Duration,
 
-    /// Upper bound of every run, whatever the client's deadline. Must be
-    /// shorter than --shutdown-grace so a draining server lets runs finish.
+    /// Upper bound of every run, whatever the client's deadline. With the
+    /// 5s a run may then wait for its outcome to be stored, it must fit in
+    /// --shutdown-grace, so a draining server lets runs finish.
     #[arg(long, env = "AGENTD_MAX_RUN_DURATION", value_parser = duration, default_value = "120s")]
     pub max_run_duration: Duration,
 
@@ -236,8 +237,9 @@ pub struct ServeArgs {
     pub turn_lease: Duration,
 
     /// Admin HTTP address: /metrics (Prometheus), /healthz, /readyz. Plain
-    /// HTTP, no authentication: keep it on a private address. `off` disables it.
-    #[arg(long, env = "AGENTD_ADMIN_LISTEN", default_value = "127.0.0.1:9090", value_parser = admin_listen)]
+    /// HTTP, no authentication: keep it on a private address. `off` disables
+    /// it (an empty value is refused).
+    #[arg(long, env = "AGENTD_ADMIN_LISTEN", default_value = "127.0.0.1:9090", value_parser = listen_or_off)]
     pub admin_listen: AdminListen,
 
     /// PEM certificate (chain) of the gRPC port; with --tls-key, the port
@@ -281,6 +283,8 @@ pub struct ServeArgs {
 
     /// Host name the agent card advertises for both A2A interfaces (default:
     /// the listening IP, or the host name when listening on all interfaces).
+    /// A bare name or IP address: no scheme, port or path (a proxy's URL
+    /// goes in --a2a-advertise-url).
     #[arg(long, env = "AGENTD_A2A_ADVERTISE_HOST")]
     pub a2a_advertise_host: Option<String>,
 
@@ -307,18 +311,28 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenAddr(pub Option<SocketAddr>);
 
+/// `--admin-listen` and `--a2a-listen`: HOST:PORT, or `off` in any case.
+/// An empty value is refused rather than read as `off`: it is most often a
+/// variable a template left empty, and a port that silently does not open
+/// (no /metrics, no probes' /readyz) shows only later, elsewhere.
 fn listen_or_off(s: &str) -> Result<ListenAddr, String> {
+    if s.trim().is_empty() {
+        return Err(
+            "empty; give HOST:PORT (e.g. 127.0.0.1:8080), or off to turn the port off".into(),
+        );
+    }
     if s.eq_ignore_ascii_case("off") {
         return Ok(ListenAddr(None));
     }
     s.parse()
         .map(|a| ListenAddr(Some(a)))
-        .map_err(|_| "expected host:port (e.g. 127.0.0.1:8080) or off".to_string())
+        .map_err(|_| "expected HOST:PORT (e.g. 127.0.0.1:8080) or off".to_string())
 }
 
-/// Where the admin HTTP port listens, if anywhere.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AdminListen(pub Option<SocketAddr>);
+/// Where the admin HTTP port listens, if anywhere: the same as the A2A
+/// port's, with the same parser, so `--admin-listen` and `--a2a-listen`
+/// take the same values.
+pub type AdminListen = ListenAddr;
 
 /// An agent card URL clients can use: absolute http(s), a host, no
 /// credentials, no fragment.
@@ -339,14 +353,65 @@ fn advertise_url(s: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn admin_listen(s: &str) -> Result<AdminListen, String> {
-    if s == "off" || s.is_empty() {
-        return Ok(AdminListen(None));
+/// `--a2a-advertise-host`: a bare host name or IP address, which the agent
+/// card joins with each interface's port. A scheme, port or path here would
+/// make URLs such as `http://https://host:8080:8080/` that no client can
+/// use; those belong in `--a2a-advertise-url`. An IPv6 address may be given
+/// bare or in brackets (the card brackets it).
+fn advertise_host(s: &str) -> Result<(), String> {
+    const USE_URL: &str = "a URL, another port or a path belongs in --a2a-advertise-url";
+    if s.trim().is_empty() {
+        return Err(
+            "empty; give a host name or IP address, or leave it unset for the default".into(),
+        );
     }
-    s.parse()
-        .map(|a| AdminListen(Some(a)))
-        .map_err(|e| format!("{e} (use HOST:PORT, or off)"))
+    let unbracketed = s
+        .strip_prefix('[')
+        .and_then(|s| s.strip_suffix(']'))
+        .unwrap_or(s);
+    if unbracketed.parse::<std::net::Ipv6Addr>().is_ok() || s.parse::<std::net::Ipv4Addr>().is_ok()
+    {
+        return Ok(());
+    }
+    if s.contains("://") {
+        return Err(format!(
+            "must be a host name or IP address, not a URL ({USE_URL})"
+        ));
+    }
+    if s.contains(['/', '?', '#']) {
+        return Err(format!(
+            "must be a host name or IP address, without a path ({USE_URL})"
+        ));
+    }
+    if s.contains(':') {
+        return Err(format!(
+            "must be a host name or IP address, without a port: the card gives the ports of --listen and --a2a-listen ({USE_URL})"
+        ));
+    }
+    let name = s.strip_suffix('.').unwrap_or(s);
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    };
+    if name.len() > 253 || !name.split('.').all(label_ok) {
+        return Err(format!("{s:?} is not a host name or IP address"));
+    }
+    Ok(())
 }
+
+/// How long a run may hold its stream past its deadline while its outcome
+/// is stored: `OUTCOME_WAIT` in src/turn/pump.rs, which is private to the
+/// turn module (a test here reads it there, so the two cannot drift). A
+/// run may last --max-run-duration plus this, which --shutdown-grace must
+/// cover.
+const RUN_OUTCOME_WAIT: Duration = Duration::from_secs(5);
+
+/// The gRPC health service, which health checkers call without credentials.
+const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
 
 /// The most earlier turns `--history-turns` may give an agent: a bound on
 /// what one Run reads (its bytes are bounded by --history-bytes).
@@ -361,11 +426,17 @@ impl ServeArgs {
                 self.history_turns
             ));
         }
-        if self.max_run_duration >= self.shutdown_grace {
+        // A run may hold its stream RUN_OUTCOME_WAIT past its deadline
+        // while its outcome is stored: the grace must cover both, or a
+        // run that started before the drain is cut at its very end.
+        let longest_run = self.max_run_duration.saturating_add(RUN_OUTCOME_WAIT);
+        if longest_run > self.shutdown_grace {
             return Err(format!(
-                "--max-run-duration ({}) must be shorter than --shutdown-grace ({}), or a draining server would cut runs it promised to finish",
+                "--max-run-duration ({}) plus the {} a run may wait past it for its outcome to be stored must be at most --shutdown-grace ({}), or a draining server would cut runs it promised to finish: raise --shutdown-grace to {} or more, or lower --max-run-duration",
                 humantime::format_duration(self.max_run_duration),
-                humantime::format_duration(self.shutdown_grace)
+                humantime::format_duration(RUN_OUTCOME_WAIT),
+                humantime::format_duration(self.shutdown_grace),
+                humantime::format_duration(longest_run),
             ));
         }
         let positive: [(&str, usize); 6] = [
@@ -414,6 +485,9 @@ impl ServeArgs {
         if self.turn_lease < Duration::from_millis(300) {
             return Err("--turn-lease must be at least 300ms".into());
         }
+        if let Some(h) = &self.a2a_advertise_host {
+            advertise_host(h).map_err(|why| format!("--a2a-advertise-host: {why}"))?;
+        }
         if let Some(u) = &self.a2a_advertise_url {
             advertise_url(u).map_err(|why| format!("--a2a-advertise-url: {why}"))?;
         }
@@ -424,9 +498,10 @@ impl ServeArgs {
         Ok(())
     }
 
-    /// Settings that serve, but insecurely: start-up logs each as one
-    /// warning line. (Plaintext behind a TLS-terminating proxy or a service
-    /// mesh is a deliberate choice these lines cannot see.)
+    /// Settings that serve, but insecurely or in a way that is most likely
+    /// a mistake: start-up logs each as one warning line. (Plaintext behind
+    /// a TLS-terminating proxy or a service mesh is a deliberate choice
+    /// these lines cannot see.)
     pub fn insecure_settings(&self) -> Vec<String> {
         let tls = self.tls_cert.is_some() && self.tls_key.is_some();
         let auth = self.auth_tokens.is_some() || (tls && self.tls_client_ca.is_some());
@@ -456,6 +531,21 @@ impl ServeArgs {
             warnings.push(
                 "--tls-client-ca without --auth-tokens: every certificate the CA signed may act for any user; list the trusted certificate names under `clients` in an --auth-tokens file".to_owned(),
             );
+        }
+        // Health checkers send no token: with the health service closed the
+        // kubelet's gRPC probes get UNAUTHENTICATED and the pod never turns
+        // ready. Legitimate where every checker carries credentials (or
+        // probes /readyz), so a warning, not a refusal. (With a client CA
+        // alone every signed certificate is let in: no health check is
+        // refused for want of a token.)
+        let health_open = self
+            .auth_open_services
+            .iter()
+            .any(|s| s.trim() == HEALTH_SERVICE);
+        if self.auth_tokens.is_some() && !health_open {
+            warnings.push(format!(
+                "--auth-open-services does not name {HEALTH_SERVICE} while --auth-tokens is set: health checks without a token (the kubelet's gRPC probes, load balancers, `agentd health`) get UNAUTHENTICATED and a pod probed so never turns ready; add {HEALTH_SERVICE} to --auth-open-services, or probe the admin port's /readyz over HTTP"
+            ));
         }
         warnings
     }
@@ -792,6 +882,49 @@ mod tests {
         assert!(err.contains("--max-run-duration"), "{err}");
     }
 
+    /// A run may hold its stream 5s past its deadline while its outcome is
+    /// stored: a grace only 2s longer than the run bound would cut it.
+    #[test]
+    fn the_shutdown_grace_covers_a_runs_wait_for_its_outcome_too() {
+        let err = serve(&["--max-run-duration", "128s", "--shutdown-grace", "130s"])
+            .validate()
+            .unwrap_err();
+        assert!(
+            err.contains("--max-run-duration (2m 8s)")
+                && err.contains("--shutdown-grace (2m 10s)")
+                && err.contains("5s")
+                && err.contains("2m 13s or more"),
+            "{err}"
+        );
+        serve(&["--max-run-duration", "125s", "--shutdown-grace", "130s"])
+            .validate()
+            .unwrap();
+        // No overflow at the longest durations the flags take.
+        let most = "3650days";
+        assert!(
+            serve(&["--max-run-duration", most, "--shutdown-grace", most])
+                .validate()
+                .is_err()
+        );
+    }
+
+    /// RUN_OUTCOME_WAIT restates the turn module's private OUTCOME_WAIT:
+    /// this reads that one so a change there cannot leave the start-up
+    /// check behind.
+    #[test]
+    fn the_outcome_wait_is_the_pumps() {
+        let pump = include_str!("turn/pump.rs");
+        let want = format!(
+            "const OUTCOME_WAIT: Duration = Duration::from_secs({});",
+            RUN_OUTCOME_WAIT.as_secs()
+        );
+        assert!(
+            pump.lines()
+                .any(|l| l.trim().trim_start_matches("pub(crate) ") == want),
+            "src/turn/pump.rs no longer has `{want}`: update RUN_OUTCOME_WAIT to match (deploy/validate.py reads it there too)"
+        );
+    }
+
     #[test]
     fn zero_capacity_is_refused() {
         assert!(serve(&["--channel-capacity", "0"]).validate().is_err());
@@ -812,6 +945,52 @@ mod tests {
             assert!(err.starts_with("--a2a-advertise-url"), "{bad}: {err}");
             assert!(!err.contains("secret"), "{err}");
         }
+    }
+
+    #[test]
+    fn an_advertised_host_must_be_a_bare_host_name_or_ip() {
+        for good in [
+            "agentd.agents.svc.cluster.local",
+            "agentd.agents.svc.cluster.local.",
+            "localhost",
+            "my_service",
+            "10.0.0.7",
+            "fd00::7",
+            "[fd00::7]",
+        ] {
+            serve(&["--a2a-advertise-host", good])
+                .validate()
+                .unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+        for (bad, why) in [
+            ("", "empty"),
+            ("agentd.agents:8080", "without a port"),
+            ("[fd00::7]:8080", "without a port"),
+            ("https://agentd.agents", "not a URL"),
+            ("agentd.agents/a2a", "without a path"),
+            ("agentd agents", "not a host name"),
+            ("-agentd.agents", "not a host name"),
+            ("agentd..agents", "not a host name"),
+        ] {
+            let err = serve(&[&format!("--a2a-advertise-host={bad}")])
+                .validate()
+                .unwrap_err();
+            assert!(
+                err.starts_with("--a2a-advertise-host") && err.contains(why),
+                "{bad:?}: {err}"
+            );
+        }
+        // The card's URLs with an IPv6 host: bracketed, bare or not.
+        let grpc: SocketAddr = "[::]:50051".parse().unwrap();
+        let http: SocketAddr = "[::]:8080".parse().unwrap();
+        for host in ["fd00::7", "[fd00::7]"] {
+            let card = crate::a2a::advertised(grpc, http, Some(host), false, None);
+            assert_eq!(card.jsonrpc_url, "http://[fd00::7]:8080/", "{host}");
+            assert_eq!(card.grpc_url, "[fd00::7]:50051", "{host}");
+            reqwest::Url::parse(&card.jsonrpc_url).unwrap();
+        }
+        let card = crate::a2a::advertised(grpc, http, Some("fd00::7"), true, None);
+        assert_eq!(card.grpc_url, "https://[fd00::7]:50051");
     }
 
     #[test]
@@ -863,13 +1042,52 @@ mod tests {
     fn the_admin_port_can_be_turned_off() {
         assert_eq!(
             serve(&[]).admin_listen,
-            AdminListen(Some("127.0.0.1:9090".parse().unwrap()))
+            ListenAddr(Some("127.0.0.1:9090".parse().unwrap()))
         );
         assert_eq!(
             serve(&["--admin-listen", "off"]).admin_listen,
-            AdminListen(None)
+            ListenAddr(None)
         );
         assert!(Cli::try_parse_from(["agentd", "serve", "--admin-listen", "nowhere"]).is_err());
+    }
+
+    /// Both ports take the same values: `off` in any case turns one off,
+    /// and an empty value (a template's unset variable) is refused rather
+    /// than read as `off`.
+    #[test]
+    fn the_admin_and_a2a_ports_take_the_same_values_and_refuse_an_empty_one() {
+        for flag in ["--admin-listen", "--a2a-listen"] {
+            let port = |v: &str| {
+                let s = serve(&[flag, v]);
+                match flag {
+                    "--admin-listen" => s.admin_listen,
+                    _ => s.a2a_listen,
+                }
+            };
+            for off in ["off", "OFF", "Off"] {
+                assert_eq!(port(off), ListenAddr(None), "{flag} {off}");
+            }
+            assert_eq!(
+                port("[::1]:9"),
+                ListenAddr(Some("[::1]:9".parse().unwrap())),
+                "{flag}"
+            );
+            for bad in ["", " ", "nowhere", "127.0.0.1"] {
+                let err = Cli::try_parse_from(["agentd", "serve", flag, bad])
+                    .unwrap_err()
+                    .to_string();
+                assert!(err.contains(flag), "{flag} {bad:?}: {err}");
+                let why = if bad.trim().is_empty() {
+                    "empty"
+                } else {
+                    "HOST:PORT"
+                };
+                assert!(
+                    err.contains(why) && err.contains("off"),
+                    "{flag} {bad:?}: {err}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -945,6 +1163,35 @@ mod tests {
         );
         args.extend(["--auth-tokens", "t.json"]);
         assert_eq!(warns(&args), Vec::<String>::new());
+    }
+
+    /// With bearer tokens, a health service that needs one fails every
+    /// probe without credentials: the pod would never turn ready.
+    #[test]
+    fn tokens_with_the_health_service_closed_are_warned_about() {
+        let warns = |args: &[&str]| serve(args).insecure_settings();
+        let tokens = ["--auth-tokens", "t.json"];
+        for open in ["", "grpc.reflection.v1.ServerReflection", " , "] {
+            let w = warns(&[&tokens[..], &["--auth-open-services", open]].concat());
+            assert_eq!(w.len(), 1, "{open:?}: {w:?}");
+            assert!(
+                w[0].starts_with("--auth-open-services does not name grpc.health.v1.Health")
+                    && w[0].contains("UNAUTHENTICATED")
+                    && w[0].contains("/readyz"),
+                "{w:?}"
+            );
+        }
+        for open in [
+            "grpc.health.v1.Health",
+            " grpc.health.v1.Health ",
+            "grpc.reflection.v1.ServerReflection,grpc.health.v1.Health",
+        ] {
+            let w = warns(&[&tokens[..], &["--auth-open-services", open]].concat());
+            assert_eq!(w, Vec::<String>::new(), "{open:?}");
+        }
+        assert_eq!(warns(&tokens), Vec::<String>::new());
+        // Without tokens nothing asks a health check for one.
+        assert_eq!(warns(&["--auth-open-services", ""]), Vec::<String>::new());
     }
 
     #[test]

@@ -651,3 +651,106 @@ fn commands_that_print_into_a_closed_pipe_exit_without_a_panic() {
     }
     assert!(served.terminate().success());
 }
+
+/// Runs `cmd`, an `agentd serve` that must refuse to start, and returns its
+/// stderr. One still running after 30 s has started: it is killed and the
+/// test fails (rather than waiting for ever on a server).
+fn start_up_error(cmd: &mut Command) -> String {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("the server started: {}", text(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    stderr
+}
+
+/// A SQLite store that cannot be opened names its file's full path (a
+/// relative one is in the working directory, which nothing else shows) and
+/// why: its directory is missing, or not writable (the default
+/// `sqlite://agentd.db` in a read-only working directory, as in a container).
+#[test]
+fn a_sqlite_store_that_cannot_be_opened_names_its_full_path_and_why() {
+    let serve = ["serve", "--listen", "127.0.0.1:0", "--admin-listen", "off"];
+    let serve = [&serve[..], &["--a2a-listen", "off"]].concat();
+    let dir = tempfile::tempdir().unwrap();
+    let cwd = dir.path().canonicalize().unwrap();
+    let err = start_up_error(
+        Command::new(BIN)
+            .current_dir(&cwd)
+            .args(&serve)
+            .args(["--store", "sqlite://nodir/x.db"]),
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let file = cwd.join("nodir/x.db");
+    let missing = format!(
+        "its directory {} does not exist",
+        cwd.join("nodir").display()
+    );
+    assert!(
+        err.contains(&format!("sqlite://nodir/x.db (the file {}", file.display()))
+            && err.contains(&missing)
+            && err.contains("create it"),
+        "{err}"
+    );
+
+    // A directory this process cannot write to. Root writes anywhere: as
+    // root the server runs as nobody, as a pod's non-root user would.
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::os::unix::process::CommandExt;
+    let ro = cwd.join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = Command::new(BIN);
+    if std::fs::metadata("/proc/self").unwrap().uid() == 0 {
+        cmd.uid(65534).gid(65534);
+    }
+    let err = start_up_error(cmd.current_dir(&ro).env_remove("AGENTD_STORE").args(&serve));
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let file = ro.join("agentd.db");
+    assert!(
+        err.contains(&format!("sqlite://agentd.db (the file {}", file.display()))
+            && err.contains(&format!("its directory {} is not writable", ro.display()))
+            && err.contains("point --store into a directory this user can write"),
+        "{err}"
+    );
+}
+
+/// An empty listen address (a templated AGENTD_ADMIN_LISTEN left empty) is
+/// refused, for the admin port as for the A2A port, rather than read as
+/// `off`: a port that silently does not open shows only later, elsewhere.
+#[test]
+fn an_empty_listen_address_is_refused_not_read_as_off() {
+    for (var, other) in [
+        ("AGENTD_ADMIN_LISTEN", "--a2a-listen"),
+        ("AGENTD_A2A_LISTEN", "--admin-listen"),
+    ] {
+        let err = start_up_error(
+            Command::new(BIN)
+                .env("AGENTD_STORE", "memory:")
+                .env(var, "")
+                .args(["serve", "--listen", "127.0.0.1:0", other, "off"]),
+        );
+        let flag = format!(
+            "--{}",
+            var["AGENTD_".len()..].to_lowercase().replace('_', "-")
+        );
+        assert!(
+            err.contains(&flag) && err.contains("empty") && err.contains("off"),
+            "{var}: {err}"
+        );
+    }
+}

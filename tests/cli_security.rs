@@ -254,3 +254,69 @@ fn serve_help_does_not_print_the_store_urls_password() {
     assert!(help.contains("AGENTD_STORE"), "{help}");
     assert!(!help.contains("s3cret-pw"), "{help}");
 }
+
+/// With bearer tokens, a health service that needs one would fail every
+/// kubelet gRPC probe (they carry no token): start-up warns, once.
+#[test]
+fn tokens_with_the_health_service_closed_are_warned_about_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = write(
+        dir.path(),
+        "tokens.json",
+        &format!(r#"{{"tokens": [{{"token": "{TOKEN}", "caller": "cli", "user_ids": ["*"]}}]}}"#),
+    );
+    let warnings = |open: Option<&str>| -> Vec<String> {
+        let mut cmd = Command::new(BIN);
+        cmd.env("AGENTD_STORE", "memory:").args([
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "off",
+            "--a2a-listen",
+            "off",
+            "--auth-tokens",
+            &tokens,
+        ]);
+        if let Some(open) = open {
+            cmd.args(["--auth-open-services", open]);
+        }
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut warned = Vec::new();
+        for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+            let line = line.unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            if v["message"] == "agentd starting" {
+                break;
+            }
+            if v["level"] == "WARN" {
+                warned.push(v["message"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        warned
+    };
+    for open in ["", "grpc.reflection.v1.ServerReflection"] {
+        let warned = warnings(Some(open));
+        assert_eq!(
+            warned
+                .iter()
+                .filter(|m| m.contains("does not name grpc.health.v1.Health")
+                    && m.contains("UNAUTHENTICATED"))
+                .count(),
+            1,
+            "{open:?}: {warned:#?}"
+        );
+    }
+    for open in [None, Some("grpc.health.v1.Health")] {
+        let warned = warnings(open);
+        assert!(warned.is_empty(), "{open:?}: {warned:#?}");
+    }
+}

@@ -227,7 +227,8 @@ pub async fn serve_http(
 /// With `grpc_tls` the gRPC interface is an `https://` URL: A2A clients
 /// (the official crate's among them) take a bare `host:port` for plaintext.
 /// `jsonrpc_url`, when given, is the JSON-RPC interface's URL as is (a
-/// proxy in front of it).
+/// proxy in front of it). An IPv6 `host` is bracketed (`[fd00::1]:8080`):
+/// bare, its colons would read as a port.
 pub fn advertised(
     grpc: std::net::SocketAddr,
     http: std::net::SocketAddr,
@@ -236,6 +237,7 @@ pub fn advertised(
     jsonrpc_url: Option<&str>,
 ) -> Advertised {
     let at = |addr: std::net::SocketAddr| match host {
+        Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => format!("[{h}]:{}", addr.port()),
         Some(h) => format!("{h}:{}", addr.port()),
         None if addr.ip().is_unspecified() => format!("{}:{}", machine_name(), addr.port()),
         None => addr.to_string(),

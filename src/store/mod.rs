@@ -333,8 +333,7 @@ pub async fn open_bounded(
         "sqlite" => std::sync::Arc::new(
             sqlite::SqliteStore::open(url)
                 .await
-                .map_err(one_line)
-                .with_context(|| format!("cannot open the SQLite session store {}", redact(url)))?,
+                .map_err(|e| sqlite_open_error(url, e))?,
         ),
         "postgres" | "postgresql" => std::sync::Arc::new(
             postgres::PostgresStore::connect(url)
@@ -350,6 +349,54 @@ pub async fn open_bounded(
         store,
         call_timeout,
     )))
+}
+
+/// The error of a SQLite store that did not open, on one line: where its
+/// file was to be, as an absolute path (the default `sqlite://agentd.db` is
+/// in the working directory, which nothing else in the message shows), and
+/// why when its directory is missing or not writable, which SQLite reports
+/// only as "unable to open database file".
+fn sqlite_open_error(url: &str, e: anyhow::Error) -> anyhow::Error {
+    use std::str::FromStr;
+    let file = sqlx::sqlite::SqliteConnectOptions::from_str(url)
+        .ok()
+        .map(|o| o.get_filename().to_owned())
+        .filter(|f| !f.as_os_str().is_empty() && f != std::path::Path::new(":memory:"))
+        .map(|f| std::path::absolute(&f).unwrap_or(f));
+    let Some(file) = file else {
+        return anyhow::anyhow!("cannot open the SQLite session store {}: {e}", redact(url));
+    };
+    let dir = file.parent().unwrap_or(std::path::Path::new("/"));
+    let why = match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => format!(
+            "; its directory {} does not exist: create it, or point --store into a directory that exists (SQLite creates the file, not its directory)",
+            dir.display()
+        ),
+        Err(e) => format!("; its directory {} cannot be read ({e})", dir.display()),
+        Ok(m) if !m.is_dir() => format!("; {} is not a directory", dir.display()),
+        Ok(_) => match writable(dir) {
+            Ok(()) => String::new(),
+            Err(e) => format!(
+                "; its directory {} is not writable ({e}): point --store into a directory this user can write, such as a volume beside a read-only root file system (SQLite creates the file, its -wal and -shm files and the event log there)",
+                dir.display()
+            ),
+        },
+    };
+    anyhow::anyhow!(
+        "cannot open the SQLite session store {} (the file {}): {e}{why}",
+        redact(url),
+        file.display()
+    )
+}
+
+/// Whether this process can create a file in `dir`: by creating one and
+/// removing it (permissions alone do not tell: a read-only mount, an ACL,
+/// root). Only on a failed open, so nothing is left where a store works.
+fn writable(dir: &std::path::Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".agentd-write-check-{}", std::process::id()));
+    std::fs::File::create_new(&probe)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
 
 /// A store's migrations as they run at start-up. Migrations a later release
