@@ -37,6 +37,8 @@ enum Reply {
     /// SSE `data:` payloads, each its own chunk, this long apart (a model
     /// that generates slower than agentd forwards).
     Paced(Vec<String>, Duration),
+    /// Body chunks sent as they are (lines other than `data:`).
+    Raw(Vec<String>),
 }
 
 #[derive(Clone)]
@@ -104,6 +106,12 @@ async fn chat(State(s): State<Script>, _h: HeaderMap, body: Bytes) -> Response {
                 .body(Body::from_stream(chunks))
                 .unwrap()
         }
+        Reply::Raw(chunks) => Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(futures::stream::iter(
+                chunks.into_iter().map(Ok::<_, Infallible>),
+            )))
+            .unwrap(),
         Reply::Endless => {
             let guard = OnDrop(s.closed.clone());
             let chunks = futures::stream::unfold(guard, |g| async move {
@@ -146,6 +154,9 @@ async fn fake(replies: Vec<Reply>) -> Fake {
     };
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(chat))
+        // Conversations of more than axum's default 2 MiB (tool results
+        // up to the run's budget).
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(script);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1", listener.local_addr().unwrap());
@@ -419,6 +430,87 @@ async fn an_error_object_mid_stream_ends_the_run_sanitised() {
     }
 }
 
+/// Some llama-server builds report a failure met mid-answer as an `error:`
+/// line, then `data: [DONE]`: the run fails as the error says (a full
+/// context window is INVALID_ARGUMENT, a server failure UNAVAILABLE),
+/// sanitised, after the text that came before it; never an OK answer.
+#[tokio::test]
+async fn an_error_line_mid_stream_ends_the_run_as_its_error_says() {
+    let context = json!({"code": 400, "message": format!("the request exceeds the available context size: {SECRET}"),
+        "type": "exceed_context_size_error", "n_prompt_tokens": 9000, "n_ctx": 8192});
+    let failed = json!({"code": 500, "message": format!("decode failed on: {SECRET}"), "type": "server_error"});
+    for (err, want) in [
+        (context, Code::InvalidArgument),
+        (failed, Code::Unavailable),
+    ] {
+        let f = fake(vec![Reply::Raw(vec![
+            format!("data: {}\n\n", text("partial ")),
+            format!("error: {err}\n\n"),
+            "data: [DONE]\n\n".into(),
+        ])])
+        .await;
+        let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+        let (_, events, status) = helper_turn(&mut d, "where?").await;
+        let st = status.unwrap_err();
+        assert_eq!(st.code(), want, "{err}: {st:?}");
+        assert!(!st.message().contains("4111"), "{st:?}");
+        assert_eq!(kinds(&events), vec![EventKind::PartialText]);
+        d.stop().await;
+    }
+}
+
+/// `[DONE]` with no finish reason, no text and no tool call is a failure
+/// the server did not report (as when the line above is dropped), not an
+/// empty answer.
+#[tokio::test]
+async fn done_with_nothing_before_it_is_unavailable_not_an_empty_answer() {
+    let role = json!({"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]});
+    let f = fake(vec![Reply::Sse(vec![role.to_string(), DONE.into()])]).await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let (_, events, status) = helper_turn(&mut d, "where?").await;
+    let st = status.unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(st.message().contains("without a finish reason"), "{st:?}");
+    assert!(events.iter().all(|e| e.kind() != EventKind::FinalAnswer));
+    d.stop().await;
+}
+
+/// A model stopped for another reason than the end of its answer (a
+/// content filter, an aborted request) with no text: FAILED_PRECONDITION
+/// naming the reason, as a short label, not an empty answer. With text, the
+/// text is the answer.
+#[tokio::test]
+async fn a_stop_for_another_reason_without_text_is_failed_precondition_naming_it() {
+    let end = |reason: &str| {
+        json!({"choices":[{"index":0,"delta":{},"finish_reason":reason}]}).to_string()
+    };
+    let f = fake(vec![
+        Reply::Sse(vec![end("content_filter"), DONE.into()]),
+        Reply::Sse(vec![end(SECRET), DONE.into()]),
+        Reply::Sse(vec![text("Half an answer"), end("abort"), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let s = d.session("u1").await;
+    let mut run = async |rid: &str| {
+        d.run("u1", &s, "helper", rid, Duration::from_secs(20))
+            .await
+    };
+    let st = run("filtered").await.1.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert_eq!(st.message(), "the model stopped: content_filter");
+    let st = run("odd reason").await.1.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert_eq!(
+        st.message(),
+        "the model stopped: an unreadable reason (the server log has it)"
+    );
+    let (events, status) = run("aborted").await;
+    status.unwrap();
+    assert_eq!(events.last().unwrap().text, "Half an answer");
+    d.stop().await;
+}
+
 #[tokio::test]
 async fn a_model_that_keeps_calling_tools_stops_at_max_tool_turns() {
     let call = |id: &str| lookup_call(id, r#"{"order_id":"1042"}"#);
@@ -550,6 +642,89 @@ async fn arguments_that_are_not_json_go_back_to_the_model_as_an_empty_object() {
         .as_str()
         .unwrap();
     assert_eq!(arguments, "{}", "{assistant}");
+}
+
+/// Arguments that are JSON but not an object (`[1]`, `42`, an object
+/// encoded twice, as a string) are no call a server accepts back: the tool
+/// does not run (its error says why) and the call goes back as `{}`.
+#[tokio::test]
+async fn arguments_that_are_json_but_not_an_object_go_back_to_the_model_as_an_empty_object() {
+    for arguments in ["[1]", "42", r#""{\"order_id\":\"1187\"}""#] {
+        let (events, messages) = call_with_arguments(arguments).await;
+        let result: Value = serde_json::from_str(&events[1].payload_json).unwrap();
+        assert!(
+            result["error"]
+                .as_str()
+                .unwrap()
+                .contains("not a JSON object"),
+            "{arguments}: {result}"
+        );
+        let assistant = &messages[messages.len() - 2];
+        assert_eq!(
+            assistant["tool_calls"][0]["function"]["arguments"], "{}",
+            "{arguments}: {assistant}"
+        );
+    }
+}
+
+/// Parallel calls whose fragments interleave: each TOOL_CALL event shows
+/// the whole arguments the tool ran with, not what had come when the next
+/// call opened.
+#[tokio::test]
+async fn interleaved_fragments_of_parallel_calls_show_the_arguments_the_tool_ran_with() {
+    let frag = |index: u32, first: bool, arguments: &str| {
+        let mut call = json!({"index": index, "function": {"arguments": arguments}});
+        if first {
+            call["id"] = json!(format!("c{index}"));
+            call["type"] = json!("function");
+            call["function"]["name"] = json!("lookup_order");
+        }
+        json!({"choices":[{"index":0,"delta":{"tool_calls":[call]}}]}).to_string()
+    };
+    let finish =
+        json!({"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}).to_string();
+    let f = fake(vec![
+        Reply::Sse(vec![
+            frag(0, true, r#"{"order_id""#),
+            frag(1, true, r#"{"order_id":"1042"}"#),
+            frag(0, false, r#":"1187"}"#),
+            finish,
+            DONE.into(),
+        ]),
+        Reply::Sse(vec![text("Both found."), stop(), DONE.into()]),
+    ])
+    .await;
+    let mut d = Agentd::start(&agents_file(&f.url, "")).await;
+    let (_, events, status) = helper_turn(&mut d, "where are 1187 and 1042?").await;
+    status.unwrap();
+    let calls: Vec<(String, Value)> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolCall)
+        .map(|e| {
+            (
+                e.tool_call_id.clone(),
+                serde_json::from_str(&e.payload_json).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        vec![
+            ("c0".to_owned(), json!({"order_id": "1187"})),
+            ("c1".to_owned(), json!({"order_id": "1042"}))
+        ]
+    );
+    let results: Vec<Value> = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult)
+        .map(|e| serde_json::from_str(&e.payload_json).unwrap())
+        .collect();
+    assert!(
+        results.iter().any(|r| r["order_id"] == "1187")
+            && results.iter().all(|r| r["found"] == true),
+        "{results:?}"
+    );
+    d.stop().await;
 }
 
 /// A 200 that is not an event stream (a gateway that ignores `stream`, a
@@ -1042,6 +1217,129 @@ async fn tool_server() -> String {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     url
+}
+
+/// An HTTP tool server whose `/slow` takes 100 ms a call and counts the
+/// calls in flight: the most it saw at once.
+async fn counting_tool_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let now = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let seen_most = most.clone();
+    let app = axum::Router::new().route(
+        "/slow",
+        post(move || {
+            let (now, most) = (now.clone(), most.clone());
+            async move {
+                let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(n, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                axum::Json(json!({"in_stock": 1}))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, seen_most)
+}
+
+/// One chunk that calls the HTTP tool `name` `n` times, with ids c0, c1, ….
+fn many_calls(name: &str, n: usize) -> String {
+    let calls: Vec<Value> = (0..n)
+        .map(|i| {
+            json!({"index": i, "id": format!("c{i}"), "type": "function",
+            "function": {"name": name, "arguments": "{}"}})
+        })
+        .collect();
+    json!({"choices":[{"index":0,"delta":{"tool_calls":calls},"finish_reason":"tool_calls"}]})
+        .to_string()
+}
+
+/// A model that asks for many calls in one answer: they all run and are
+/// answered, but at most MAX_TOOLS_IN_FLIGHT at a time.
+#[tokio::test]
+async fn many_tool_calls_in_one_answer_run_a_bounded_number_at_a_time() {
+    let n = 3 * agentd::agent::openai::agent::MAX_TOOLS_IN_FLIGHT;
+    let f = fake(vec![
+        Reply::Sse(vec![many_calls("slow", n), DONE.into()]),
+        Reply::Sse(vec![text("All checked."), stop(), DONE.into()]),
+    ])
+    .await;
+    let (tools, most) = counting_tool_server().await;
+    let file = agents_file(&f.url, "")
+        .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["slow"]"#)
+        + &format!(
+            "[tools.slow]\ndescription = \"Slow.\"\nurl = \"{tools}/slow\"\nparameters = {{ type = \"object\" }}\n"
+        );
+    let mut d = Agentd::start(&file).await;
+    let (_, events, status) = helper_turn(&mut d, "check everything").await;
+    status.unwrap();
+    let results = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult)
+        .count();
+    assert_eq!(results, n);
+    let most = most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (2..=agentd::agent::openai::agent::MAX_TOOLS_IN_FLIGHT).contains(&most),
+        "{most} calls in flight at once"
+    );
+    let seen = f.seen.lock().unwrap().clone();
+    let tool_msgs = seen[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .count();
+    assert_eq!(tool_msgs, n);
+    d.stop().await;
+}
+
+/// The tool results a run keeps in its conversation are bounded: past
+/// MAX_TOOL_RESULT_BYTES the model (and the TOOL_RESULT event) gets an
+/// error saying the budget is spent, in place of the result.
+#[tokio::test]
+async fn tool_results_past_the_runs_budget_go_to_the_model_as_an_error() {
+    use agentd::agent::openai::agent::MAX_TOOL_RESULT_BYTES;
+    const EACH: usize = 500_000;
+    let fit = MAX_TOOL_RESULT_BYTES / EACH;
+    let f = fake(vec![
+        Reply::Sse(vec![many_calls("half", fit + 2), DONE.into()]),
+        Reply::Sse(vec![text("That is a lot."), stop(), DONE.into()]),
+    ])
+    .await;
+    let app = axum::Router::new().route("/half", post(|| async { "x".repeat(EACH) }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tools = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let file = agents_file(&f.url, "")
+        .replace(r#"tools = ["lookup_order"]"#, r#"tools = ["half"]"#)
+        + &format!(
+            "[tools.half]\ndescription = \"Big.\"\nurl = \"{tools}/half\"\nparameters = {{ type = \"object\" }}\nmax_response_bytes = 524288\n"
+        );
+    let mut d = Agentd::start(&file).await;
+    let (_, events, status) = helper_turn(&mut d, "everything").await;
+    status.unwrap();
+    let spent = |r: &str| r.contains("budget") && r.contains("is spent");
+    let spent_events = events
+        .iter()
+        .filter(|e| e.kind() == EventKind::ToolResult && spent(&e.payload_json))
+        .count();
+    assert_eq!(spent_events, 2);
+    let seen = f.seen.lock().unwrap().clone();
+    let contents: Vec<String> = seen[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(contents.len(), fit + 2);
+    assert_eq!(contents.iter().filter(|c| c.len() == EACH).count(), fit);
+    assert_eq!(contents.iter().filter(|c| spent(c)).count(), 2);
+    d.stop().await;
 }
 
 fn http_tools(tools_url: &str) -> String {

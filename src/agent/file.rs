@@ -17,9 +17,9 @@
 //! model = "qwen2.5:7b-instruct"
 //! api_key_env = "OPENAI_API_KEY"    # or api_key_file = "/run/secrets/key"; neither for local servers
 //!
-//! [agents.support.sampling]
+//! [agents.support.sampling]           # checked at load: see `sampling`
 //! temperature = 0.2
-//! max_tokens = 1024
+//! max_tokens = 1024                 # or max_completion_tokens (OpenAI's reasoning models)
 //!
 //! [tools.stock]
 //! description = "Checks stock for a product."
@@ -80,7 +80,7 @@ struct AgentDoc {
     #[serde(default)]
     instruction: String,
     model: Option<Spanned<ModelDoc>>,
-    sampling: Option<Spanned<Sampling>>,
+    sampling: Option<Spanned<SamplingDoc>>,
     max_tool_turns: Option<Spanned<u32>>,
     call_timeout: Option<Spanned<String>>,
     #[serde(default)]
@@ -88,6 +88,21 @@ struct AgentDoc {
     first_call: Option<Spanned<FirstCall>>,
     /// The remote agent of a `remote_a2a` agent.
     a2a: Option<Spanned<RemoteDoc>>,
+}
+
+/// `[agents.NAME.sampling]`: [`Sampling`] with each value's place in the
+/// file, for the range checks of [`sampling`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SamplingDoc {
+    temperature: Option<Spanned<f64>>,
+    top_p: Option<Spanned<f64>>,
+    max_tokens: Option<Spanned<u32>>,
+    max_completion_tokens: Option<Spanned<u32>>,
+    seed: Option<i64>,
+    presence_penalty: Option<Spanned<f64>>,
+    frequency_penalty: Option<Spanned<f64>>,
+    stop: Option<Vec<String>>,
 }
 
 /// `[agents.NAME.a2a]` of a `remote_a2a` agent.
@@ -444,7 +459,8 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             sampling: a
                 .sampling
                 .as_ref()
-                .map(|s| s.get_ref().clone())
+                .map(|s| sampling(name, s.get_ref(), &at))
+                .transpose()?
                 .unwrap_or_default(),
             max_tool_turns,
             call_timeout,
@@ -672,6 +688,81 @@ fn remote_agent(
     Ok(Arc::new(agent))
 }
 
+/// Checks sampling settings a model server would refuse on every run (or,
+/// for a NaN or an infinity, which go out as JSON `null`, silently ignore),
+/// on the value's line. The ranges are OpenAI's, which vLLM enforces too
+/// (vLLM refuses a `top_p` of 0; `temperature = 0` asks for greedy
+/// decoding).
+fn sampling(
+    name: &str,
+    s: &SamplingDoc,
+    at: &impl Fn(Option<Range<usize>>, &str) -> anyhow::Error,
+) -> anyhow::Result<Sampling> {
+    let number = |v: &Option<Spanned<f64>>,
+                  field: &str,
+                  ok: fn(f64) -> bool,
+                  range: &str|
+     -> anyhow::Result<Option<f64>> {
+        let Some(v) = v else { return Ok(None) };
+        let x = *v.get_ref();
+        if !x.is_finite() || !ok(x) {
+            return Err(at(
+                Some(v.span()),
+                &format!("agent {name:?}: sampling.{field} must be {range}"),
+            ));
+        }
+        Ok(Some(x))
+    };
+    let tokens = |v: &Option<Spanned<u32>>, field: &str| -> anyhow::Result<Option<u32>> {
+        match v {
+            Some(v) if *v.get_ref() == 0 => Err(at(
+                Some(v.span()),
+                &format!("agent {name:?}: sampling.{field} must be at least 1"),
+            )),
+            v => Ok(v.as_ref().map(|v| *v.get_ref())),
+        }
+    };
+    if let (Some(_), Some(c)) = (&s.max_tokens, &s.max_completion_tokens) {
+        return Err(at(
+            Some(c.span()),
+            &format!(
+                "agent {name:?}: give sampling.max_tokens or sampling.max_completion_tokens, not both"
+            ),
+        ));
+    }
+    let penalty = |x: f64| (-2.0..=2.0).contains(&x);
+    Ok(Sampling {
+        temperature: number(
+            &s.temperature,
+            "temperature",
+            |x| (0.0..=2.0).contains(&x),
+            "a number from 0 to 2",
+        )?,
+        top_p: number(
+            &s.top_p,
+            "top_p",
+            |x| x > 0.0 && x <= 1.0,
+            "a number more than 0 and at most 1",
+        )?,
+        max_tokens: tokens(&s.max_tokens, "max_tokens")?,
+        max_completion_tokens: tokens(&s.max_completion_tokens, "max_completion_tokens")?,
+        seed: s.seed,
+        presence_penalty: number(
+            &s.presence_penalty,
+            "presence_penalty",
+            penalty,
+            "a number from -2 to 2",
+        )?,
+        frequency_penalty: number(
+            &s.frequency_penalty,
+            "frequency_penalty",
+            penalty,
+            "a number from -2 to 2",
+        )?,
+        stop: s.stop.clone(),
+    })
+}
+
 /// Agent and tool names: what RunRequest.agent and the model accept.
 fn check_name(name: &str) -> Result<(), &'static str> {
     let ok = !name.is_empty()
@@ -890,6 +981,57 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
                 "agents.toml:",
                 "between 1 and 524288",
             ),
+            // Sampling values out of range, on the value's line and column.
+            (
+                GOOD.replace("temperature = 0.1", "temperature = nan"),
+                "agents.toml:17:15:",
+                "sampling.temperature must be a number from 0 to 2",
+            ),
+            (
+                GOOD.replace("temperature = 0.1", "temperature = inf"),
+                "agents.toml:17:15:",
+                "sampling.temperature",
+            ),
+            (
+                GOOD.replace("temperature = 0.1", "temperature = 2.5"),
+                "agents.toml:17:15:",
+                "sampling.temperature",
+            ),
+            (
+                GOOD.replace("seed = 7", "top_p = 2"),
+                "agents.toml:18:9:",
+                "sampling.top_p must be a number more than 0 and at most 1",
+            ),
+            (
+                GOOD.replace("seed = 7", "top_p = 0"),
+                "agents.toml:18:9:",
+                "sampling.top_p",
+            ),
+            (
+                GOOD.replace("seed = 7", "max_tokens = 0"),
+                "agents.toml:18:14:",
+                "sampling.max_tokens must be at least 1",
+            ),
+            (
+                GOOD.replace("seed = 7", "max_completion_tokens = 0"),
+                "agents.toml:18:25:",
+                "sampling.max_completion_tokens must be at least 1",
+            ),
+            (
+                GOOD.replace("seed = 7", "max_tokens = 9\nmax_completion_tokens = 9"),
+                "agents.toml:19:25:",
+                "not both",
+            ),
+            (
+                GOOD.replace("seed = 7", "frequency_penalty = -3"),
+                "agents.toml:18:21:",
+                "sampling.frequency_penalty must be a number from -2 to 2",
+            ),
+            (
+                GOOD.replace("seed = 7", "presence_penalty = -nan"),
+                "agents.toml:18:20:",
+                "sampling.presence_penalty",
+            ),
         ];
         for (text, line, reason) in cases {
             let e = err(&text);
@@ -907,6 +1049,25 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         assert!(
             e.starts_with("agents.toml:14:") && e.contains("API key"),
             "{e}"
+        );
+    }
+
+    /// Values at the ends of their ranges load, and max_completion_tokens
+    /// is sent under its own name.
+    #[test]
+    fn sampling_values_in_range_load_and_max_completion_tokens_is_sent_as_such() {
+        let text = GOOD.replace(
+            "temperature = 0.1\nseed = 7",
+            "temperature = 0\ntop_p = 1\nmax_completion_tokens = 64\npresence_penalty = -2\nfrequency_penalty = 2",
+        );
+        parse(&text, Path::new("agents.toml"), &opts()).unwrap();
+        let doc: SamplingDoc =
+            toml::from_str("temperature = 2\nmax_completion_tokens = 64").unwrap();
+        let s = sampling("a", &doc, &|_, r| anyhow::anyhow!("{r}")).unwrap();
+        let sent = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            sent,
+            serde_json::json!({"temperature": 2.0, "max_completion_tokens": 64})
         );
     }
 

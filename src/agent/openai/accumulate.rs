@@ -7,6 +7,16 @@
 //! Arguments are concatenated as strings and parsed only once the call is
 //! complete. Unknown per-call fields are kept and sent back. A stream is
 //! only complete after `[DONE]`: an EOF before it is an error.
+//!
+//! A call is announced ([`Output::ToolCallReady`], which becomes its
+//! TOOL_CALL event) before the stream ends only once a later call has
+//! started and its own arguments are a whole JSON document: servers may
+//! interleave the fragments of parallel calls, and an event must show the
+//! arguments the tool runs with. A fragment that would still change an
+//! announced call (more arguments, another name or id) is logged and
+//! ignored, so the event, the call that runs and the call sent back to the
+//! model stay the same; nothing valid can follow a whole JSON document
+//! anyway.
 
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -18,21 +28,25 @@ use super::wire::{Chunk, FunctionCall, ToolCall, ToolCallDelta, Usage};
 pub enum Output {
     Text(String),
     /// The tool call at this position of [`Completion::tool_calls`] is
-    /// complete (a later call started); the rest complete at the end.
+    /// complete (a later call started, and its arguments are a whole JSON
+    /// document); the rest complete at the end. Announced in order.
     ToolCallReady(usize),
 }
 
 /// Why the model stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finish {
     /// The model wants tool results before it answers.
     ToolCalls,
-    /// The model's answer is complete.
+    /// The model's answer is complete (or the server gave no reason for an
+    /// answer that has text).
     Stop,
     /// The model hit its token limit; the answer may be cut.
     Length,
-    /// Anything else the server said (e.g. `content_filter`), or nothing.
-    Other,
+    /// Anything else the server said (`content_filter`, vLLM's `abort`, a
+    /// safety stop), as a short label safe to show a caller (see
+    /// [`reason_label`]).
+    Other(String),
 }
 
 /// The result of one streamed call.
@@ -51,9 +65,20 @@ pub enum StreamError {
     #[error("the model server sent a chunk that is not valid JSON: {detail}")]
     Malformed { detail: String },
     #[error("the model server reported an error mid-stream (code {code:?}): {detail}")]
-    Server { code: Option<u16>, detail: String },
+    Server {
+        code: Option<u16>,
+        /// The error says the conversation passed the context window (as
+        /// an HTTP error body would, see [`super::client::map_status`]).
+        context_window: bool,
+        detail: String,
+    },
     #[error("the stream ended before [DONE]")]
     Truncated,
+    /// `[DONE]` with no finish reason, no text and no tool call: a server
+    /// that failed without saying so (a llama-server whose error event
+    /// was lost), not an empty answer.
+    #[error("the stream ended with [DONE] without a finish reason, text or tool call")]
+    NoFinish,
     /// Past one of agentd's bounds on what it holds of one answer.
     #[error("the answer passed agentd's limit of {limit} {what}")]
     TooLarge { what: &'static str, limit: usize },
@@ -64,7 +89,8 @@ pub enum StreamError {
 pub const MAX_TEXT_BYTES: usize = 2 << 20;
 /// The most bytes of arguments one tool call may hold.
 pub const MAX_ARGUMENTS_BYTES: usize = 1 << 20;
-/// The most tool calls one answer may make (each runs, at once).
+/// The most tool calls one answer may make (they run at most
+/// [`super::agent::MAX_TOOLS_IN_FLIGHT`] at a time).
 pub const MAX_TOOL_CALLS: usize = 128;
 /// The most bytes of one tool call's name (a name streamed in pieces is
 /// put together; no tool's name comes near it).
@@ -85,6 +111,21 @@ struct Slot {
     function_extra: Map<String, Value>,
     /// What the fragments' unknown fields took, replaced ones included.
     extra_bytes: usize,
+    /// Whether `arguments` is a whole JSON document, once checked (reset
+    /// when they grow).
+    complete: Option<bool>,
+}
+
+impl Slot {
+    /// Whether the arguments so far are a whole JSON document: nothing the
+    /// server may still send can be part of them. Empty is not (a server
+    /// may send the name first and the arguments after).
+    fn complete(&mut self) -> bool {
+        *self.complete.get_or_insert_with(|| {
+            !self.arguments.trim().is_empty()
+                && serde_json::from_str::<serde::de::IgnoredAny>(&self.arguments).is_ok()
+        })
+    }
 }
 
 /// Accumulates one streamed completion.
@@ -136,10 +177,7 @@ impl Accumulator {
             detail: format!("{e}; payload {}", clip(data)),
         })?;
         if let Some(err) = chunk.error {
-            return Err(StreamError::Server {
-                code: error_code(&err),
-                detail: clip(&err.to_string()),
-            });
+            return Err(server_error(err));
         }
         if chunk.usage.is_some() {
             self.usage = chunk.usage;
@@ -171,9 +209,18 @@ impl Accumulator {
         Ok(out)
     }
 
-    fn tool_delta(&mut self, d: ToolCallDelta, out: &mut Vec<Output>) -> Result<(), StreamError> {
-        let id = d.id.filter(|s| !s.is_empty());
-        let slot = match self.find_slot(d.index, id.as_deref()) {
+    fn tool_delta(
+        &mut self,
+        mut d: ToolCallDelta,
+        out: &mut Vec<Output>,
+    ) -> Result<(), StreamError> {
+        let id = d.id.take().filter(|s| !s.is_empty());
+        let named = d
+            .function
+            .as_ref()
+            .and_then(|f| f.name.as_deref())
+            .filter(|n| !n.is_empty());
+        let slot = match self.find_slot(d.index, id.as_deref(), named) {
             Some(i) => i,
             None => {
                 if self.slots.len() == MAX_TOOL_CALLS {
@@ -182,11 +229,11 @@ impl Accumulator {
                         limit: MAX_TOOL_CALLS,
                     });
                 }
-                // A new call starts: every earlier one is complete.
-                for i in self.ready..self.slots.len() {
-                    out.push(Output::ToolCallReady(i));
-                }
-                self.ready = self.slots.len();
+                // A new call starts: the earlier ones whose arguments are
+                // whole are complete (fragments of parallel calls may
+                // interleave: the others wait for the end).
+                let upto = self.slots.len();
+                self.announce(upto, out);
                 self.slots.push(Slot {
                     index: d.index,
                     ..Slot::default()
@@ -194,8 +241,13 @@ impl Accumulator {
                 self.slots.len() - 1
             }
         };
+        if slot < self.ready {
+            return self.late_fragment(slot, id, d);
+        }
         let s = &mut self.slots[slot];
-        if let Some(id) = id {
+        // The first id names the call: a server that sends a fresh one on
+        // each fragment of a call (see `find_slot`) does not rename it.
+        if let Some(id) = id.filter(|_| s.id.is_empty()) {
             s.id = id;
         }
         if let Some(kind) = d.kind.filter(|k| !k.is_empty()) {
@@ -222,6 +274,7 @@ impl Accumulator {
                 Some(Value::Null) | None => {}
                 Some(whole) => s.arguments.push_str(&whole.to_string()),
             }
+            s.complete = None;
             if s.arguments.len() > MAX_ARGUMENTS_BYTES {
                 return Err(StreamError::TooLarge {
                     what: "bytes of arguments in one tool call",
@@ -242,15 +295,82 @@ impl Accumulator {
         Ok(())
     }
 
+    /// Announces the calls before position `upto` that are complete, in
+    /// order, up to the first that is not.
+    fn announce(&mut self, upto: usize, out: &mut Vec<Output>) {
+        while self.ready < upto && self.slots[self.ready].complete() {
+            out.push(Output::ToolCallReady(self.ready));
+            self.ready += 1;
+        }
+    }
+
+    /// A fragment of a call already announced: its unknown fields are kept
+    /// (they go back to the model, and change neither the event nor what
+    /// runs); anything that would change the call is logged and ignored.
+    fn late_fragment(
+        &mut self,
+        slot: usize,
+        id: Option<String>,
+        d: ToolCallDelta,
+    ) -> Result<(), StreamError> {
+        let s = &mut self.slots[slot];
+        let mut changes = id.is_some_and(|i| i != s.id);
+        if let Some(f) = d.function {
+            changes |= f
+                .name
+                .as_deref()
+                .is_some_and(|n| !n.is_empty() && n != s.name);
+            changes |= match &f.arguments {
+                Some(Value::String(piece)) => !piece.trim().is_empty(),
+                Some(Value::Null) | None => false,
+                Some(_) => true,
+            };
+            s.extra_bytes += extra_bytes(&f.extra);
+            s.function_extra.extend(f.extra);
+        }
+        if changes {
+            tracing::warn!(
+                call = slot,
+                "the model server sent more of a tool call after it was complete; ignored"
+            );
+        }
+        s.extra_bytes += extra_bytes(&d.extra);
+        s.extra.extend(d.extra);
+        if s.extra_bytes > MAX_EXTRA_BYTES {
+            return Err(StreamError::TooLarge {
+                what: "bytes of unknown fields in one tool call",
+                limit: MAX_EXTRA_BYTES,
+            });
+        }
+        Ok(())
+    }
+
     /// The slot this fragment continues, or `None` for a new call.
-    fn find_slot(&self, index: Option<u32>, id: Option<&str>) -> Option<usize> {
+    /// `name` is the function name the fragment carries, if any.
+    fn find_slot(
+        &mut self,
+        index: Option<u32>,
+        id: Option<&str>,
+        name: Option<&str>,
+    ) -> Option<usize> {
         let last = self.slots.len().checked_sub(1);
         match (index, id) {
-            // The same index with a different id is a new call (Ollama).
+            // The same index with a different id is a new call when the
+            // fragment names a function, or the call so far is whole
+            // (Ollama sends index 0 and a fresh id for every call, each
+            // call whole). Otherwise it continues the call: some servers
+            // send a fresh id on every fragment of one call. A name that
+            // repeats the call's own while its arguments are half-written
+            // continues it too (servers repeat the name on each fragment).
             (Some(ix), Some(id)) => {
                 let i = self.slots.iter().rposition(|s| s.index == Some(ix))?;
-                let s = &self.slots[i];
-                (s.id.is_empty() || s.id == id).then_some(i)
+                let s = &mut self.slots[i];
+                if s.id.is_empty() || s.id == id {
+                    return Some(i);
+                }
+                let new = s.complete()
+                    || name.is_some_and(|n| n != s.name || s.arguments.trim().is_empty());
+                (!new).then_some(i)
             }
             (Some(ix), None) => self.slots.iter().rposition(|s| s.index == Some(ix)),
             (None, Some(id)) => self.slots.iter().rposition(|s| s.id == id),
@@ -292,10 +412,12 @@ impl Accumulator {
         let finish = match self.finish_reason.as_deref() {
             // Gemini ends a tool-calling turn with "stop".
             _ if !tool_calls.is_empty() => Finish::ToolCalls,
-            Some("stop") => Finish::Stop,
+            // Hugging Face TGI's names for a complete answer.
+            Some("stop" | "eos_token" | "stop_sequence") => Finish::Stop,
             Some("length") => Finish::Length,
+            None if self.text.is_empty() => return Err(StreamError::NoFinish),
             None => Finish::Stop,
-            Some(_) => Finish::Other,
+            Some(other) => Finish::Other(reason_label(other)),
         };
         Ok(Completion {
             text: self.text,
@@ -312,6 +434,53 @@ pub fn parse_arguments(arguments: &str) -> Result<Value, serde_json::Error> {
         return Ok(Value::Object(Map::new()));
     }
     serde_json::from_str(arguments)
+}
+
+/// What [`reason_label`] gives for a reason it will not repeat.
+pub const UNSHOWN_REASON: &str = "an unreadable reason (the server log has it)";
+
+/// A finish reason as a caller may see it. Servers name reasons with short
+/// words (`content_filter`, `abort`, `SAFETY`); anything else (which could
+/// be model or prompt text) is not repeated: it is logged, and the label
+/// says so ([`UNSHOWN_REASON`]).
+pub fn reason_label(reason: &str) -> String {
+    let word = reason.len() <= 64
+        && reason.starts_with(|c: char| c.is_ascii_alphabetic())
+        && reason
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-'));
+    if word {
+        return reason.to_owned();
+    }
+    tracing::warn!(reason = %clip(reason), "the model stopped for a reason that is not a word");
+    UNSHOWN_REASON.to_owned()
+}
+
+/// An error the server reported mid-stream: the `error` object of a
+/// `data:` chunk, or the JSON of an `error:` line (llama-server), which
+/// may wrap it in `{"error": ...}` too. The detail is for the log only.
+pub fn server_error(err: Value) -> StreamError {
+    let inner = match err.get("error") {
+        Some(e) if e.is_object() => e,
+        _ => &err,
+    };
+    StreamError::Server {
+        code: error_code(inner),
+        context_window: super::client::says_context_length(inner),
+        detail: clip(&err.to_string()),
+    }
+}
+
+/// The payload of an `error:` line, which should be JSON but need not be.
+pub fn server_error_line(payload: &str) -> StreamError {
+    match serde_json::from_str::<Value>(payload.trim()) {
+        Ok(v) => server_error(v),
+        Err(_) => StreamError::Server {
+            code: None,
+            context_window: false,
+            detail: clip(payload),
+        },
+    }
 }
 
 /// The numeric code of an error object, if it has one.
@@ -655,6 +824,179 @@ data: [DONE]
         assert_eq!(c.tool_calls.len(), 1);
         assert_eq!(c.tool_calls[0].function.name, "lookup_order");
         assert_eq!(args(&c.tool_calls[0]), json!({"order_id": "1"}));
+    }
+
+    /// Fragments of parallel calls that interleave: a call is announced
+    /// only once its arguments are whole, so its TOOL_CALL event shows what
+    /// the tool runs with.
+    #[test]
+    fn an_interleaved_call_is_announced_only_once_its_arguments_are_whole() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":"{\"x\""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":1,"id":"b","function":{"name":"g","arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":":1}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":2,"id":"c","function":{"name":"h","arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let mut acc = Accumulator::new("call");
+        let mut announced = Vec::new();
+        for (n, line) in t
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .enumerate()
+        {
+            for o in acc.push(line).unwrap() {
+                let Output::ToolCallReady(i) = o else {
+                    panic!("{o:?}")
+                };
+                announced.push((n, i, acc.call(i)));
+            }
+        }
+        // Call 0 waits past the opening of call 1 for its last fragment;
+        // both are announced, in order, when call 2 opens.
+        assert_eq!(
+            announced.iter().map(|a| (a.0, a.1)).collect::<Vec<_>>(),
+            vec![(3, 0), (3, 1)]
+        );
+        let c = acc.finish().unwrap();
+        assert_eq!(args(&c.tool_calls[0]), json!({"x": 1}));
+        for (_, i, call) in &announced {
+            assert_eq!(*call, c.tool_calls[*i], "the event shows what runs");
+        }
+    }
+
+    /// A fragment for a call already announced cannot change it: what the
+    /// event showed is what runs and what goes back to the model. Unknown
+    /// fields still join it (they change neither).
+    #[test]
+    fn a_fragment_after_a_call_was_announced_does_not_change_it() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":"{\"x\":1}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":1,"id":"b","function":{"name":"g","arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f2","arguments":",\"y\":2}"},"sig":"s"}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let (outs, done) = run(t);
+        assert_eq!(outs, vec![Output::ToolCallReady(0)]);
+        let c = done.unwrap();
+        assert_eq!(c.tool_calls.len(), 2);
+        let call = &c.tool_calls[0];
+        assert_eq!(
+            (call.function.name.as_str(), args(call)),
+            ("f", json!({"x": 1}))
+        );
+        assert_eq!(call.extra["sig"], "s");
+    }
+
+    /// Some servers send a fresh id on each fragment of one call: without a
+    /// name, and while the call's arguments are not whole, a changed id on
+    /// the same index continues the call (Ollama's calls, each whole and
+    /// named, still start new ones: see the Ollama tests above).
+    #[test]
+    fn a_fresh_id_on_a_fragment_without_a_name_continues_the_call() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"b","function":{"arguments":"{\"x\""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"f","arguments":":1}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"d","function":{"arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        let calls: Vec<_> = c
+            .tool_calls
+            .iter()
+            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
+            .collect();
+        // The last fragment comes once the first call is whole: a new call.
+        assert_eq!(
+            calls,
+            vec![("a", "f", json!({"x": 1})), ("d", "", json!({}))]
+        );
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"b","function":{"arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        assert_eq!(c.tool_calls.len(), 1);
+        assert_eq!(
+            (
+                c.tool_calls[0].id.as_str(),
+                c.tool_calls[0].function.name.as_str()
+            ),
+            ("a", "f")
+        );
+    }
+
+    /// `[DONE]` with nothing before it (a llama-server whose error line was
+    /// dropped) is no empty answer; text without a reason still answers.
+    #[test]
+    fn done_without_a_finish_reason_text_or_calls_is_an_error() {
+        assert_eq!(run("data: [DONE]\n").1, Err(StreamError::NoFinish));
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
+data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":0,"total_tokens":1}}
+data: [DONE]
+"#;
+        assert_eq!(run(t).1, Err(StreamError::NoFinish));
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}
+data: [DONE]
+"#;
+        assert_eq!(run(t).1.unwrap().finish, Finish::Stop);
+    }
+
+    #[test]
+    fn another_finish_reason_is_kept_as_a_short_safe_label() {
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{},"finish_reason":"content_filter"}]}
+data: [DONE]
+"#;
+        assert_eq!(
+            run(t).1.unwrap().finish,
+            Finish::Other("content_filter".into())
+        );
+        assert_eq!(reason_label("abort"), "abort");
+        assert_eq!(reason_label("SAFETY"), "SAFETY");
+        for odd in ["you said: 4111 1111", "4111-1111", "", &"x".repeat(65)] {
+            assert_eq!(reason_label(odd), UNSHOWN_REASON, "{odd:?}");
+        }
+        let t = r#"
+data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"eos_token"}]}
+data: [DONE]
+"#;
+        assert_eq!(run(t).1.unwrap().finish, Finish::Stop, "TGI's name");
+    }
+
+    /// An `error:` line's JSON (llama-server), wrapped or not, with a code
+    /// and whether it says the context window is full.
+    #[test]
+    fn an_error_line_is_a_server_error_with_its_code_and_kind() {
+        let full = r#" {"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error"}"#;
+        assert!(matches!(
+            server_error_line(full),
+            StreamError::Server {
+                code: Some(400),
+                context_window: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            server_error_line(r#"{"error":{"code":"503","message":"loading model"}}"#),
+            StreamError::Server {
+                code: Some(503),
+                context_window: false,
+                ..
+            }
+        ));
+        assert!(matches!(
+            server_error_line("oops"),
+            StreamError::Server { code: None, .. }
+        ));
     }
 
     #[test]

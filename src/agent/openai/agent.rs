@@ -1,15 +1,16 @@
 //! An agent backed by an OpenAI-compatible model: the tool loop.
 //!
-//! model → tool calls (run in parallel, each observing cancellation) →
-//! results back to the model → … until a final answer or `max_tool_turns`.
-//! Each model call and each tool call is bounded by the per-call timeout and
-//! by the run's deadline; dropping the run's stream drops the HTTP request.
+//! model → tool calls (run in parallel, at most [`MAX_TOOLS_IN_FLIGHT`] at
+//! a time, each observing cancellation) → results back to the model → …
+//! until a final answer or `max_tool_turns`. Each model call and each tool
+//! call is bounded by the per-call timeout and by the run's deadline;
+//! dropping the run's stream drops the HTTP request. The tool results a run
+//! keeps in its conversation are bounded by [`MAX_TOOL_RESULT_BYTES`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -20,6 +21,21 @@ use super::wire::{
 };
 use crate::agent::tools::{Tool, ToolOutcome};
 use crate::agent::{Agent, AgentError, Event, EventStream, RunContext};
+
+/// The most tool calls of one run that run at the same time. A model may
+/// ask for up to [`super::accumulate::MAX_TOOL_CALLS`] in one answer; all
+/// at once would be a burst on the HTTP tools' servers (and as many
+/// responses held) that one run should not be able to cause. The rest wait
+/// for a place, within their own timeouts.
+pub const MAX_TOOLS_IN_FLIGHT: usize = 8;
+
+/// The most bytes of tool results one run keeps in its conversation, which
+/// is held whole and sent whole to the model on each of its calls (one
+/// result may take up to 512 KiB, and an answer may make 128 calls, each
+/// tool turn). Past it, the model gets an error text in place of the
+/// result, telling it the budget is spent, so it can answer with what it
+/// has; the TOOL_RESULT event shows the same.
+pub const MAX_TOOL_RESULT_BYTES: usize = 4 << 20;
 
 /// How the first model call of a turn differs from the rest.
 #[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
@@ -103,15 +119,20 @@ impl Agent for ModelAgent {
             // partial events streamed, text before tool calls included
             // (agents.v1: the partials concatenated are the answer).
             let mut said = String::new();
+            // Bytes of tool results kept in `messages` so far.
+            let mut results_kept = 0usize;
             loop {
                 let first = turn == 0;
-                let mut sent = messages.clone();
-                if let Some(p) = cfg.first_call.prefill.as_ref().filter(|_| first) {
-                    sent.push(Message::Assistant { content: Some(p.clone()), tool_calls: Vec::new() });
+                // The prefill goes on the end of the conversation for this
+                // call only (it is taken off once the request is sent),
+                // which is not copied for it.
+                let prefill = cfg.first_call.prefill.as_ref().filter(|_| first);
+                if let Some(p) = prefill {
+                    messages.push(Message::Assistant { content: Some(p.clone()), tool_calls: Vec::new() });
                 }
                 let req = ChatRequest {
                     model: &cfg.model,
-                    messages: &sent,
+                    messages: &messages,
                     stream: true,
                     stream_options: StreamOptions { include_usage: true },
                     tools: &specs,
@@ -127,7 +148,11 @@ impl Agent for ModelAgent {
                 let mut bound = CallBound::new(bounded(ctx.deadline, cfg.call_timeout), &ctx, cfg.call_timeout);
                 let id_prefix = format!("call_{}_{turn}", ctx.request_id);
                 let start = tracing::Instrument::instrument(cfg.client.start(&req, &id_prefix), span.clone());
-                let mut stream = failed(&span, bound.run(start).await)?;
+                let started = bound.run(start).await;
+                if prefill.is_some() {
+                    messages.pop();
+                }
+                let mut stream = failed(&span, started)?;
                 let mut announced = 0usize;
                 let completion = loop {
                     match failed(&span, bound.run(stream.next()).await)? {
@@ -146,8 +171,23 @@ impl Agent for ModelAgent {
                     tracing::debug!(agent = %cfg.name, turn, prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens, "model call done");
                 }
                 if completion.finish != Finish::ToolCalls {
-                    if completion.finish == Finish::Length {
-                        tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
+                    match &completion.finish {
+                        Finish::Length => {
+                            tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
+                        }
+                        // A stop for another reason (a content filter, an
+                        // aborted request) with no text is no answer: an
+                        // empty one would pass for the model's. The reason
+                        // is a short label (`reason_label`), not model text.
+                        Finish::Other(reason) if completion.text.is_empty() => {
+                            failed(&span, Err::<(), _>(AgentError::FailedPrecondition(format!(
+                                "the model stopped: {reason}"
+                            ))))?;
+                        }
+                        Finish::Other(reason) => {
+                            tracing::warn!(agent = %cfg.name, reason = %reason, "the model stopped for another reason than the end of its answer");
+                        }
+                        _ => {}
                     }
                     said_more(&mut said, &completion.text)?;
                     yield Event::final_answer(&cfg.name, said);
@@ -169,35 +209,40 @@ impl Agent for ModelAgent {
                     content: Some(completion.text).filter(|t| !t.is_empty()),
                     tool_calls: calls.iter().map(replayable).collect(),
                 });
-                // Run every call at once; report each as it finishes, and
-                // answer the model in the order it asked.
-                let mut running: FuturesUnordered<_> = calls
+                // Run the calls in parallel, at most MAX_TOOLS_IN_FLIGHT at
+                // a time; report each as it finishes, and answer the model
+                // in the order it asked.
+                // (Collected first: a lazy map would be a closure over
+                // borrowed calls in the stream's type, which the compiler
+                // cannot prove Send for every lifetime.)
+                let calls_run: Vec<_> = calls
                     .iter()
                     .enumerate()
                     .map(|(i, c)| {
                         let cfg = cfg.clone();
                         let ctx = &ctx;
-                        let span = crate::telemetry::trace::tool_span(&c.function.name, &c.id);
-                        tracing::Instrument::instrument(async move { (i, run_tool(&cfg, ctx, c).await) }, span)
+                        // The span starts when the call does, not while it
+                        // waits for a place.
+                        async move {
+                            let span = crate::telemetry::trace::tool_span(&c.function.name, &c.id);
+                            (i, tracing::Instrument::instrument(run_tool(&cfg, ctx, c), span).await)
+                        }
                     })
                     .collect();
-                let mut results: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+                let mut running = futures::stream::iter(calls_run).buffer_unordered(MAX_TOOLS_IN_FLIGHT);
+                let mut results: Vec<Option<String>> = vec![None; calls.len()];
                 while let Some((i, outcome)) = running.next().await {
                     let c = &calls[i];
-                    yield Event::tool_result(&c.function.name, &c.id, outcome.summary.clone(), &outcome.result);
-                    results[i] = Some(outcome);
+                    let (outcome, content) = within_budget(outcome, &mut results_kept);
+                    yield Event::tool_result(&c.function.name, &c.id, outcome.summary, &outcome.result);
+                    results[i] = Some(content);
                 }
                 drop(running);
                 if ctx.cancel.is_cancelled() {
                     return;
                 }
-                for (c, r) in calls.iter().zip(results) {
-                    let r = r.expect("every call reported");
-                    // Text as it came; anything else as JSON.
-                    let content = match r.result {
-                        serde_json::Value::String(text) => text,
-                        other => other.to_string(),
-                    };
+                for (c, content) in calls.iter().zip(results) {
+                    let content = content.expect("every call reported");
                     messages.push(Message::Tool { tool_call_id: c.id.clone(), content });
                 }
             }
@@ -238,7 +283,8 @@ async fn run_tool(cfg: &ModelAgentConfig, ctx: &RunContext, c: &ToolCall) -> Too
         return ToolOutcome::error(format!("there is no tool named {:?}", c.function.name));
     };
     let args = match parse_arguments(&c.function.arguments) {
-        Ok(a) => a,
+        Ok(a @ Value::Object(_)) => a,
+        Ok(_) => return ToolOutcome::error("the arguments are not a JSON object"),
         Err(_) => return ToolOutcome::error("the arguments are not valid JSON"),
     };
     if let Err(e) = tool.def().check(&args) {
@@ -306,16 +352,43 @@ fn failed<T>(span: &tracing::Span, r: Result<T, AgentError>) -> Result<T, AgentE
 }
 
 /// `call` as it goes back to the model in the conversation: arguments that
-/// are not a JSON document (cut by the token limit, a trailing comma) are
-/// sent as `{}`, since servers parse the arguments of every call they are
-/// sent (vLLM, Ollama, llama-server) and would refuse the request; the tool
-/// result that follows tells the model what was wrong.
+/// are not a JSON object (cut by the token limit, a trailing comma, or
+/// JSON of another kind: `[1]`, `42`, an object encoded twice as a string)
+/// are sent as `{}`, since servers parse the arguments of every call they
+/// are sent into an object (vLLM, Ollama, llama-server) and would refuse
+/// the request; the tool result that follows tells the model what was
+/// wrong (the tool did not run: see `run_tool`).
 fn replayable(call: &ToolCall) -> ToolCall {
     let mut call = call.clone();
-    if serde_json::from_str::<serde_json::Value>(&call.function.arguments).is_err() {
+    if !matches!(
+        serde_json::from_str::<serde_json::Value>(&call.function.arguments),
+        Ok(Value::Object(_))
+    ) {
         call.function.arguments = "{}".into();
     }
     call
+}
+
+/// A tool's outcome as the model gets it (text as it came, anything else
+/// as JSON), within the run's [`MAX_TOOL_RESULT_BYTES`]: past it, an error
+/// in its place. `kept` counts the bytes kept so far.
+fn within_budget(outcome: ToolOutcome, kept: &mut usize) -> (ToolOutcome, String) {
+    let content = |r: &Value| match r {
+        Value::String(text) => text.clone(),
+        other => other.to_string(),
+    };
+    let text = content(&outcome.result);
+    if *kept + text.len() <= MAX_TOOL_RESULT_BYTES {
+        *kept += text.len();
+        return (outcome, text);
+    }
+    let spent = ToolOutcome::error(format!(
+        "this run's budget of {MAX_TOOL_RESULT_BYTES} bytes of tool results is spent ({} more bytes were left out); answer with the results you have",
+        text.len()
+    ));
+    let text = content(&spent.result);
+    *kept += text.len();
+    (spent, text)
 }
 
 /// Adds one model call's text to the answer, which holds at most

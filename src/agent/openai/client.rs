@@ -5,8 +5,11 @@
 //! 4xx are FAILED_PRECONDITION (the deployment is misconfigured) or
 //! INVALID_ARGUMENT (the conversation itself was refused). The server's body
 //! goes to the log, never into the error: model errors can echo the prompt.
+//! An error the server reports mid-stream (a `data:` chunk holding an error
+//! object, or llama-server's `error:` line) maps the same way.
 
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use eventsource_stream::{EventStreamError, Eventsource};
@@ -14,7 +17,7 @@ use futures::{FutureExt, Stream, StreamExt};
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
-use super::accumulate::{Accumulator, Completion, Output, StreamError};
+use super::accumulate::{Accumulator, Completion, Output, StreamError, server_error_line};
 use super::wire::{ChatRequest, ToolCall};
 use crate::agent::AgentError;
 
@@ -226,7 +229,9 @@ impl ChatClient {
             ));
         }
         Ok(ChatStream {
-            events: Box::pin(bounded_sse(resp.bytes_stream(), MAX_SSE_EVENT_BYTES).eventsource()),
+            events: Box::pin(
+                BoundedSse::new(resp.bytes_stream(), MAX_SSE_EVENT_BYTES).eventsource(),
+            ),
             acc: Some(Accumulator::new(id_prefix)),
             pending: Default::default(),
             lookahead: None,
@@ -272,50 +277,157 @@ impl ChatClient {
 /// end, with no bound of its own.
 pub const MAX_SSE_EVENT_BYTES: usize = 4 << 20;
 
-/// A model stream's body failed, or sent an event past the bound.
+/// The most bytes of an `error:` line's value kept (to classify it and for
+/// the log); the line itself is bounded as any other.
+const MAX_ERROR_LINE_BYTES: usize = 64 * 1024;
+
+/// A model stream's body failed, sent an event past the bound, or reported
+/// an error in an `error:` line.
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
     #[error(transparent)]
     Http(#[from] reqwest::Error),
     #[error("a server-sent event passed the size bound")]
     TooLarge,
+    /// The value of an `error:` line (at most [`MAX_ERROR_LINE_BYTES`]);
+    /// it can echo the prompt: for the log only.
+    #[error("the model server sent an error line")]
+    Server(Vec<u8>),
 }
 
-/// `body`, refused once a line or an event (lines up to a blank one) grows
-/// past `max` bytes. Lines end as the SSE parser ends them: at `\r\n`, `\n`
-/// or a lone `\r`; line endings are not counted.
-fn bounded_sse<S>(body: S, max: usize) -> impl Stream<Item = Result<bytes::Bytes, BodyError>>
+/// A model stream's body, checked line by line as the SSE parser will read
+/// it:
+///
+/// - refused once a line or an event (lines up to a blank one) grows past
+///   `max` bytes;
+/// - failed at an `error:` line. Some llama-server builds report a failure
+///   met mid-answer (the context filling up) as an event whose field is
+///   `error`, then `data: [DONE]`; the SSE parser drops fields other than
+///   `data`, `event`, `id` and `retry`, so the answer would end with
+///   `[DONE]` alone, as if complete. The bytes before the line go on first.
+///
+/// Lines end as the SSE parser ends them: at `\r\n`, `\n` or a lone `\r`;
+/// line endings are not counted.
+struct BoundedSse<S> {
+    body: Pin<Box<S>>,
+    scan: SseScan,
+    /// An item to return after the one just returned.
+    held: Option<Result<bytes::Bytes, BodyError>>,
+    /// The body failed or ended: nothing more comes.
+    ended: bool,
+}
+
+impl<S> BoundedSse<S> {
+    fn new(body: S, max: usize) -> Self {
+        Self {
+            body: Box::pin(body),
+            scan: SseScan {
+                max,
+                ..SseScan::default()
+            },
+            held: None,
+            ended: false,
+        }
+    }
+}
+
+impl<S> Stream for BoundedSse<S>
 where
     S: Stream<Item = Result<bytes::Bytes, reqwest::Error>>,
 {
-    let (mut line, mut event, mut after_cr) = (0usize, 0usize, false);
-    body.map(move |chunk| {
-        let chunk = chunk?;
-        for &b in chunk.iter() {
+    type Item = Result<bytes::Bytes, BodyError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        // Every field is Unpin (the body is boxed).
+        let this = self.get_mut();
+        if let Some(item) = this.held.take() {
+            return Poll::Ready(Some(item));
+        }
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let item = match std::task::ready!(this.body.as_mut().poll_next(cx)) {
+            Some(Ok(chunk)) => match this.scan.chunk(chunk) {
+                (Some(before), Err(e)) => {
+                    this.held = Some(Err(e));
+                    Ok(before)
+                }
+                (None, Err(e)) => Err(e),
+                (_, Ok(chunk)) => return Poll::Ready(Some(Ok(chunk))),
+            },
+            Some(Err(e)) => Err(BodyError::Http(e)),
+            // An `error:` line the body ended in, without its line end.
+            None => match this.scan.error.take() {
+                Some(v) => Err(BodyError::Server(v)),
+                None => return Poll::Ready(None),
+            },
+        };
+        this.ended = true;
+        Poll::Ready(Some(item))
+    }
+}
+
+/// Where [`BoundedSse`] is in the body.
+#[derive(Default)]
+struct SseScan {
+    max: usize,
+    /// Bytes of the current line so far.
+    line: usize,
+    /// Bytes of the current event's earlier lines.
+    event: usize,
+    after_cr: bool,
+    /// The first bytes of the current line, to tell an `error:` line.
+    head: [u8; 6],
+    /// The value of the `error:` line in progress, if the line is one.
+    error: Option<Vec<u8>>,
+}
+
+impl SseScan {
+    /// Scans `chunk`: the chunk to pass on, or the bytes before an error
+    /// (if any) and the error.
+    fn chunk(
+        &mut self,
+        chunk: bytes::Bytes,
+    ) -> (Option<bytes::Bytes>, Result<bytes::Bytes, BodyError>) {
+        for (i, &b) in chunk.iter().enumerate() {
             let ends_line = match b {
                 // The `\n` of a `\r\n`: that line ended at the `\r`.
-                b'\n' if after_cr => false,
+                b'\n' if self.after_cr => false,
                 b'\n' | b'\r' => true,
                 _ => {
-                    line += 1;
+                    self.line += 1;
+                    if self.line <= self.head.len() {
+                        self.head[self.line - 1] = b;
+                        if self.line == self.head.len() && self.head == *b"error:" {
+                            self.error = Some(Vec::new());
+                        }
+                    } else if let Some(v) = &mut self.error
+                        && v.len() < MAX_ERROR_LINE_BYTES
+                    {
+                        v.push(b);
+                    }
                     false
                 }
             };
-            after_cr = b == b'\r';
+            self.after_cr = b == b'\r';
             if ends_line {
-                if line == 0 {
-                    event = 0;
+                if let Some(v) = self.error.take() {
+                    let before = (i > 0).then(|| chunk.slice(..i));
+                    return (before, Err(BodyError::Server(v)));
+                }
+                if self.line == 0 {
+                    self.event = 0;
                 } else {
-                    event += line;
-                    line = 0;
+                    self.event += self.line;
+                    self.line = 0;
                 }
             }
         }
-        if event + line > max {
-            return Err(BodyError::TooLarge);
+        if self.event + self.line > self.max {
+            return (None, Err(BodyError::TooLarge));
         }
-        Ok(chunk)
-    })
+        (None, Ok(chunk))
+    }
 }
 
 /// The longest pushback a model server's `Retry-After` is passed on with.
@@ -366,10 +478,12 @@ fn is_quota_exhausted(body: &[u8]) -> bool {
 
 /// Whether an error body says the prompt exceeded the context window.
 fn is_context_length(body: &[u8]) -> bool {
-    let Some(e) = error_object(body) else {
-        return false;
-    };
-    let e = &e;
+    error_object(body).is_some_and(|e| says_context_length(&e))
+}
+
+/// Whether an error object (the inside of `{"error": …}`) says the prompt
+/// exceeded the context window.
+pub(super) fn says_context_length(e: &serde_json::Value) -> bool {
     let fields = ["code", "type"].map(|k| {
         e.get(k)
             .and_then(|c| c.as_str())
@@ -553,6 +667,11 @@ impl ChatStream {
                     let outs = acc.push(&ev.data).map_err(|e| self.stream_error(e))?;
                     self.pending.extend(outs);
                 }
+                Some(Err(EventStreamError::Transport(BodyError::Server(line)))) => {
+                    return Err(
+                        self.stream_error(server_error_line(&String::from_utf8_lossy(&line)))
+                    );
+                }
                 Some(Err(EventStreamError::Transport(BodyError::TooLarge))) => {
                     return Err(self.stream_error(StreamError::TooLarge {
                         what: "bytes in one server-sent event",
@@ -591,6 +710,16 @@ impl ChatStream {
                 message: "the model server ended its answer early; retry later".into(),
                 retry_after: None,
             },
+            StreamError::NoFinish => AgentError::Unavailable {
+                message: "the model ended its answer without a finish reason; retry later".into(),
+                retry_after: None,
+            },
+            StreamError::Server {
+                context_window: true,
+                ..
+            } => AgentError::InvalidInput(
+                "the conversation is too long for the model's context window".into(),
+            ),
             StreamError::Server { code: Some(c), .. }
                 if (400..500).contains(&c) && c != 429 && c != 408 =>
             {
@@ -674,7 +803,7 @@ mod tests {
             )
         };
         let passes = |parts: &'static [&'static str]| async move {
-            bounded_sse(body(parts), 10)
+            BoundedSse::new(body(parts), 10)
                 .collect::<Vec<_>>()
                 .await
                 .iter()
@@ -697,6 +826,91 @@ mod tests {
             !passes(&["data: 1\rdata: 2\r", "data: 3\r\r"]).await,
             "an event's lines together"
         );
+    }
+
+    /// llama-server reports a failure met mid-answer as an `error:` line
+    /// before `data: [DONE]`: the events before it go on, then the line's
+    /// value fails the body (the SSE parser would drop it).
+    #[tokio::test]
+    async fn an_error_line_fails_the_body_after_the_events_before_it() {
+        let read = |parts: Vec<&'static str>| async move {
+            let body = futures::stream::iter(
+                parts
+                    .into_iter()
+                    .map(|p| Ok::<_, reqwest::Error>(bytes::Bytes::from_static(p.as_bytes()))),
+            );
+            let items: Vec<_> = BoundedSse::new(body, 1 << 20).collect().await;
+            let passed: String = items
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .collect();
+            let error = items.iter().find_map(|r| match r {
+                Err(BodyError::Server(v)) => Some(String::from_utf8_lossy(v).into_owned()),
+                Err(e) => panic!("{e}"),
+                Ok(_) => None,
+            });
+            assert!(
+                items.iter().skip_while(|r| r.is_ok()).count() <= 1,
+                "nothing follows the error"
+            );
+            (passed, error)
+        };
+        let llama = r#"{"code":400,"message":"the request exceeds the available context size","type":"exceed_context_size_error"}"#;
+        let (passed, error) = read(vec![
+            "data: {\"a\":1}\n\nerror: {\"code\":400,",
+            "\"message\":\"the request exceeds the available context size\",\"type\":\"exceed_context_size_error\"}\n\n",
+            "data: [DONE]\n\n",
+        ])
+        .await;
+        assert_eq!(error.as_deref().map(str::trim), Some(llama));
+        assert!(passed.starts_with("data: {\"a\":1}\n\n"), "{passed:?}");
+        assert!(!passed.contains("[DONE]"), "{passed:?}");
+        // Split inside its field name, with CRLF, or at the end of the body
+        // without a line end.
+        let (_, error) = read(vec!["data: x\r\n\r\nerr", "or:{\"code\":500}\r\n"]).await;
+        assert_eq!(error.as_deref(), Some("{\"code\":500}"));
+        let (_, error) = read(vec!["error: {\"code\":500}"]).await;
+        assert_eq!(error.as_deref(), Some(" {\"code\":500}"));
+        // Only a line that starts with the field: `data:` that holds the
+        // word, and other fields, pass.
+        let (passed, error) = read(vec![
+            "data: error: no\n\n",
+            "event: error\ndata: {}\n\n",
+            "errors: 1\n\n",
+        ])
+        .await;
+        assert_eq!(error, None);
+        assert!(passed.ends_with("errors: 1\n\n"));
+    }
+
+    /// An `error:` line maps as an HTTP error body would: one that says the
+    /// context window is full is INVALID_ARGUMENT, a 5xx UNAVAILABLE, and
+    /// the message never carries the body.
+    #[test]
+    fn an_error_line_maps_as_an_error_body_would() {
+        let s = ChatStream {
+            events: Box::pin(futures::stream::empty()),
+            acc: None,
+            pending: Default::default(),
+            lookahead: None,
+            deferred: None,
+            texted: false,
+            agent: "t".into(),
+        };
+        let m = |line: &str| s.stream_error(server_error_line(line));
+        let full = r#" {"code":400,"message":"the request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it; you said: 4111","type":"exceed_context_size_error","n_prompt_tokens":9000,"n_ctx":8192}"#;
+        let e = m(full);
+        assert!(matches!(e, AgentError::InvalidInput(_)), "{e:?}");
+        assert!(!e.to_string().contains("4111"), "{e}");
+        let e = m(r#"{"code":500,"message":"boom","type":"server_error"}"#);
+        assert!(matches!(e, AgentError::Unavailable { .. }), "{e:?}");
+        let e = m(r#"{"error":{"code":400,"message":"bad grammar: 4111"}}"#);
+        assert!(matches!(e, AgentError::FailedPrecondition(_)), "{e:?}");
+        assert!(!e.to_string().contains("4111"), "{e}");
+        let e = m("not json: 4111");
+        assert!(matches!(e, AgentError::Unavailable { .. }), "{e:?}");
+        assert!(!e.to_string().contains("4111"), "{e}");
     }
 
     #[test]

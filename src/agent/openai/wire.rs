@@ -74,7 +74,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Sampling settings; absent ones are left to the server.
+/// Sampling settings; absent ones are left to the server. The agents file
+/// checks their ranges at load (a value a server refuses would fail every
+/// run; a NaN would be sent as `null`, silently the server's default).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Sampling {
@@ -84,6 +86,10 @@ pub struct Sampling {
     pub top_p: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// OpenAI's newer name of the bound (its reasoning models refuse
+    /// `max_tokens`); sent as such, instead of `max_tokens`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_completion_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
