@@ -447,3 +447,48 @@ async fn the_client_takes_the_first_interface_of_the_card_it_speaks_unless_told_
     }
     server.stop().await;
 }
+
+/// Over gRPC, a message larger than the binding's client receives (4 MiB:
+/// the a2a-grpc client keeps tonic's default) would come again on every
+/// retry: the call ends at once with an error that says so, and the task,
+/// which was not failing, is left running rather than cancelled. Here the
+/// remote's answer grows by 1 MiB chunks slower than the idle timeout, so
+/// that each gap is recovered from a GetTask, until that snapshot passes
+/// 4 MiB.
+#[tokio::test]
+async fn a_message_larger_than_grpc_receives_ends_the_call_without_cancelling_the_task() {
+    let server = a2a_support::A2aServer::start(Duration::ZERO).await;
+    let client = server.grpc_client().await;
+    let stream = Some(
+        [("agent".to_owned(), serde_json::json!("stream"))]
+            .into_iter()
+            .collect(),
+    );
+    let o = CallOptions {
+        idle_timeout: Duration::from_millis(150),
+        max_backoff: Duration::from_millis(50),
+        ..opts()
+    };
+    let err = client
+        .send_text("n=12 size=1048576 rate=4", stream, &o, None)
+        .await
+        .unwrap_err();
+    let CallError::MessageTooLarge {
+        task_id: Some(task_id),
+        last_state: Some(TaskState::Working),
+        ..
+    } = &err
+    else {
+        // Not Debug: the artifacts are megabytes.
+        panic!("{err}")
+    };
+    assert!(err.to_string().contains("left running"), "{err}");
+    // The task goes on to its end (read over JSON-RPC, which has no such
+    // limit).
+    let jsonrpc = A2aClient::connect(&server.base_url(), None).await.unwrap();
+    assert_eq!(
+        remote_state(&jsonrpc, task_id, TaskState::Completed).await,
+        TaskState::Completed
+    );
+    server.stop().await;
+}

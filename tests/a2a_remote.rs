@@ -470,14 +470,51 @@ card_url = "{url}"
 }
 
 /// A2A peer that answers every message from a script picked by the
-/// message's text:
+/// message's text (the last one sent also picks what GetTask and
+/// SubscribeToTask answer); it keeps the ids of the tasks it was asked to
+/// cancel:
 /// - `replace`: the answer as whole-text-so-far chunks, each replacing the
 ///   last (`append` false): "Hel", "Hello", "Hello world".
 /// - `replay`: "Hel", then "lo" appended, then the stream ends before the
 ///   task does; GetTask shows "Hello" so far, and SubscribeToTask replays the
 ///   turn from its first chunk ("Hel", "lo") before the rest (" world"), as
 ///   a replica following the task's turn from the store does.
-struct ScriptedPeer;
+/// - `said-stale`: a WORKING status saying "Looking up the order", then
+///   COMPLETED with no message and no artifact.
+/// - `said-late`: the same WORKING status, then the stream ends; GetTask
+///   shows the task COMPLETED, its status saying "Order 1187 shipped".
+/// - `rewrite-big`: "Hel", then a chunk that replaces it with 3 MiB of
+///   text (a rewrite, which is not streamed), then COMPLETED.
+/// - `big-late`: "Hel", then the stream ends; GetTask shows the task
+///   COMPLETED with 3 MiB of text.
+/// - `no-subscribe`: "Hel", then the stream ends; SubscribeToTask is not
+///   offered (METHOD_NOT_FOUND); GetTask shows "Hel" WORKING twice, then
+///   "Hello world" COMPLETED.
+/// - `get-refused`: "Hel", then the stream ends; GetTask and
+///   SubscribeToTask are refused (METHOD_NOT_FOUND).
+/// - `auth`: the task comes to wait for an authorization (AUTH_REQUIRED).
+#[derive(Default)]
+struct ScriptedPeer {
+    script: std::sync::Mutex<String>,
+    gets: std::sync::atomic::AtomicUsize,
+    cancelled: std::sync::Mutex<Vec<String>>,
+}
+
+impl ScriptedPeer {
+    fn script(&self) -> String {
+        self.script.lock().unwrap().clone()
+    }
+
+    fn cancelled(&self) -> Vec<String> {
+        self.cancelled.lock().unwrap().clone()
+    }
+}
+
+/// 3 MiB of answer: past the answer limit (2 MiB), within what the client
+/// buffers.
+fn big_answer() -> String {
+    "x".repeat(3 << 20)
+}
 
 mod scripted {
     use a2a::*;
@@ -499,6 +536,30 @@ mod scripted {
             history: None,
             metadata: None,
         }
+    }
+
+    /// The task, its status saying `text`.
+    pub fn task_saying(state: TaskState, text: &str) -> Task {
+        let mut t = task(state, None);
+        t.status.message = Some(agent_says(text));
+        t
+    }
+
+    fn agent_says(text: &str) -> Message {
+        Message {
+            task_id: Some(TASK.into()),
+            context_id: Some(CONTEXT.into()),
+            ..Message::new(Role::Agent, vec![Part::text(text)])
+        }
+    }
+
+    /// A status update saying `text`.
+    pub fn status_saying(state: TaskState, text: &str) -> StreamResponse {
+        let StreamResponse::StatusUpdate(mut u) = status(state) else {
+            unreachable!()
+        };
+        u.status.message = Some(agent_says(text));
+        StreamResponse::StatusUpdate(u)
     }
 
     fn answer(text: &str) -> Artifact {
@@ -561,19 +622,33 @@ impl a2a_server::RequestHandler for ScriptedPeer {
         a2a::A2AError,
     > {
         use scripted::*;
+        let script = agentd::client::a2a::parts_text(&req.message.parts);
+        *self.script.lock().unwrap() = script.clone();
         let start = vec![
             a2a::StreamResponse::Task(task(TaskState::Submitted, None)),
             status(TaskState::Working),
         ];
-        let rest = match agentd::client::a2a::parts_text(&req.message.parts).as_str() {
+        // Those that end before the task does have the client recover.
+        let rest = match script.as_str() {
             "replace" => vec![
                 chunk("Hel", false, false),
                 chunk("Hello", false, false),
                 chunk("Hello world", false, true),
                 status(TaskState::Completed),
             ],
-            // Ends before the task does: the client recovers.
             "replay" => vec![chunk("Hel", false, false), chunk("lo", true, false)],
+            "said-stale" => vec![
+                status_saying(TaskState::Working, "Looking up the order"),
+                status(TaskState::Completed),
+            ],
+            "said-late" => vec![status_saying(TaskState::Working, "Looking up the order")],
+            "rewrite-big" => vec![
+                chunk("Hel", false, false),
+                chunk(&big_answer(), false, true),
+                status(TaskState::Completed),
+            ],
+            "big-late" | "no-subscribe" | "get-refused" => vec![chunk("Hel", false, false)],
+            "auth" => vec![status_saying(TaskState::AuthRequired, "sign in first")],
             other => panic!("no script {other:?}"),
         };
         Ok(stream(start.into_iter().chain(rest).collect()))
@@ -583,7 +658,19 @@ impl a2a_server::RequestHandler for ScriptedPeer {
         _: &a2a_server::ServiceParams,
         _: a2a::GetTaskRequest,
     ) -> Result<a2a::Task, a2a::A2AError> {
-        Ok(scripted::task(TaskState::Working, Some("Hello")))
+        use scripted::*;
+        let n = self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        match self.script().as_str() {
+            "said-late" => Ok(task_saying(TaskState::Completed, "Order 1187 shipped")),
+            "big-late" => Ok(task(TaskState::Completed, Some(&big_answer()))),
+            "no-subscribe" if n < 2 => Ok(task(TaskState::Working, Some("Hel"))),
+            "no-subscribe" => Ok(task(TaskState::Completed, Some("Hello world"))),
+            "get-refused" => Err(a2a::A2AError::new(
+                a2a::error_code::METHOD_NOT_FOUND,
+                "GetTask is not offered",
+            )),
+            _ => Ok(task(TaskState::Working, Some("Hello"))),
+        }
     }
     async fn list_tasks(
         &self,
@@ -595,9 +682,10 @@ impl a2a_server::RequestHandler for ScriptedPeer {
     async fn cancel_task(
         &self,
         _: &a2a_server::ServiceParams,
-        _: a2a::CancelTaskRequest,
+        req: a2a::CancelTaskRequest,
     ) -> Result<a2a::Task, a2a::A2AError> {
-        Err(a2a::A2AError::unsupported_operation("not scripted"))
+        self.cancelled.lock().unwrap().push(req.id);
+        Ok(scripted::task(TaskState::Canceled, None))
     }
     async fn subscribe_to_task(
         &self,
@@ -608,6 +696,12 @@ impl a2a_server::RequestHandler for ScriptedPeer {
         a2a::A2AError,
     > {
         use scripted::*;
+        if let "no-subscribe" | "get-refused" = self.script().as_str() {
+            return Err(a2a::A2AError::new(
+                a2a::error_code::METHOD_NOT_FOUND,
+                "SubscribeToTask is not offered",
+            ));
+        }
         Ok(stream(vec![
             a2a::StreamResponse::Task(task(TaskState::Working, Some("Hello"))),
             chunk("Hel", false, false),
@@ -653,13 +747,28 @@ impl a2a_server::RequestHandler for ScriptedPeer {
     }
 }
 
-/// Serves [`ScriptedPeer`]'s JSON-RPC on 127.0.0.1; its URL.
-async fn scripted_peer() -> String {
+/// Serves a [`ScriptedPeer`]'s JSON-RPC on 127.0.0.1: its URL, and the
+/// peer.
+async fn scripted_peer() -> (String, std::sync::Arc<ScriptedPeer>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/", listener.local_addr().unwrap());
-    let router = a2a_server::jsonrpc::jsonrpc_router(std::sync::Arc::new(ScriptedPeer));
+    let peer = std::sync::Arc::new(ScriptedPeer::default());
+    let router = a2a_server::jsonrpc::jsonrpc_router(peer.clone());
     tokio::spawn(async move { axum::serve(listener, router).await });
-    url
+    (url, peer)
+}
+
+/// agentd serving agent `peer`: a remote_a2a agent for the scripted peer
+/// at `url`.
+async fn serve_peer(url: &str) -> (Child, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.peer]\nkind = \"remote_a2a\"\n[agents.peer.a2a]\njsonrpc_url = \"{url}\"\n"
+        ),
+    );
+    (serve(&agents).await, dir)
 }
 
 /// The partial texts and the final answer of a run.
@@ -676,15 +785,8 @@ fn streamed(events: &[pb::AgentEvent]) -> (Vec<&str>, &str) {
 
 #[tokio::test]
 async fn chunks_that_replace_the_answer_stream_only_their_new_text() {
-    let url = scripted_peer().await;
-    let dir = tempfile::tempdir().unwrap();
-    let agents = write_agents(
-        &dir,
-        &format!(
-            "[agents.peer]\nkind = \"remote_a2a\"\n[agents.peer.a2a]\njsonrpc_url = \"{url}\"\n"
-        ),
-    );
-    let child = serve(&agents).await;
+    let (url, _peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
     let (events, end) = run(&child, "peer", "replace").await;
     end.unwrap();
     let (partials, answer) = streamed(&events);
@@ -694,18 +796,128 @@ async fn chunks_that_replace_the_answer_stream_only_their_new_text() {
 
 #[tokio::test]
 async fn a_turn_replayed_after_a_resubscription_streams_nothing_twice() {
-    let url = scripted_peer().await;
-    let dir = tempfile::tempdir().unwrap();
-    let agents = write_agents(
-        &dir,
-        &format!(
-            "[agents.peer]\nkind = \"remote_a2a\"\n[agents.peer.a2a]\njsonrpc_url = \"{url}\"\n"
-        ),
-    );
-    let child = serve(&agents).await;
+    let (url, _peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
     let (events, end) = run(&child, "peer", "replay").await;
     end.unwrap();
     let (partials, answer) = streamed(&events);
     assert_eq!(answer, "Hello world");
     assert_eq!(partials.concat(), "Hello world", "{events:?}");
+}
+
+/// The answer is the completed task's: its artifacts, else its final
+/// status's own message. A progress note of an earlier status is not it,
+/// and a completion seen only in a recovery's GetTask still has it.
+#[tokio::test]
+async fn the_answer_is_the_final_statuss_message_not_an_earlier_progress_note() {
+    let (url, _peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
+    let (events, end) = run(&child, "peer", "said-stale").await;
+    end.unwrap();
+    let (_, answer) = streamed(&events);
+    assert_eq!(answer, "", "{events:?}");
+
+    let (events, end) = run(&child, "peer", "said-late").await;
+    end.unwrap();
+    let (_, answer) = streamed(&events);
+    assert_eq!(answer, "Order 1187 shipped", "{events:?}");
+}
+
+/// Waits (bounded) until `peer` was asked to cancel `n` tasks (the run's
+/// guard sends CancelTask after the run ends), then a moment more, to see
+/// that no other comes.
+async fn cancels(peer: &ScriptedPeer, n: usize) -> Vec<String> {
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while peer.cancelled().len() < n && tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    peer.cancelled()
+}
+
+/// The answer limit holds for text the run did not stream: a rewrite (not
+/// forwarded) stops the call and cancels the task; an answer seen only in a
+/// recovery's GetTask is refused before it is sent (the task has ended:
+/// nothing to cancel).
+#[tokio::test]
+async fn an_answer_over_the_limit_that_was_not_streamed_is_refused_too() {
+    let (url, peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
+    // The cancels sent so far, after each.
+    for (script, cancelled) in [("rewrite-big", 1), ("big-late", 1)] {
+        let (events, end) = run(&child, "peer", script).await;
+        let status = end.unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::FailedPrecondition,
+            "{script}: {status:?}"
+        );
+        assert!(status.message().contains("2 MiB"), "{status:?}");
+        assert!(!events.iter().any(|e| e.is_final), "{script}");
+        let streamed: usize = events.iter().map(|e| e.text.len()).sum();
+        assert!(streamed < 1024, "{script}: {streamed} bytes forwarded");
+        assert_eq!(cancels(&peer, cancelled).await.len(), cancelled, "{script}");
+    }
+}
+
+/// A remote that does not offer SubscribeToTask: after a drop, its task is
+/// followed by GetTask to its end. One that refuses GetTask too, or waits
+/// for an authorization this server cannot give, has its task cancelled
+/// rather than left running with no one to follow it.
+#[tokio::test]
+async fn a_task_that_cannot_be_followed_is_polled_or_cancelled_never_orphaned() {
+    let (url, peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
+    let (events, end) = run(&child, "peer", "no-subscribe").await;
+    end.unwrap();
+    let (partials, answer) = streamed(&events);
+    assert_eq!(answer, "Hello world");
+    assert_eq!(partials.concat(), "Hello world", "{events:?}");
+    assert!(cancels(&peer, 0).await.is_empty());
+
+    let (_, end) = run(&child, "peer", "get-refused").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert_eq!(cancels(&peer, 1).await, ["t-scripted"]);
+
+    let (_, end) = run(&child, "peer", "auth").await;
+    let status = end.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("authorization"), "{status:?}");
+    assert_eq!(cancels(&peer, 2).await, ["t-scripted", "t-scripted"]);
+}
+
+/// A remote that takes the connection and never answers (its card, here)
+/// holds a run no longer than call_timeout, nor every later run behind it:
+/// each is UNAVAILABLE in about that time.
+#[tokio::test]
+async fn a_remote_that_never_answers_its_card_is_unavailable_within_call_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.mute]\nkind = \"remote_a2a\"\ncall_timeout = \"1s\"\n[agents.mute.a2a]\ncard_url = \"http://{addr}\"\n"
+        ),
+    );
+    let child = serve(&agents).await;
+    let started = tokio::time::Instant::now();
+    let (a, b) = tokio::join!(run(&child, "mute", "hello"), run(&child, "mute", "hello"));
+    for (_, end) in [a, b] {
+        let status = end.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("cannot be reached"), "{status:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
 }

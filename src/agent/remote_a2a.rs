@@ -9,13 +9,14 @@
 //!        other status messages                               ─▶ not forwarded (debug log)
 //!        artifact chunks (text)                              ─▶ PARTIAL_TEXT: the text not
 //!                                                              forwarded yet (see `unsent`)
-//!        COMPLETED: the artifacts' text (else the status
-//!        message's), or a direct Message                    ─▶ FINAL_ANSWER
+//!        COMPLETED: the artifacts' text (else its final
+//!        status's message), or a direct Message              ─▶ FINAL_ANSWER (at most 2 MiB)
 //!        INPUT_REQUIRED                                      ─▶ FINAL_ANSWER "The remote agent needs
 //!                                                              more input: …"; the session's next
 //!                                                              turn is sent as the reply
 //!        FAILED / REJECTED / CANCELED / AUTH_REQUIRED        ─▶ agent error, sanitised message
-//! stream dropped (client cancel, deadline) ─▶ CancelTask on the remote task
+//! stream dropped (client cancel, deadline), answer past 2 MiB, AUTH_REQUIRED,
+//! or the call ended on a refusal while the task runs          ─▶ CancelTask on the remote task
 //! ```
 //!
 //! The remote's own texts (status messages of a failure, errors) go to the
@@ -32,7 +33,8 @@ use tracing::Instrument;
 
 use super::{Agent, AgentError, Event, EventKind, EventStream, RunContext};
 use crate::client::a2a::{
-    A2aClient, Binding, CallError, CallOptions, CallState, Control, Outcome, parts_text,
+    A2aClient, Binding, BufferedArtifact, CallError, CallOptions, CallState, Control, Outcome,
+    parts_text,
 };
 use crate::domain::SessionId;
 
@@ -153,20 +155,32 @@ impl RemoteA2aAgent {
 }
 
 impl Shared {
-    async fn client(&self) -> Result<&A2aClient, AgentError> {
-        self.client
-            .get_or_try_init(|| async {
-                let Remote::Card { url, binding } = &self.cfg.remote else {
-                    unreachable!("a JSON-RPC remote's client is made at start-up")
-                };
-                A2aClient::connect_trusting(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()), self.cfg.ca_pem.as_deref())
-                    .await
-                    .map_err(|e| {
-                        tracing::warn!(agent = %self.cfg.name, error = %without_secrets(&format!("{e:#}"), url), "remote_a2a: cannot connect to the remote agent");
-                        unavailable("the remote A2A agent cannot be reached")
-                    })
-            })
-            .await
+    /// The client, connecting (reading the card) first if no run has yet.
+    /// The wait is bounded by `by`, the run's turn deadline, which covers
+    /// the wait behind another run's connect as well as its own: a remote
+    /// that takes connections and never answers would otherwise hold every
+    /// run until its Run deadline. A connect that fails or times out is not
+    /// kept: the next run tries again.
+    async fn client(&self, by: tokio::time::Instant) -> Result<&A2aClient, AgentError> {
+        let connect = self.client.get_or_try_init(|| async {
+            let Remote::Card { url, binding } = &self.cfg.remote else {
+                unreachable!("a JSON-RPC remote's client is made at start-up")
+            };
+            // The client masks the URL's credentials in its errors.
+            A2aClient::connect_trusting(url, *binding, self.cfg.token.as_ref().map(|t| t.0.as_str()), self.cfg.ca_pem.as_deref())
+                .await
+                .map_err(|e| {
+                    tracing::warn!(agent = %self.cfg.name, error = %format!("{e:#}"), "remote_a2a: cannot connect to the remote agent");
+                    unavailable("the remote A2A agent cannot be reached")
+                })
+        });
+        match tokio::time::timeout_at(by, connect).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::warn!(agent = %self.cfg.name, "remote_a2a: the remote agent did not answer its card or connection within call_timeout");
+                Err(unavailable("the remote A2A agent cannot be reached"))
+            }
+        }
     }
 
     fn conversation(&self, s: &SessionId) -> Conversation {
@@ -196,12 +210,88 @@ fn unavailable(message: &str) -> AgentError {
 struct Relay {
     events: VecDeque<Event>,
     task_id: Option<String>,
-    /// The latest status message's text (an answer some agents give there).
-    status_text: String,
+    /// The length of the latest status message's text (an answer some
+    /// agents give there): counted against [`MAX_ANSWER_BYTES`] as it
+    /// comes. The answer itself is the outcome's: a status seen only in a
+    /// recovery's snapshot, or one without a message, is not seen here.
+    status_bytes: usize,
+    /// The answer's text as the artifacts now hold it (see [`Answer`]).
+    answer: Answer,
     /// What was forwarded so far.
     forwarded: Forwarded,
     /// The answer outgrew [`MAX_ANSWER_BYTES`]: the call was stopped.
     too_large: bool,
+}
+
+impl Relay {
+    /// The most answer text the call holds or has forwarded, in bytes: a
+    /// rewrite that is not forwarded (see [`unsent`]) counts as well as
+    /// text that was.
+    fn answer_bytes(&self) -> usize {
+        self.forwarded
+            .bytes
+            .max(self.answer.bytes)
+            .max(self.status_bytes)
+    }
+}
+
+/// The length of the artifacts' text, as the client buffers them, kept
+/// per update (an update changes one artifact; only a snapshot, which may
+/// change them all, is measured whole).
+#[derive(Default)]
+struct Answer {
+    /// Per artifact id, its text's length.
+    by_id: HashMap<String, usize>,
+    bytes: usize,
+}
+
+impl Answer {
+    /// Follows `ev`; `st`: the call's state with it applied.
+    fn update(&mut self, ev: &StreamResponse, st: &CallState) {
+        match ev {
+            StreamResponse::ArtifactUpdate(u) => {
+                let added = text_bytes(&u.artifact.parts);
+                let len = self
+                    .by_id
+                    .entry(u.artifact.artifact_id.clone())
+                    .or_default();
+                self.bytes -= *len;
+                // As the client does: an append extends the artifact of its
+                // id, anything else replaces it.
+                *len = if u.append == Some(true) {
+                    *len + added
+                } else {
+                    added
+                };
+                self.bytes += *len;
+            }
+            StreamResponse::Task(_) => {
+                self.by_id = st
+                    .artifacts
+                    .iter()
+                    .map(|b| {
+                        (
+                            b.artifact.artifact_id.clone(),
+                            text_bytes(&b.artifact.parts),
+                        )
+                    })
+                    .collect();
+                self.bytes = self.by_id.values().sum();
+            }
+            StreamResponse::StatusUpdate(_) | StreamResponse::Message(_) => {}
+        }
+    }
+}
+
+/// The length of `parts`' text, without joining it.
+fn text_bytes(parts: &[Part]) -> usize {
+    parts
+        .iter()
+        .map(|p| match &p.content {
+            PartContent::Text(t) => t.len(),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// What one call forwarded so far, so that an update seen again (a
@@ -211,14 +301,39 @@ struct Relay {
 struct Forwarded {
     /// Per artifact id, the text forwarded as PARTIAL_TEXT.
     text: HashMap<String, SentText>,
+    /// The answer text forwarded, in bytes: `text`'s lengths, kept as they
+    /// change rather than summed again per update.
+    bytes: usize,
     /// The tool calls and results forwarded, by kind and call id.
     tools: std::collections::HashSet<(EventKind, String)>,
 }
 
 impl Forwarded {
-    /// The answer text forwarded, in bytes.
-    fn answer_bytes(&self) -> usize {
-        self.text.values().map(|s| s.text.len()).sum()
+    /// What of `b`'s text was not forwarded yet, given `ev`, the update
+    /// that changed it (see [`unsent`]); it counts as forwarded from here.
+    fn unsent(&mut self, agent: &str, b: &BufferedArtifact, ev: &StreamResponse) -> Option<String> {
+        let id = &b.artifact.artifact_id;
+        let sent = self.text.entry(id.clone()).or_default();
+        let before = sent.text.len();
+        let parts = &b.artifact.parts;
+        // A chunk appended right after what was forwarded.
+        let rest = if let StreamResponse::ArtifactUpdate(u) = ev
+            && u.append == Some(true)
+            && parts.len() >= u.artifact.parts.len()
+            && sent.parts == Some(parts.len() - u.artifact.parts.len())
+        {
+            let new = parts_text(&u.artifact.parts);
+            sent.text.push_str(&new);
+            sent.parts = Some(parts.len());
+            (!new.is_empty()).then_some(new)
+        } else {
+            let current = parts_text(parts);
+            let rest = unsent(agent, id, &mut sent.text, &current);
+            sent.parts = (sent.text == current).then_some(parts.len());
+            rest
+        };
+        self.bytes = self.bytes - before + sent.text.len();
+        rest
     }
 }
 
@@ -369,53 +484,38 @@ fn map_update(
             });
             out
         }
-        // A chunk changes its artifact; a snapshot (after a recovery) may
-        // bring text whose chunks were lost.
-        StreamResponse::ArtifactUpdate(_) | StreamResponse::Task(_) => {
-            let changed = match ev {
-                StreamResponse::ArtifactUpdate(u) => Some(u.artifact.artifact_id.as_str()),
-                _ => None,
-            };
-            st.artifacts
-                .iter()
-                .filter(|b| changed.is_none_or(|id| b.artifact.artifact_id == id))
-                .filter_map(|b| {
-                    let id = &b.artifact.artifact_id;
-                    let sent = forwarded.text.entry(id.clone()).or_default();
-                    let parts = &b.artifact.parts;
-                    // A chunk appended right after what was forwarded.
-                    if let StreamResponse::ArtifactUpdate(u) = ev
-                        && u.append == Some(true)
-                        && parts.len() >= u.artifact.parts.len()
-                        && sent.parts == Some(parts.len() - u.artifact.parts.len())
-                    {
-                        let new = parts_text(&u.artifact.parts);
-                        sent.text.push_str(&new);
-                        sent.parts = Some(parts.len());
-                        return (!new.is_empty()).then_some(new);
-                    }
-                    let current = parts_text(parts);
-                    let rest = unsent(agent, id, &mut sent.text, &current);
-                    sent.parts = (sent.text == current).then_some(parts.len());
-                    rest
-                })
-                .map(|text| Event::partial(agent, text))
-                .collect()
-        }
+        // A chunk changes its artifact (found by id: a remote may send a
+        // great many); a snapshot (after a recovery) may bring text whose
+        // chunks were lost, in any of them.
+        StreamResponse::ArtifactUpdate(u) => st
+            .artifact(&u.artifact.artifact_id)
+            .and_then(|b| forwarded.unsent(agent, b, ev))
+            .map(|text| Event::partial(agent, text))
+            .into_iter()
+            .collect(),
+        StreamResponse::Task(_) => st
+            .artifacts
+            .iter()
+            .filter_map(|b| forwarded.unsent(agent, b, ev))
+            .map(|text| Event::partial(agent, text))
+            .collect(),
         StreamResponse::Message(_) => vec![],
     }
 }
 
 /// The answer text of a completed task: its artifacts' text, one artifact a
-/// line; else the final status message's.
-fn answer_text(artifacts: &[a2a::Artifact], status_text: &str) -> String {
+/// line; else the text of its final status's message (`message`, the
+/// outcome's: the last status's own, which a progress note of an earlier
+/// status is not, and which a completion seen only in a recovery's
+/// snapshot has too).
+fn answer_text(artifacts: &[a2a::Artifact], message: Option<&Message>) -> String {
     let texts: Vec<String> = artifacts
         .iter()
         .map(|a| parts_text(&a.parts))
         .filter(|t| !t.is_empty())
         .collect();
     if texts.is_empty() {
-        status_text.to_owned()
+        message.map(|m| parts_text(&m.parts)).unwrap_or_default()
     } else {
         texts.join("\n")
     }
@@ -466,6 +566,12 @@ fn call_error(agent: &str, e: CallError) -> AgentError {
                 "the connection to the remote A2A agent was lost and it no longer knows the task",
             )
         }
+        CallError::MessageTooLarge { task_id, cause, .. } => {
+            tracing::warn!(%agent, task = ?task_id, %cause, "remote_a2a: a message from the remote agent is larger than its binding carries; cancelling its task");
+            AgentError::FailedPrecondition(
+                "a message from the remote A2A agent is larger than its binding lets this server receive".into(),
+            )
+        }
         CallError::Refused(e) => {
             tracing::warn!(%agent, code = e.code, error = %e.message, "remote_a2a: the remote agent refused the call");
             if e.code == a2a::error_code::INTERNAL_ERROR {
@@ -494,7 +600,11 @@ impl Agent for RemoteA2aAgent {
         let shared = self.shared.clone();
         Box::pin(async_stream::try_stream! {
             let agent = shared.cfg.name.clone();
-            let client = shared.client().await?.clone();
+            // The turn's deadline: call_timeout, within the run's own. The
+            // connect (on a first run) counts against it too.
+            let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
+            let turn_deadline = tokio::time::Instant::now() + shared.cfg.call_timeout.min(left);
+            let client = shared.client(turn_deadline).await?.clone();
             let conversation = shared.conversation(&ctx.session_id);
             let metadata = shared.cfg.remote_agent.as_ref().map(|a| {
                 [(crate::a2a::executor::AGENT_METADATA_KEY.to_owned(), serde_json::Value::String(a.clone()))]
@@ -507,10 +617,9 @@ impl Agent for RemoteA2aAgent {
                 metadata,
                 ..Message::new(Role::User, vec![Part::text(input)])
             };
-            let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
             let opts = CallOptions {
                 idle_timeout: shared.cfg.idle_timeout,
-                deadline: shared.cfg.call_timeout.min(left),
+                deadline: turn_deadline.saturating_duration_since(tokio::time::Instant::now()),
                 // Text past MAX_ANSWER_BYTES stops the call already; this
                 // bounds what else (data, files) the client buffers.
                 max_artifact_bytes: 4 * MAX_ANSWER_BYTES,
@@ -537,16 +646,16 @@ impl Agent for RemoteA2aAgent {
                             span.record("a2a.task.id", task.as_str());
                         }
                     }
-                    if let Some(m) = &st.status_message {
-                        r.status_text = parts_text(&m.parts);
+                    if let StreamResponse::StatusUpdate(_) | StreamResponse::Task(_) = ev {
+                        r.status_bytes = st.status_message.as_ref().map_or(0, |m| text_bytes(&m.parts));
                     }
+                    r.answer.update(ev, st);
                     let events = map_update(&agent, ev, st, &mut r.forwarded);
                     if !events.is_empty() {
                         r.events.extend(events);
                         ready.notify_one();
                     }
-                    let answered = r.forwarded.answer_bytes();
-                    if answered.max(r.status_text.len()) > MAX_ANSWER_BYTES {
+                    if r.answer_bytes() > MAX_ANSWER_BYTES {
                         r.too_large = true;
                         return Control::StopWithArtifacts;
                     }
@@ -574,29 +683,27 @@ impl Agent for RemoteA2aAgent {
             if too_large {
                 // Still armed: dropped, the guard cancels the remote task.
                 tracing::warn!(%agent, "remote_a2a: the remote answer outgrew the answer limit; cancelling its task");
-                Err(AgentError::FailedPrecondition(format!(
-                    "the remote A2A agent's answer is larger than {} MiB",
-                    MAX_ANSWER_BYTES >> 20
-                )))?;
+                Err(answer_too_large())?;
             }
-            // The call is over: the client cancelled the task itself where
-            // it had to (deadline, recovery given up).
-            guard.armed = false;
-            guard.span = tracing::Span::none();
+            // The call is over. The client cancelled the task itself where
+            // it had to (deadline, recovery given up, artifacts past its
+            // limit); the guard stays armed where the task was left running
+            // with no one to follow it (see `abandoned`).
+            guard.armed = abandoned(&result);
+            if !guard.armed {
+                guard.span = tracing::Span::none();
+            }
             if result.is_err() {
                 span.record("otel.status_code", "error");
             }
             drop(span);
-            let (pending, status_text) = {
-                let mut r = relay.lock().unwrap_or_else(|e| e.into_inner());
-                (r.events.drain(..).collect::<Vec<_>>(), std::mem::take(&mut r.status_text))
-            };
+            let pending: Vec<Event> = relay.lock().unwrap_or_else(|e| e.into_inner()).events.drain(..).collect();
             for e in pending {
                 yield e;
             }
             let mut next = Conversation { context_id: conversation.context_id.clone(), waiting_task: None };
             match result {
-                Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id, .. }) => {
+                Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id, message }) => {
                     if !context_id.is_empty() {
                         next.context_id = Some(context_id);
                     }
@@ -605,14 +712,17 @@ impl Agent for RemoteA2aAgent {
                         tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote answer lost chunks in transit");
                         Err(unavailable("the remote A2A agent's answer was cut in transit"))?;
                     }
-                    yield Event::final_answer(&agent, answer_text(&artifacts, &status_text));
+                    // The task has ended: nothing to cancel if the answer
+                    // is too large.
+                    let answer = within_limit(&agent, answer_text(&artifacts, message.as_ref()))?;
+                    yield Event::final_answer(&agent, answer);
                 }
                 Ok(Outcome::Message(m)) => {
                     if let Some(c) = m.context_id.clone().filter(|c| !c.is_empty()) {
                         next.context_id = Some(c);
                     }
                     shared.remember(ctx.session_id, next);
-                    yield Event::final_answer(&agent, parts_text(&m.parts));
+                    yield Event::final_answer(&agent, within_limit(&agent, parts_text(&m.parts))?);
                 }
                 Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
                     if !context_id.is_empty() {
@@ -623,14 +733,19 @@ impl Agent for RemoteA2aAgent {
                         tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote agent asks for authorization");
                         Err(AgentError::FailedPrecondition("the remote A2A agent asks for an authorization this server cannot give".into()))?;
                     }
-                    next.waiting_task = Some(task_id);
-                    shared.remember(ctx.session_id, next);
                     let question = message.map(|m| parts_text(&m.parts)).unwrap_or_default();
                     let text = if question.is_empty() {
                         "The remote agent needs more input.".to_owned()
                     } else {
                         format!("The remote agent needs more input: {question}")
                     };
+                    // A question too large to answer: the task would wait
+                    // for ever; the guard cancels it.
+                    guard.armed = true;
+                    let text = within_limit(&agent, text)?;
+                    guard.armed = false;
+                    next.waiting_task = Some(task_id);
+                    shared.remember(ctx.session_id, next);
                     yield Event::final_answer(&agent, text);
                 }
                 Ok(Outcome::Stopped { .. }) => {
@@ -645,37 +760,47 @@ impl Agent for RemoteA2aAgent {
     }
 }
 
-/// `message` with the credentials `url` may carry (its password, and its
-/// query, where a key may be) masked: error messages quote the URL.
-fn without_secrets(message: &str, url: &str) -> String {
-    let Ok(parsed) = reqwest::Url::parse(url) else {
-        return message.to_owned();
-    };
-    let mut message = message.to_owned();
-    for secret in [parsed.password(), parsed.query()].into_iter().flatten() {
-        if !secret.is_empty() {
-            message = message.replace(secret, "***");
-        }
+/// Whether the remote task may still run with no one to follow it once
+/// the call has ended with `result`, so that the run's guard cancels it: a
+/// refusal (recovering, the remote refused GetTask) or a message too large
+/// to receive leaves it running, and a task that waits for an authorization
+/// this server cannot give would wait for ever. Every other end has the
+/// task over, waiting on purpose (INPUT_REQUIRED: the session's next turn
+/// replies to it), or cancelled by the client already.
+fn abandoned(result: &Result<Outcome, CallError>) -> bool {
+    matches!(
+        result,
+        Err(CallError::Refused(_) | CallError::MessageTooLarge { .. })
+            | Ok(Outcome::Waiting {
+                state: TaskState::AuthRequired,
+                ..
+            })
+    )
+}
+
+fn answer_too_large() -> AgentError {
+    AgentError::FailedPrecondition(format!(
+        "the remote A2A agent's answer is larger than {} MiB",
+        MAX_ANSWER_BYTES >> 20
+    ))
+}
+
+/// `answer`, if it is within [`MAX_ANSWER_BYTES`]. Checked whole, before
+/// it is yielded: the listener counts only what it sees, and an answer may
+/// come from what it does not (a completion, or a rewrite, seen only in a
+/// recovery's snapshot; the final status's message).
+fn within_limit(agent: &str, answer: String) -> Result<String, AgentError> {
+    if answer.len() > MAX_ANSWER_BYTES {
+        tracing::warn!(%agent, bytes = answer.len(), "remote_a2a: the remote answer is larger than the answer limit");
+        return Err(answer_too_large());
     }
-    message
+    Ok(answer)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_logged_error_masks_the_urls_password_and_query() {
-        let url = "http://bot:s3cret@agents.internal:9/a2a?key=k-123";
-        let e = format!("cannot read the agent card at {url}: connection refused");
-        let logged = without_secrets(&e, url);
-        assert!(
-            !logged.contains("s3cret") && !logged.contains("k-123"),
-            "{logged}"
-        );
-        assert!(logged.contains("agents.internal:9/a2a"), "{logged}");
-        assert_eq!(without_secrets("plain", "http://h/"), "plain");
-    }
     use a2a::{Artifact, TaskArtifactUpdateEvent, TaskStatus, TaskStatusUpdateEvent};
 
     /// One update mapped on its own (no earlier update).
@@ -789,8 +914,10 @@ mod tests {
         };
         let mut b = u.artifact.clone();
         b.parts = vec![Part::text("two")];
-        assert_eq!(answer_text(&[u.artifact, b], "ignored"), "Hel\ntwo");
-        assert_eq!(answer_text(&[], "from status"), "from status");
+        let said = Message::new(Role::Agent, vec![Part::text("from status")]);
+        assert_eq!(answer_text(&[u.artifact, b], Some(&said)), "Hel\ntwo");
+        assert_eq!(answer_text(&[], Some(&said)), "from status");
+        assert_eq!(answer_text(&[], None), "");
     }
 
     fn chunk(id: &str, text: &str, append: bool) -> StreamResponse {
@@ -863,6 +990,60 @@ mod tests {
             ]),
             ["Hello wrld", ", bye"]
         );
+    }
+
+    /// The running totals (text forwarded, text the artifacts hold) are
+    /// what summing again would give, after appends, replacements,
+    /// rewrites, new ids and snapshots.
+    #[test]
+    fn the_answers_running_totals_match_what_they_count() {
+        let StreamResponse::ArtifactUpdate(u) = chunk("a", "Hello there", false) else {
+            unreachable!()
+        };
+        let mut snapshot = a2a::Task {
+            id: "t".into(),
+            context_id: "c".into(),
+            status: TaskStatus {
+                state: TaskState::Working,
+                message: None,
+                timestamp: None,
+            },
+            artifacts: Some(vec![u.artifact]),
+            history: None,
+            metadata: None,
+        };
+        let StreamResponse::ArtifactUpdate(b) = chunk("b", "xyz", false) else {
+            unreachable!()
+        };
+        snapshot.artifacts.as_mut().unwrap().push(b.artifact);
+        let (mut st, mut forwarded, mut answer) =
+            (CallState::new(), Forwarded::default(), Answer::default());
+        let mut partials = Vec::new();
+        for u in [
+            chunk("a", "Hel", false),
+            chunk("a", "lo", true),
+            chunk("b", "x", false),
+            chunk("a", "Help", false),
+            chunk("a", "!", true),
+            chunk("c", "new", true),
+            StreamResponse::Task(snapshot),
+            chunk("a", " you", true),
+            chunk("b", "", false),
+        ] {
+            st.apply(&u);
+            answer.update(&u, &st);
+            partials.extend(
+                map_update("x", &u, &st, &mut forwarded)
+                    .into_iter()
+                    .map(|e| e.text),
+            );
+            let sent: usize = forwarded.text.values().map(|s| s.text.len()).sum();
+            assert_eq!(forwarded.bytes, sent, "after {u:?}");
+            let held: usize = st.artifacts.iter().map(|b| b.text().len()).sum();
+            assert_eq!(answer.bytes, held, "after {u:?}");
+        }
+        assert_eq!(partials, ["Hel", "lo", "x", "new", " there", "yz", " you"]);
+        assert_eq!(st.artifact("a").unwrap().text(), "Hello there you");
     }
 
     #[test]

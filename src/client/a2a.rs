@@ -18,13 +18,26 @@
 //!   remote no longer knows ends the call at once. When chunks may have
 //!   been lost and the snapshot cannot restore them (a remote whose
 //!   snapshots leave out artifacts already seen), the result is flagged
-//!   `incomplete` rather than silently truncated.
-//!   An error that retrying cannot fix (the remote does not offer the
-//!   method, refuses our credentials or the request) ends the call at once,
-//!   and the task is left running.
+//!   `incomplete` rather than silently truncated. What the task sends
+//!   between the snapshot and the resubscription is covered by the Task a
+//!   subscription begins with (A2A 1.0 requires it); after one that does
+//!   not begin so, the result is flagged `incomplete` too.
+//!   A GetTask error that retrying cannot fix (the remote refuses our
+//!   credentials or the request) ends the call at once, and the task is
+//!   left running. A remote that refuses SubscribeToTask so while GetTask
+//!   shows the task running (it does not offer streaming to us) has the
+//!   task followed by GetTask alone, with backoff, to its end or the
+//!   deadline.
+//! - A message larger than the binding receives (gRPC: 4 MiB, which its
+//!   client cannot raise) ends the call at once, the task left running:
+//!   every retry would bring it again.
 //! - In a reply turn (a message into a task that waited), the artifacts the
-//!   task had before it are remembered, so that a snapshot brings back only
+//!   task had before it (the Task its stream begins with; else a GetTask
+//!   before sending) are remembered, so that a snapshot brings back only
 //!   what this turn made, as its stream would have.
+//! - Errors never show the credentials an endpoint's URL carries (its
+//!   password, its query's values): the SDK's transport errors quote the
+//!   URL.
 //! - Past the deadline, or when recovery gives up, the remote task is
 //!   cancelled (CancelTask) and the state it reached is logged; the error
 //!   says whether the cancel was sent and acknowledged.
@@ -240,6 +253,21 @@ pub struct CallState {
     /// The remote's task snapshots were seen to leave out artifacts the
     /// task has: they cannot restore what a gap lost.
     bare_snapshots: bool,
+    /// What the next event is, if it is the first of a stream that
+    /// matters.
+    lead: Lead,
+}
+
+/// The first event of a stream, where a Task means more than a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lead {
+    Any,
+    /// A reply turn's stream: a Task is the task as the turn began, whose
+    /// artifacts are earlier turns'.
+    Reply,
+    /// A resubscription after a recovery's snapshot: a Task covers the gap
+    /// since that snapshot; anything else leaves it uncovered.
+    Resubscribed,
 }
 
 impl CallState {
@@ -259,7 +287,13 @@ impl CallState {
             before_turn: HashMap::new(),
             gap: false,
             bare_snapshots: false,
+            lead: Lead::Any,
         }
+    }
+
+    /// The buffered artifact of id `id`, found without a scan.
+    pub fn artifact(&self, id: &str) -> Option<&BufferedArtifact> {
+        self.index.get(id).map(|&i| &self.artifacts[i])
     }
 
     fn ids(&mut self, task_id: &str, context_id: &str) {
@@ -533,10 +567,25 @@ pub enum CallError {
         limit: usize,
     },
     /// The remote agent refused the request; or, recovering a dropped
-    /// stream, failed a request with an error that retrying cannot fix (the
+    /// stream, failed GetTask with an error that retrying cannot fix (the
     /// message names the request and the cause; the task was left running).
     #[error("the remote agent refused the call: {0}")]
     Refused(A2AError),
+    /// A message from the remote agent (an update, or the task as a
+    /// snapshot brings it) is larger than the transport receives (the gRPC
+    /// binding: 4 MiB a message). Retrying would bring it again, so the call
+    /// ends at once; the task was left running (cancel it with
+    /// [`A2aClient::cancel`]).
+    #[error(
+        "a message from the remote agent is larger than this client can receive over its binding ({cause}); the remote task was left running (last state: {})",
+        state_name(last_state)
+    )]
+    MessageTooLarge {
+        task_id: Option<String>,
+        last_state: Option<TaskState>,
+        artifacts: Vec<Artifact>,
+        cause: String,
+    },
 }
 
 /// What became of the CancelTask a call sends when it abandons its task.
@@ -641,10 +690,106 @@ fn downgrades(card_url: &str, interface_url: &str) -> bool {
         && scheme(interface_url).as_deref() != Some("https")
 }
 
+/// The credentials an endpoint's URL may carry: its password, and its
+/// query (where an API key often goes). The SDK's transport errors quote the
+/// URL a request failed on (reqwest's "error sending request for url
+/// (…)"), and those errors reach logs, the CLI's `--json` output and, in the
+/// causes of failed recoveries, every caller: each error an [`A2aClient`]
+/// returns has them masked (`***`). Masked, of each URL: its password (in
+/// the URL, and on its own, as written and decoded), its whole query, and
+/// each query value on its own (as written and decoded) wherever a message
+/// quotes it. A value shorter than 4 bytes is masked only where the URL
+/// shows it: no credential is that short, and masking every "1" would
+/// garble the message.
+#[derive(Debug, Default)]
+struct Secrets(Vec<(String, String)>);
+
+impl Secrets {
+    const MASK: &'static str = "***";
+
+    fn of(url: &str) -> Self {
+        let mut s = Self::default();
+        s.add(url);
+        s
+    }
+
+    /// Adds what of `url` is masked, as written and as reqwest shows it.
+    fn add(&mut self, url: &str) {
+        // As a form value (`+` a space), which a query value is.
+        let decoded = |v: &str| {
+            form_urlencoded::parse(format!("={v}").as_bytes())
+                .next()
+                .map(|(_, v)| v.into_owned())
+                .unwrap_or_default()
+        };
+        let parsed = reqwest::Url::parse(url).ok();
+        let written = url
+            .split_once('?')
+            .map(|(_, q)| q.split_once('#').map_or(q, |(q, _)| q));
+        let shown = parsed.as_ref().and_then(|u| u.query());
+        let alone = |s: &mut Self, v: &str| {
+            if v.len() >= 4 {
+                s.push(v.to_owned(), Self::MASK.to_owned());
+                s.push(decoded(v), Self::MASK.to_owned());
+            }
+        };
+        for query in [written, shown].into_iter().flatten() {
+            self.push(format!("?{query}"), format!("?{}", Self::MASK));
+            for value in query
+                .split('&')
+                .filter_map(|p| p.split_once('='))
+                .map(|p| p.1)
+            {
+                alone(self, value);
+            }
+        }
+        if let Some(password) = parsed.as_ref().and_then(|u| u.password()) {
+            self.push(format!(":{password}@"), format!(":{}@", Self::MASK));
+            alone(self, password);
+        }
+        // Longest first: a whole query goes before the values in it.
+        self.0.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+    }
+
+    fn push(&mut self, secret: String, mask: String) {
+        if secret.len() > 1 && !self.0.iter().any(|(s, _)| *s == secret) {
+            self.0.push((secret, mask));
+        }
+    }
+
+    fn mask(&self, message: &str) -> String {
+        let mut message = message.to_owned();
+        for (secret, mask) in &self.0 {
+            if message.contains(secret.as_str()) {
+                message = message.replace(secret.as_str(), mask);
+            }
+        }
+        message
+    }
+
+    fn error(&self, mut e: A2AError) -> A2AError {
+        if !self.0.is_empty() {
+            e.message = self.mask(&e.message);
+        }
+        e
+    }
+
+    /// `stream` with every error item masked.
+    fn stream(self: &Arc<Self>, stream: Stream) -> Stream {
+        if self.0.is_empty() {
+            return stream;
+        }
+        let secrets = self.clone();
+        Box::pin(stream.map(move |item| item.map_err(|e| secrets.error(e))))
+    }
+}
+
 /// A client of one remote A2A agent; clones share the connection.
 #[derive(Clone)]
 pub struct A2aClient {
     inner: Arc<A2AClient<Box<dyn Transport>>>,
+    /// Masked in every error this client returns.
+    secrets: Arc<Secrets>,
 }
 
 impl A2aClient {
@@ -679,6 +824,25 @@ impl A2aClient {
         token: Option<&str>,
         ca_pem: Option<&[u8]>,
     ) -> anyhow::Result<Self> {
+        // The card's URL and every interface it lists: the errors below, and
+        // the transport's, may quote any of them.
+        let mut secrets = Secrets::of(base_url);
+        match Self::connect_inner(base_url, binding, token, ca_pem, &mut secrets).await {
+            Ok(inner) => Ok(Self {
+                inner: Arc::new(inner),
+                secrets: Arc::new(secrets),
+            }),
+            Err(e) => Err(anyhow::anyhow!(secrets.mask(&format!("{e:#}")))),
+        }
+    }
+
+    async fn connect_inner(
+        base_url: &str,
+        binding: Option<Binding>,
+        token: Option<&str>,
+        ca_pem: Option<&[u8]>,
+        secrets: &mut Secrets,
+    ) -> anyhow::Result<A2AClient<Box<dyn Transport>>> {
         let base_url = base_url
             .trim_end_matches('/')
             .trim_end_matches(a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH);
@@ -700,6 +864,9 @@ impl A2aClient {
                 a2a::TRANSPORT_PROTOCOL_GRPC,
             ],
         };
+        for i in &card.supported_interfaces {
+            secrets.add(&i.url);
+        }
         // With a token, no interface that would carry it in plaintext where
         // the card came over TLS (see `downgrades`).
         let mut card = card;
@@ -782,11 +949,8 @@ impl A2aClient {
             factory = factory.with_interceptor(i);
         }
         let factory = factory.build();
-        let client = factory.create_from_card(&card).await.map_err(|e| {
+        factory.create_from_card(&card).await.map_err(|e| {
             anyhow::anyhow!("cannot connect to the agent at {base_url}: {}", e.message)
-        })?;
-        Ok(Self {
-            inner: Arc::new(client),
         })
     }
 
@@ -811,6 +975,7 @@ impl A2aClient {
         let client = A2AClient::new(transport).with_interceptors(interceptors(token));
         Ok(Self {
             inner: Arc::new(client),
+            secrets: Arc::new(Secrets::of(url)),
         })
     }
 
@@ -818,12 +983,21 @@ impl A2aClient {
     pub fn from_transport(transport: Box<dyn Transport>) -> Self {
         Self {
             inner: Arc::new(A2AClient::new(transport).with_interceptors(interceptors(None))),
+            secrets: Arc::default(),
         }
     }
 
     /// The underlying SDK client, for calls this wrapper does not cover.
+    /// Its errors are the SDK's, which may quote the endpoint's URL: show
+    /// them through [`Self::mask_secrets`].
     pub fn raw(&self) -> &A2AClient<Box<dyn Transport>> {
         &self.inner
+    }
+
+    /// `message` with the credentials the endpoint's URLs carry masked, as
+    /// in every error this client returns (see [`Secrets`]).
+    pub fn mask_secrets(&self, message: &str) -> String {
+        self.secrets.mask(message)
     }
 
     pub async fn get_task(&self, task_id: &str) -> Result<Task, A2AError> {
@@ -834,6 +1008,7 @@ impl A2aClient {
                 tenant: None,
             })
             .await
+            .map_err(|e| self.secrets.error(e))
     }
 
     pub async fn cancel(&self, task_id: &str) -> Result<Task, A2AError> {
@@ -844,6 +1019,27 @@ impl A2aClient {
                 tenant: None,
             })
             .await
+            .map_err(|e| self.secrets.error(e))
+    }
+
+    /// SendStreamingMessage, its errors masked.
+    async fn send_streaming(&self, req: &SendMessageRequest) -> Result<Stream, A2AError> {
+        match self.inner.send_streaming_message(req).await {
+            Ok(s) => Ok(self.secrets.stream(s)),
+            Err(e) => Err(self.secrets.error(e)),
+        }
+    }
+
+    /// SubscribeToTask, its errors masked.
+    async fn subscribe(&self, task_id: &str) -> Result<Stream, A2AError> {
+        let req = SubscribeToTaskRequest {
+            id: task_id.to_owned(),
+            tenant: None,
+        };
+        match self.inner.subscribe_to_task(&req).await {
+            Ok(s) => Ok(self.secrets.stream(s)),
+            Err(e) => Err(self.secrets.error(e)),
+        }
     }
 
     /// Sends `text` (with optional message metadata) and follows the task to
@@ -873,11 +1069,22 @@ impl A2aClient {
         let mut st = CallState::new();
         // A reply into a task that waited: its snapshots hold what its
         // earlier turns made too, which this turn's stream does not bring.
-        // Without this look (it failed), a recovery may bring those back.
-        if let Some(id) = &message.task_id
-            && let Ok(Ok(task)) = tokio::time::timeout_at(deadline, self.get_task(id)).await
-        {
-            st.remember_earlier_turns(task.artifacts.unwrap_or_default(), opts.max_artifact_bytes);
+        // The Task its stream begins with (A2A: a stream begins with the
+        // Task) says what those are; this look is for a remote whose reply
+        // streams do not begin so (an a2a-python executor that enqueues the
+        // Task of a new task only, as tests/a2a_test_agent.py does), and
+        // cannot be left out: only a look taken before the turn tells an
+        // earlier turn's artifact from one of this turn's that a gap lost.
+        // Without either (the look failed too), a recovery may bring
+        // earlier turns' artifacts back.
+        if let Some(id) = &message.task_id {
+            st.lead = Lead::Reply;
+            if let Ok(Ok(task)) = tokio::time::timeout_at(deadline, self.get_task(id)).await {
+                st.remember_earlier_turns(
+                    task.artifacts.unwrap_or_default(),
+                    opts.max_artifact_bytes,
+                );
+            }
         }
         let req = SendMessageRequest {
             message,
@@ -885,12 +1092,7 @@ impl A2aClient {
             metadata: None,
             tenant: None,
         };
-        let mut stream = match tokio::time::timeout_at(
-            deadline,
-            self.inner.send_streaming_message(&req),
-        )
-        .await
-        {
+        let mut stream = match tokio::time::timeout_at(deadline, self.send_streaming(&req)).await {
             Ok(Ok(s)) => Some(s),
             Ok(Err(e)) => return Err(CallError::Refused(e)),
             Err(_) => {
@@ -913,7 +1115,10 @@ impl A2aClient {
             let cause = match stream.as_mut() {
                 Some(s) => {
                     let (seen, since) = (st.updates, Instant::now());
-                    match self.follow(s, &mut st, opts, deadline, &mut listener).await {
+                    let step = self.follow(s, &mut st, opts, deadline, &mut listener).await;
+                    // Only a stream's first event is its lead.
+                    st.lead = Lead::Any;
+                    match step {
                         Step::Done(r) => return *r,
                         Step::Deadline => return Err(self.abandon_at_deadline(&st).await),
                         Step::Dropped(cause) => {
@@ -949,6 +1154,7 @@ impl A2aClient {
                             return end;
                         }
                     }
+                    Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
                     Ok(Err(e)) if permanent(&e) => {
                         return Err(lost_or_refused(&st, task_id, "GetTask", e));
                     }
@@ -968,6 +1174,7 @@ impl A2aClient {
             backoff = (backoff * 2).min(opts.max_backoff);
             match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     return Err(lost_or_refused(&st, task_id, "GetTask", e));
                 }
@@ -984,15 +1191,18 @@ impl A2aClient {
                     if let Some(end) = end_of(&st, None) {
                         return end;
                     }
+                    // The task runs on: what it sends between this snapshot
+                    // and the subscription is covered only if the
+                    // subscription begins with the task as it then is.
+                    st.mark_gap();
                 }
             }
-            let sub = SubscribeToTaskRequest {
-                id: task_id.clone(),
-                tenant: None,
-            };
-            match tokio::time::timeout_at(deadline, self.inner.subscribe_to_task(&sub)).await {
+            match tokio::time::timeout_at(deadline, self.subscribe(&task_id)).await {
                 Err(_) => return Err(self.abandon_at_deadline(&st).await),
-                Ok(Ok(s)) => stream = Some(s),
+                Ok(Ok(s)) => {
+                    stream = Some(s);
+                    st.lead = Lead::Resubscribed;
+                }
                 Ok(Err(e)) if permanent(&e) => {
                     // One more look decides. The task may have ended or come
                     // to wait for input since the snapshot (A2A refuses to
@@ -1015,17 +1225,26 @@ impl A2aClient {
                             if let Some(end) = end_of(&st, None) {
                                 return end;
                             }
-                            if !passing {
-                                return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
-                            }
+                            st.mark_gap();
+                        }
+                        Ok(Err(g)) if unreceivable(&g) => {
+                            return Err(too_large_to_receive(&st, g));
                         }
                         Ok(Err(g)) if permanent(&g) => {
                             return Err(lost_or_refused(&st, task_id, "GetTask", g));
                         }
-                        Ok(Err(_)) if !passing => {
-                            return Err(lost_or_refused(&st, task_id, "SubscribeToTask", e));
-                        }
                         Ok(Err(_)) => {}
+                    }
+                    if !passing {
+                        // The remote will not let us subscribe (it does not
+                        // offer the method, or refuses it to us) but shows
+                        // the task: follow it by GetTask alone. Ending the
+                        // call here would leave the task running with no
+                        // one to follow or cancel it.
+                        tracing::warn!(task = %task_id, code = e.code, error = %e.message, "a2a: SubscribeToTask refused; following the task by GetTask");
+                        return self
+                            .poll(&mut st, task_id, opts, deadline, backoff, &mut listener)
+                            .await;
                     }
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask refused while the task runs; trying again");
                     recovery_failed = Some(format!("SubscribeToTask refused: {}", e.message));
@@ -1034,6 +1253,62 @@ impl A2aClient {
                     tracing::warn!(task = %task_id, error = %e.message, "a2a: SubscribeToTask failed");
                     recovery_failed = Some(format!("SubscribeToTask failed: {}", e.message));
                 }
+            }
+        }
+    }
+
+    /// Follows a task by GetTask alone, for a remote that refuses
+    /// SubscribeToTask while its GetTask shows the task running: every
+    /// `backoff` (doubling up to `max_backoff`) a snapshot, which is
+    /// authoritative and goes to the listener as an update, until the task
+    /// ends or waits; past the deadline, or after `max_recoveries` failed
+    /// looks in a row, the task is cancelled.
+    async fn poll(
+        &self,
+        st: &mut CallState,
+        task_id: String,
+        opts: &CallOptions,
+        deadline: Instant,
+        mut backoff: Duration,
+        listener: &mut Option<&mut dyn Listener>,
+    ) -> Result<Outcome, CallError> {
+        let mut failed_in_a_row = 0u32;
+        loop {
+            if tokio::time::timeout_at(deadline, tokio::time::sleep(backoff))
+                .await
+                .is_err()
+            {
+                return Err(self.abandon_at_deadline(st).await);
+            }
+            backoff = (backoff * 2).min(opts.max_backoff);
+            let task = match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                Err(_) => return Err(self.abandon_at_deadline(st).await),
+                Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(st, e)),
+                Ok(Err(e)) if permanent(&e) => {
+                    return Err(lost_or_refused(st, task_id, "GetTask", e));
+                }
+                Ok(Err(e)) => {
+                    failed_in_a_row += 1;
+                    tracing::warn!(task = %task_id, attempt = failed_in_a_row, error = %e.message, "a2a: GetTask failed while following the task by GetTask");
+                    if failed_in_a_row >= opts.max_recoveries.max(1) {
+                        let cause = format!("GetTask failed: {}", e.message);
+                        return Err(self.give_up(st, task_id, cause, failed_in_a_row).await);
+                    }
+                    continue;
+                }
+                Ok(Ok(task)) => task,
+            };
+            failed_in_a_row = 0;
+            let event = StreamResponse::Task(task);
+            st.apply(&event);
+            if let Some(e) = self.too_large(st, opts).await {
+                return Err(e);
+            }
+            if let Some(done) = listen(st, &event, listener) {
+                return done;
+            }
+            if let Some(end) = end_of(st, None) {
+                return end;
             }
         }
     }
@@ -1064,23 +1339,40 @@ impl A2aClient {
                     ));
                 }
                 Ok(None) => return Step::Dropped("the stream ended before the task did".into()),
+                Ok(Some(Err(e))) if unreceivable(&e) => {
+                    return Step::Done(Box::new(Err(too_large_to_receive(st, e))));
+                }
                 Ok(Some(Err(e))) => return Step::Dropped(format!("stream error: {}", e.message)),
                 Ok(Some(Ok(ev))) => ev,
             };
+            match std::mem::replace(&mut st.lead, Lead::Any) {
+                // The task as this turn began: its artifacts are earlier
+                // turns'.
+                Lead::Reply => {
+                    if let StreamResponse::Task(t) = &next {
+                        st.remember_earlier_turns(
+                            t.artifacts.clone().unwrap_or_default(),
+                            opts.max_artifact_bytes,
+                        );
+                    }
+                }
+                // A subscription that does not begin with the task as it
+                // is (a peer older than A2A 1.0, which requires it) leaves
+                // the gap since the recovery's snapshot uncovered: what the
+                // task sent in it is lost.
+                Lead::Resubscribed => {
+                    if !matches!(next, StreamResponse::Task(_)) && st.gap {
+                        st.incomplete = true;
+                    }
+                }
+                Lead::Any => {}
+            }
             st.apply(&next);
             if let Some(e) = self.too_large(st, opts).await {
                 return Step::Done(Box::new(Err(e)));
             }
-            if let Some(l) = listener.as_deref_mut() {
-                match l.on_event(&next, st) {
-                    Control::Continue => {}
-                    Control::StopWithResponse(text) => {
-                        return Step::Done(Box::new(Ok(stopped(st, Some(text)))));
-                    }
-                    Control::StopWithArtifacts => {
-                        return Step::Done(Box::new(Ok(stopped(st, None))));
-                    }
-                }
+            if let Some(done) = listen(st, &next, listener) {
+                return Step::Done(Box::new(done));
             }
             if let Some(end) = end_of(st, Some(&next)) {
                 return Step::Done(Box::new(end));
@@ -1171,6 +1463,41 @@ fn lost_or_refused(st: &CallState, task_id: String, request: &str, e: A2AError) 
         ),
         details: e.details,
     })
+}
+
+/// What `listener` makes of `event`: the end of the call if it stops it.
+fn listen(
+    st: &CallState,
+    event: &StreamResponse,
+    listener: &mut Option<&mut dyn Listener>,
+) -> Option<Result<Outcome, CallError>> {
+    match listener.as_deref_mut()?.on_event(event, st) {
+        Control::Continue => None,
+        Control::StopWithResponse(text) => Some(Ok(stopped(st, Some(text)))),
+        Control::StopWithArtifacts => Some(Ok(stopped(st, None))),
+    }
+}
+
+/// Whether `e` says a message from the remote was larger than the
+/// transport receives: tonic's decode limit (4 MiB a message, which the
+/// gRPC binding's client keeps: it offers no way to raise it), reported as
+/// INTERNAL_ERROR with tonic's own message. The same update, or the task
+/// holding it, would come again on every retry.
+fn unreceivable(e: &A2AError) -> bool {
+    e.message.contains("decoded message length too large")
+}
+
+/// The end of a call that met a message larger than the transport
+/// receives (see [`unreceivable`]). The task is left running: it was not
+/// failing, this client cannot take what it sends.
+fn too_large_to_receive(st: &CallState, e: A2AError) -> CallError {
+    tracing::warn!(task = ?st.task_id, error = %e.message, "a2a: a message from the remote agent is larger than this client receives; not retried");
+    CallError::MessageTooLarge {
+        task_id: st.task_id.clone(),
+        last_state: st.last_state.clone(),
+        artifacts: st.artifacts(),
+        cause: e.message,
+    }
 }
 
 enum Step {
@@ -1604,6 +1931,8 @@ mod tests {
     async fn recovery_errors_retrying_cannot_fix_end_the_call_at_once_without_a_cancel() {
         use crate::a2a::auth::{PERMISSION_DENIED_CODE, UNAUTHENTICATED_CODE};
         use a2a::error_code as c;
+        // GetTask refused so: the task cannot be followed; it is left
+        // running, and the error names the request and why.
         for (code, name) in [
             (c::METHOD_NOT_FOUND, "METHOD_NOT_FOUND"),
             (c::INVALID_PARAMS, "INVALID_PARAMS"),
@@ -1611,7 +1940,10 @@ mod tests {
             (UNAUTHENTICATED_CODE, "UNAUTHENTICATED"),
             (PERMISSION_DENIED_CODE, "PERMISSION_DENIED"),
         ] {
-            let remote = dropping(Box::new(move |_| Err(A2AError::new(code, "no"))));
+            let remote = Arc::new(Remote {
+                get: Box::new(move |_| Err(A2AError::new(code, "no"))),
+                ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+            });
             let err = client_of(&remote)
                 .send_text("go", None, &opts(), None)
                 .await
@@ -1621,10 +1953,10 @@ mod tests {
             };
             assert_eq!(e.code, code);
             assert!(
-                e.message.contains("SubscribeToTask") && e.message.contains(name),
+                e.message.contains("GetTask") && e.message.contains(name),
                 "{e:?}"
             );
-            assert_eq!(remote.count(&remote.subscribed), 1, "{name} was retried");
+            assert_eq!(remote.count(&remote.got), 1, "{name} was retried");
             assert_eq!(remote.count(&remote.cancelled), 0, "{name}: cancelled");
         }
         // A refusal to subscribe that may pass while GetTask still shows the
@@ -1904,6 +2236,365 @@ mod tests {
         );
         assert_eq!(remote.count(&remote.subscribed), 1, "no drop was recovered");
         assert_eq!(recovered, whole);
+    }
+
+    /// A remote that refuses SubscribeToTask for good (it does not offer
+    /// it, or not to us) while GetTask shows the task running: the task is
+    /// followed by GetTask to its end, or cancelled at the deadline; never
+    /// left running with no one following it.
+    #[tokio::test]
+    async fn a_subscription_refused_for_good_has_the_task_followed_by_get_task() {
+        use crate::a2a::auth::{PERMISSION_DENIED_CODE, UNAUTHENTICATED_CODE};
+        use a2a::error_code as c;
+        let done = |n: usize| {
+            let StreamResponse::ArtifactUpdate(u) = chunk("a", &format!("{n} "), false, true)
+            else {
+                unreachable!()
+            };
+            Ok(snapshot(
+                if n < 4 {
+                    TaskState::Working
+                } else {
+                    TaskState::Completed
+                },
+                Some(vec![u.artifact]),
+            ))
+        };
+        for code in [
+            c::METHOD_NOT_FOUND,
+            c::INVALID_PARAMS,
+            c::VERSION_NOT_SUPPORTED,
+            UNAUTHENTICATED_CODE,
+            PERMISSION_DENIED_CODE,
+        ] {
+            let remote = Arc::new(Remote {
+                get: Box::new(done),
+                ..Arc::into_inner(dropping(Box::new(move |_| Err(A2AError::new(code, "no")))))
+                    .unwrap()
+            });
+            let mut seen = Vec::new();
+            let mut watch = |ev: &StreamResponse, st: &CallState| {
+                if matches!(ev, StreamResponse::Task(_)) {
+                    seen.push(st.artifacts[0].text());
+                }
+                Control::Continue
+            };
+            let out = client_of(&remote)
+                .send_text("go", None, &opts(), Some(&mut watch))
+                .await
+                .unwrap_or_else(|e| panic!("{code}: {e:?}"));
+            let Outcome::Completed {
+                artifacts,
+                incomplete: false,
+                ..
+            } = out
+            else {
+                panic!("{code}: {out:?}")
+            };
+            assert_eq!(parts_text(&artifacts[0].parts), "4 ");
+            assert_eq!(remote.count(&remote.subscribed), 1, "{code}: resubscribed");
+            assert_eq!(remote.count(&remote.got), 5, "{code}");
+            assert_eq!(remote.count(&remote.cancelled), 0, "{code}: cancelled");
+            // Each look went to the listener, as an update would have.
+            assert_eq!(seen, ["2 ", "3 ", "4 "], "{code}");
+        }
+        // A task that never ends: cancelled at the deadline.
+        let remote = dropping(Box::new(|_| Err(A2AError::new(c::METHOD_NOT_FOUND, "no"))));
+        let o = CallOptions {
+            deadline: Duration::from_millis(300),
+            ..opts()
+        };
+        let err = client_of(&remote)
+            .send_text("go", None, &o, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CallError::Deadline {
+                    cancel: Cancellation::Acknowledged(TaskState::Canceled),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(remote.count(&remote.subscribed), 1);
+        assert!(remote.count(&remote.got) > 2);
+        assert_eq!(remote.count(&remote.cancelled), 1);
+    }
+
+    /// What the task sends between a recovery's snapshot and the
+    /// subscription is covered only by a subscription that begins with the
+    /// Task; one that does not leaves a hole, and the result says so.
+    #[tokio::test]
+    async fn chunks_lost_between_the_snapshot_and_a_subscription_without_a_task_are_flagged() {
+        let art = |text: &str| {
+            let StreamResponse::ArtifactUpdate(u) = chunk("a", text, false, false) else {
+                unreachable!()
+            };
+            u.artifact
+        };
+        let got = |subscription: Vec<StreamResponse>| {
+            Arc::new(Remote {
+                send: Box::new(|_| {
+                    Ok(stream(vec![
+                        status(TaskState::Working),
+                        chunk("a", "1", false, false),
+                    ]))
+                }),
+                get: Box::new(move |_| Ok(snapshot(TaskState::Working, Some(vec![art("1")])))),
+                subscribe: Box::new(move |_| Ok(stream(subscription.clone()))),
+                ..Remote::new()
+            })
+        };
+        let result = |out: Outcome| match out {
+            Outcome::Completed {
+                artifacts,
+                incomplete,
+                ..
+            } => (parts_text(&artifacts[0].parts), incomplete),
+            other => panic!("{other:?}"),
+        };
+        // "2" went out between the snapshot and the subscription.
+        let remote = got(vec![
+            chunk("a", "3", true, true),
+            status(TaskState::Completed),
+        ]);
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert_eq!(remote.count(&remote.subscribed), 1);
+        assert_eq!(result(out), ("13".to_owned(), true));
+        // No artifact was streaming, but a whole one may have gone out.
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("a", "1", false, true),
+                ]))
+            }),
+            get: Box::new(move |_| Ok(snapshot(TaskState::Working, Some(vec![art("1")])))),
+            subscribe: Box::new(|_| {
+                Ok(stream(vec![
+                    chunk("c", "3", false, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&out, Outcome::Completed { artifacts, incomplete: true, .. } if artifacts.len() == 2),
+            "{out:?}"
+        );
+        // A subscription that begins with the task as it is restores it.
+        let StreamResponse::ArtifactUpdate(u) =
+            update("a", vec![Part::text("1"), Part::text("2")], false, false)
+        else {
+            unreachable!()
+        };
+        let remote = got(vec![
+            StreamResponse::Task(snapshot(TaskState::Working, Some(vec![u.artifact]))),
+            chunk("a", "3", true, true),
+            status(TaskState::Completed),
+        ]);
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert_eq!(result(out), ("123".to_owned(), false));
+    }
+
+    /// A reply turn's stream begins with the task as the turn began (A2A;
+    /// agentd's face does): its artifacts are earlier turns', whether or
+    /// not the look before sending worked, and neither the stream nor a
+    /// recovery brings them into this turn's result.
+    #[tokio::test]
+    async fn a_reply_streams_leading_task_tells_earlier_turns_artifacts() {
+        let art = |id: &str, text: &str| Artifact {
+            parts: vec![Part::text(text)],
+            ..match chunk(id, "", false, true) {
+                StreamResponse::ArtifactUpdate(u) => u.artifact,
+                _ => unreachable!(),
+            }
+        };
+        let before = vec![art("notes", "earlier"), art("answer", "old answer")];
+        let during = vec![
+            art("notes", "earlier"),
+            art("answer", "new answer"),
+            art("a2", "x "),
+        ];
+        let d = during.clone();
+        let remote = Arc::new(Remote {
+            // The look before sending fails; the recovery's works.
+            get: Box::new(move |n| {
+                if n == 0 {
+                    Err(A2AError::internal("connection reset"))
+                } else {
+                    Ok(snapshot(TaskState::Working, Some(d.clone())))
+                }
+            }),
+            send: Box::new(move |_| {
+                Ok(stream(vec![
+                    StreamResponse::Task(snapshot(TaskState::Working, Some(before.clone()))),
+                    status(TaskState::Working),
+                    chunk("a2", "x ", false, false),
+                ]))
+            }),
+            subscribe: Box::new(move |_| {
+                Ok(stream(vec![
+                    StreamResponse::Task(snapshot(TaskState::Working, Some(during.clone()))),
+                    chunk("a2", "y", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let reply = Message {
+            task_id: Some("t".into()),
+            context_id: Some("c".into()),
+            ..Message::new(Role::User, vec![Part::text("more")])
+        };
+        let mut streamed = Vec::new();
+        let mut watch = |_: &StreamResponse, st: &CallState| {
+            streamed.push(
+                st.artifacts
+                    .iter()
+                    .map(|b| b.artifact.artifact_id.clone())
+                    .collect::<Vec<_>>(),
+            );
+            Control::Continue
+        };
+        let out = client_of(&remote)
+            .send(reply, &opts(), Some(&mut watch))
+            .await
+            .unwrap();
+        let Outcome::Completed {
+            artifacts,
+            incomplete: false,
+            ..
+        } = out
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(remote.count(&remote.subscribed), 1, "no drop was recovered");
+        assert_eq!(
+            artifacts
+                .iter()
+                .map(|a| (a.artifact_id.as_str(), parts_text(&a.parts)))
+                .collect::<Vec<_>>(),
+            [
+                ("answer", "new answer".to_owned()),
+                ("a2", "x y".to_owned())
+            ]
+        );
+        assert!(
+            streamed.iter().flatten().all(|id| id != "notes"),
+            "an earlier turn's artifact was this turn's: {streamed:?}"
+        );
+    }
+
+    /// A message larger than the gRPC binding receives comes again on every
+    /// retry: the call ends at once, and the task, which was not failing,
+    /// is left running.
+    #[tokio::test]
+    async fn a_message_too_large_to_receive_ends_the_call_at_once_without_a_cancel() {
+        // tonic's decode error, as the gRPC binding reports it.
+        let too_large = || {
+            A2AError::internal(
+                "Error, decoded message length too large: found 5242941 bytes, the limit is: 4194304 bytes",
+            )
+        };
+        // On the stream.
+        let remote = Arc::new(Remote {
+            send: Box::new(move |_| {
+                Ok(Box::pin(futures::stream::iter([
+                    Ok(status(TaskState::Working)),
+                    Err(too_large()),
+                ])))
+            }),
+            ..Remote::new()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, CallError::MessageTooLarge { task_id: Some(t), .. } if t == "t"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("left running"), "{err}");
+        assert_eq!(remote.count(&remote.got), 0, "retried");
+        assert_eq!(remote.count(&remote.cancelled), 0);
+        // In a recovery's snapshot.
+        let remote = Arc::new(Remote {
+            get: Box::new(move |_| Err(too_large())),
+            ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+        });
+        let err = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, CallError::MessageTooLarge { .. }), "{err:?}");
+        assert_eq!(remote.count(&remote.got), 1, "retried");
+        assert_eq!(remote.count(&remote.cancelled), 0);
+    }
+
+    #[test]
+    fn secrets_of_an_endpoints_url_are_masked() {
+        let s = Secrets::of(
+            "http://bot:s3cr%40t@agents.internal:9/a2a?key=k-123&api_key=a%2Bb%20c&v=1",
+        );
+        let e = "error sending request for url (http://bot:s3cr%40t@agents.internal:9/a2a?key=k-123&api_key=a%2Bb%20c&v=1)";
+        let shown = s.mask(e);
+        for secret in ["s3cr", "k-123", "a%2Bb"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("agents.internal:9/a2a"), "{shown}");
+        // A value quoted alone, decoded, or the password decoded.
+        let shown = s.mask("bad key k-123; bad key a+b c; password s3cr@t");
+        for secret in ["k-123", "a+b c", "s3cr@t"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        // Short values are masked only where the URL shows them: not
+        // every "1".
+        assert_eq!(s.mask("HTTP 501"), "HTTP 501");
+        let short = Secrets::of("http://bot:pw@h/a?k=1");
+        assert_eq!(
+            short.mask("failed: http://bot:pw@h/a?k=1 (pw 1)"),
+            "failed: http://bot:***@h/a?*** (pw 1)"
+        );
+        assert_eq!(Secrets::of("http://h/").mask("plain"), "plain");
+    }
+
+    /// The SDK's transport errors quote the URL a request failed on: an
+    /// API key in the endpoint's query must not reach the error.
+    #[tokio::test]
+    async fn errors_do_not_show_the_endpoints_credentials() {
+        let client = A2aClient::jsonrpc("http://bot:pw-456@127.0.0.1:1/a?key=k-123", None).unwrap();
+        let err = client
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap_err();
+        let shown = format!("{err} {err:?}");
+        assert!(shown.contains("127.0.0.1:1"), "{shown}");
+        assert!(
+            !shown.contains("k-123") && !shown.contains("pw-456"),
+            "{shown}"
+        );
+        for e in [
+            client.get_task("t").await.unwrap_err(),
+            client.cancel("t").await.unwrap_err(),
+        ] {
+            assert!(
+                !e.message.contains("k-123") && !e.message.contains("pw-456"),
+                "{e:?}"
+            );
+        }
     }
 
     type Reply<T> = Box<dyn Fn(usize) -> Result<T, A2AError> + Send + Sync>;
