@@ -154,6 +154,7 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
+    let open_file_limit = raise_open_file_limit(&args);
     let mut agents: Vec<Arc<dyn Agent>> = vec![
         Arc::new(demo::OrderHelper::new(args.tool_delay)),
         Arc::new(synthetic::Echo),
@@ -244,6 +245,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         drain_delay = %humantime::format_duration(args.drain_delay),
         shutdown_grace = %humantime::format_duration(args.shutdown_grace),
         max_run_duration = %humantime::format_duration(args.max_run_duration),
+        open_file_limit,
         "agentd starting"
     );
     let result =
@@ -281,6 +283,49 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = task.await;
     }
     result
+}
+
+/// File descriptors a server holds besides its ports' connections: the
+/// runtime's, the listeners, the admin port's connections (128 at most),
+/// connections to models and tools, log files.
+const SPARE_FDS: u64 = 128;
+/// The session store's connections and files: PostgreSQL's pool holds up
+/// to 16 connections, SQLite a writer and readers, each with its WAL files.
+const STORE_FDS: u64 = 32;
+
+/// Raises the soft open-file limit (RLIMIT_NOFILE) to the hard one: many
+/// systems start a process at a soft 1024, far short of `--max-connections`
+/// on each port, and the hard limit is what an operator set for this
+/// process. Warns once when what the ports may hold (each port
+/// `--max-connections`, plus [`SPARE_FDS`] and [`STORE_FDS`]) does not fit
+/// in the limit that results: past it accepts fail (retried every 50 ms,
+/// with a warning), so new connections wait in the listen queue while the
+/// ones held are served. The limit (`None`: unknown), for the start-up line.
+fn raise_open_file_limit(args: &ServeArgs) -> Option<u64> {
+    let limit = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not raise the soft open-file limit (RLIMIT_NOFILE) to the hard one");
+            rlimit::getrlimit(rlimit::Resource::NOFILE)
+                .ok()
+                .map(|(soft, _)| soft)?
+        }
+    };
+    // gRPC, and A2A HTTP unless it is off.
+    let ports: u64 = if args.a2a_listen.0.is_some() { 2 } else { 1 };
+    let needed = ports
+        .saturating_mul(args.max_connections as u64)
+        .saturating_add(SPARE_FDS + STORE_FDS);
+    if limit < needed {
+        tracing::warn!(
+            open_file_limit = limit,
+            needed,
+            max_connections = args.max_connections,
+            "the open-file limit (RLIMIT_NOFILE, raised to the hard limit) is below what the ports may hold (--max-connections each, plus {} for the rest): past it new connections wait until others close; raise the hard limit (ulimit -Hn, systemd's LimitNOFILE, the container runtime's nofile) or lower --max-connections",
+            SPARE_FDS + STORE_FDS
+        );
+    }
+    Some(limit)
 }
 
 /// The kind of store `--store` names (its scheme, checked at start-up).

@@ -180,7 +180,8 @@ where
     if let Some(tls) = &opts.security.tls {
         builder = builder.tls_config(tls.server_config()?)?;
     }
-    if let Some(age) = opts.max_connection_age {
+    let max_connection_age = opts.max_connection_age.map(jittered_age);
+    if let Some(age) = max_connection_age {
         // Without max_connection_age_grace: with it, tonic closes the
         // connection at age + grace without a GOAWAY. Alone, it sends GOAWAY
         // at `age` and lets in-flight calls finish.
@@ -227,7 +228,15 @@ where
             },
         ))
     });
-    tracing::info!(agents = ?turns.agents().names().collect::<Vec<_>>(), default = turns.agents().default_name(), "serving");
+    tracing::info!(
+        agents = ?turns.agents().names().collect::<Vec<_>>(),
+        default = turns.agents().default_name(),
+        max_connection_age = %max_connection_age.map_or_else(
+            || "off".to_owned(),
+            |age| humantime::format_duration(Duration::from_millis(age.as_millis() as u64)).to_string(),
+        ),
+        "serving"
+    );
 
     tokio::select! {
         _ = shutdown => {}
@@ -364,11 +373,89 @@ fn client_errors_are_invalid_argument<B>(mut resp: http::Response<B>) -> http::R
     resp
 }
 
+/// `age` times a factor drawn at random in [0.9, 1.1], as gRPC's A9
+/// (server-side connection management) asks. tonic gives every connection
+/// of a server the same age, so without it the connections a fleet of
+/// clients opened together (a deploy, a replica that restarted) would get
+/// GOAWAY together, reconnect together, and do so again at every age. Drawn
+/// once per server: its connections still share one age, but each replica's
+/// differs, which spreads the reconnections across them.
+fn jittered_age(age: Duration) -> Duration {
+    age.mul_f64(0.9 + 0.2 * fastrand::f64())
+}
+
+/// How long a port waits after a failed accept before it accepts again. Out
+/// of file descriptors (EMFILE), the connection stays in the listen queue
+/// and the listener stays readable: accepting again at once fails again at
+/// once, a loop that takes a whole core and starves the connections served.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// While accepts keep failing, how often a port warns again.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The failed accepts of one port: each is counted
+/// (`agentd_accept_errors_total`) and followed by an [`ACCEPT_RETRY`] pause;
+/// a warning is logged at the first and then at most once per
+/// [`ACCEPT_WARN_EVERY`] (one per retry would be 20 lines a second for as
+/// long as the descriptors stay short), and the next accept after a warning
+/// says that accepting works again.
+struct AcceptErrors {
+    port: &'static str,
+    /// When the last warning was logged.
+    warned: Option<tokio::time::Instant>,
+    /// Failures since then.
+    unlogged: u64,
+    /// A warning was logged since the last accepted connection.
+    failing: bool,
+}
+
+impl AcceptErrors {
+    fn new(port: &'static str) -> Self {
+        Self {
+            port,
+            warned: None,
+            unlogged: 0,
+            failing: false,
+        }
+    }
+
+    /// An accept failed with `error`: counted, maybe logged, then a pause.
+    async fn failed(&mut self, error: &(dyn std::fmt::Display + Sync)) {
+        crate::telemetry::metrics::accept_failed(self.port);
+        self.unlogged += 1;
+        let now = tokio::time::Instant::now();
+        if self
+            .warned
+            .is_none_or(|at| now.duration_since(at) >= ACCEPT_WARN_EVERY)
+        {
+            tracing::warn!(
+                port = self.port,
+                error = %error,
+                failed = self.unlogged,
+                "could not accept connections (out of file descriptors? see --max-connections and the process's open-file limit); trying again every 50 ms, counted in agentd_accept_errors_total, warned again at most once a minute"
+            );
+            self.warned = Some(now);
+            self.unlogged = 0;
+            self.failing = true;
+        }
+        tokio::time::sleep(ACCEPT_RETRY).await;
+    }
+
+    /// A connection was accepted.
+    fn accepted(&mut self) {
+        if std::mem::take(&mut self.failing) {
+            tracing::info!(port = self.port, "accepting connections again");
+        }
+    }
+}
+
 /// `incoming` holding at most `limit` connections at once: past it a new
 /// connection is closed as soon as it is accepted (tonic's incoming has no
 /// bound of its own, so idle connections, or health `Watch` streams that
 /// last for ever, could take every file descriptor). A connection holds its
-/// slot until tonic drops it.
+/// slot until tonic drops it. A failed accept is not passed on: tonic would
+/// log it at trace and accept again at once, a busy loop while the process
+/// is out of file descriptors; [`AcceptErrors`] logs it and pauses.
 fn capped<I, IO, IE>(
     incoming: I,
     limit: usize,
@@ -376,14 +463,28 @@ fn capped<I, IO, IE>(
 where
     I: Stream<Item = Result<IO, IE>> + Send + 'static,
     IO: Send + 'static,
-    IE: Send + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     use tokio_stream::StreamExt as _;
     let slots = crate::telemetry::metrics::ConnectionSlots::new("grpc", limit);
-    incoming.filter_map(move |accepted| match accepted {
-        Ok(io) => slots.admit().map(|slot| Ok(Capped { io, _slot: slot })),
-        Err(e) => Some(Err(e)),
-    })
+    let mut errors = AcceptErrors::new("grpc");
+    async_stream::stream! {
+        let mut incoming = std::pin::pin!(incoming);
+        while let Some(accepted) = incoming.next().await {
+            match accepted {
+                Ok(io) => {
+                    errors.accepted();
+                    if let Some(slot) = slots.admit() {
+                        yield Ok::<_, IE>(Capped { io, _slot: slot });
+                    }
+                }
+                Err(e) => {
+                    let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+                    errors.failed(&e).await;
+                }
+            }
+        }
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -481,16 +582,19 @@ pub async fn serve_http(
     use hyper_util::service::TowerToHyperService;
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let slots = crate::telemetry::metrics::ConnectionSlots::new(port, max_connections);
+    let mut accept_errors = AcceptErrors::new(port);
     let connections = tokio_util::task::TaskTracker::new();
     tokio::pin!(stop);
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    accept_errors.accepted();
+                    stream
+                }
                 Err(e) => {
                     // Out of file descriptors, say: wait, then go on.
-                    tracing::warn!(port, error = %e, "could not accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    accept_errors.failed(&e).await;
                     continue;
                 }
             },
@@ -565,5 +669,31 @@ async fn first_bytes(stream: &tokio::net::TcpStream) -> bool {
             // wait to be read, so look again shortly.
             Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_age_is_jittered_within_ten_percent() {
+        let age = Duration::from_secs(30 * 60);
+        let ages: Vec<Duration> = (0..1000).map(|_| jittered_age(age)).collect();
+        for a in &ages {
+            assert!(
+                age.mul_f64(0.9) <= *a && *a <= age.mul_f64(1.1),
+                "{a:?} is not within 10% of {age:?}"
+            );
+        }
+        let distinct: std::collections::BTreeSet<_> = ages.iter().collect();
+        assert!(
+            distinct.len() > 900,
+            "{} distinct ages of 1000: not random",
+            distinct.len()
+        );
+        // Spread over the whole range, not bunched at one end.
+        assert!(ages.iter().any(|a| *a < age.mul_f64(0.95)));
+        assert!(ages.iter().any(|a| *a > age.mul_f64(1.05)));
     }
 }

@@ -585,3 +585,121 @@ async fn a_statement_postgres_cancels_is_unavailable() {
         "the claims took {took:?}: retried one at a time"
     );
 }
+
+/// The log lines (JSON) of the subscriber [`Logs::capture`] sets on this
+/// thread.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Captures the logs at info and above of everything this thread runs
+    /// (on a current-thread runtime: the test, and the server it starts)
+    /// for as long as the guard lives.
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let logs = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || logs.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    /// The lines logged so far, from the `from`th on.
+    fn lines_from(&self, from: usize) -> Vec<serde_json::Value> {
+        let bytes = self.0.lock().unwrap().clone();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .skip(from)
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+/// Runs refused because the store is known to be down (its health check
+/// failed) are logged at debug: the outage is logged as it starts, not with
+/// a warning and an info line for every Run a busy server refuses while it
+/// lasts.
+#[tokio::test] // current-thread: the server's tasks run under the capture
+async fn runs_refused_while_the_store_is_down_do_not_each_log_a_warning() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let logs = Logs::default();
+    let _capture = logs.capture();
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let s = Server::start(store, Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let start = logs.lines_from(0).len();
+
+    // The outage starts: logged as it does (with what the pool and the
+    // upkeep's calls cut short say), then come the calls it refuses.
+    proxy.down();
+    eventually("health to report NOT_SERVING", || async {
+        (s.health().await == Some(ServingStatus::NotServing)).then_some(())
+    })
+    .await;
+    assert!(
+        logs.lines_from(start).iter().any(|l| l["level"] == "WARN"
+            && l["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("session store unreachable"))),
+        "the outage itself is logged"
+    );
+    let before = logs.lines_from(0).len();
+    // The raw client: the crate's own retries UNAVAILABLE.
+    for i in 0..50 {
+        let refused = s
+            .raw()
+            .run(run_request(ALICE, &sid, &format!("r{i}"), ORDER_Q))
+            .await;
+        let status = refused.map(|_| ()).unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    let attach = s
+        .raw()
+        .attach(pb::AttachRequest {
+            user_id: ALICE.into(),
+            session_id: sid.clone(),
+            request_id: "r0".into(),
+            after_seq: None,
+        })
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(attach.code(), Code::Unavailable, "{attach:?}");
+
+    let during = logs.lines_from(before);
+    let warnings: Vec<_> = during.iter().filter(|l| l["level"] == "WARN").collect();
+    // At most a late line or two of the outage's start (the pool's).
+    assert!(
+        warnings.len() <= 2,
+        "51 refused calls log no warning each: {warnings:#?}"
+    );
+    let refusals: Vec<_> = during
+        .iter()
+        .filter(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.ends_with(" refused"))
+        })
+        .collect();
+    assert!(
+        refusals.is_empty(),
+        "the refusals are logged at debug: {refusals:#?}"
+    );
+    proxy.up();
+    s.stop().await;
+}

@@ -275,7 +275,12 @@ impl pb::agent_service_server::AgentService for AgentsService {
         };
         let started = self.turns.attach(&user_id, key, req.after_seq, timeout).await.map_err(|e| {
             let s = status::run_error(e, self.turns.agents());
-            tracing::info!(method = "Attach", code = ?s.code(), reason = s.message(), "attach refused");
+            // The store known to be down: logged once, by its health check.
+            if status::is_store_down(&s) {
+                tracing::debug!(method = "Attach", code = ?s.code(), reason = s.message(), "attach refused");
+            } else {
+                tracing::info!(method = "Attach", code = ?s.code(), reason = s.message(), "attach refused");
+            }
             s
         })?;
         Ok(stream_response(started))
@@ -288,7 +293,13 @@ impl pb::agent_service_server::AgentService for AgentsService {
         let result = self.start(req).await;
         if let Err(s) = &result {
             let [user, session, request_id] = &ids;
-            tracing::info!(method = "Run", code = ?s.code(), reason = s.message(), %user, %session, %request_id, "run refused");
+            // The store known to be down: logged once, by its health check,
+            // not once per Run an outage refuses.
+            if status::is_store_down(s) {
+                tracing::debug!(method = "Run", code = ?s.code(), reason = s.message(), %user, %session, %request_id, "run refused");
+            } else {
+                tracing::info!(method = "Run", code = ?s.code(), reason = s.message(), %user, %session, %request_id, "run refused");
+            }
         }
         result
     }

@@ -9,7 +9,7 @@ use tonic::{Code, Status};
 use crate::agent::AgentError;
 use crate::domain::InvalidInput;
 use crate::store::{StoreError, TurnOutcome, TurnState};
-use crate::turn::{Failure, RunError};
+use crate::turn::{Failure, RunError, StoreDown};
 
 /// A call without acceptable credentials (refused before decoding).
 pub fn unauthenticated(e: crate::auth::Unauthenticated) -> Status {
@@ -26,17 +26,38 @@ pub fn invalid(e: InvalidInput) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
+/// A store failure as a status; the cause goes to the log.
 pub fn store(e: StoreError) -> Status {
     match e {
+        // Refused without a store call: the outage was logged once by the
+        // health check, so each refusal (there may be thousands a second)
+        // only at debug. The status carries the cause for the callers'
+        // own refusal lines ([`is_store_down`]).
+        StoreError::Unavailable(cause) if cause.is::<StoreDown>() => {
+            tracing::debug!(error = %cause, "session store unavailable");
+            let mut s = Status::unavailable(STORE_UNAVAILABLE);
+            s.set_source(std::sync::Arc::new(StoreDown));
+            s
+        }
         StoreError::Unavailable(cause) => {
             tracing::warn!(error = %format!("{cause:#}"), "session store unavailable");
-            Status::unavailable("the session store is unavailable; retry later")
+            Status::unavailable(STORE_UNAVAILABLE)
         }
         StoreError::Unexpected(cause) => {
             tracing::error!(error = %format!("{cause:#}"), "session store error");
             Status::internal("internal error in the session store")
         }
     }
+}
+
+/// What a caller is told when the session store cannot be reached.
+const STORE_UNAVAILABLE: &str = "the session store is unavailable; retry later";
+
+/// Whether `s` refused a call because the store is known to be down (its
+/// last health check failed, [`StoreDown`]): the caller logs that refusal
+/// at debug, as [`store`] does.
+pub fn is_store_down(s: &Status) -> bool {
+    std::error::Error::source(s).is_some_and(|e| e.is::<StoreDown>())
 }
 
 /// A Run refused before its stream started.
@@ -214,7 +235,7 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
         Failure::Store(StoreError::Unavailable(_)) => (
             TurnState::Failed,
             Code::Unavailable,
-            "the session store is unavailable; retry later".into(),
+            STORE_UNAVAILABLE.into(),
         ),
         Failure::Store(StoreError::Unexpected(_)) => (
             TurnState::Failed,

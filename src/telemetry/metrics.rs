@@ -21,6 +21,7 @@
 //! | `agentd_store_group_seconds` | `queue` | histogram, SQL stores: writing one group, `commit` (events and outcomes of many turns) or `claim` (claims made together); PostgreSQL also `read` (the sessions of Runs starting together) |
 //! | `agentd_store_group_size` | `queue` | histogram, SQL stores: batches, claims or session reads per group |
 //! | `agentd_connections_refused_total` | `port` | connections closed as soon as they were accepted, the port (`grpc`, `a2a_http`) at `--max-connections` |
+//! | `agentd_accept_errors_total` | `port` | accepts that failed (out of file descriptors, say), each followed by a 50 ms pause |
 
 use std::sync::OnceLock;
 
@@ -45,6 +46,7 @@ pub const STORE_UP: &str = "agentd_store_up";
 pub const STORE_GROUP_SECONDS: &str = "agentd_store_group_seconds";
 pub const STORE_GROUP_SIZE: &str = "agentd_store_group_size";
 pub const CONNECTIONS_REFUSED: &str = "agentd_connections_refused_total";
+pub const ACCEPT_ERRORS: &str = "agentd_accept_errors_total";
 
 /// Call durations from 1 ms to the longest run a server allows by default.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -150,6 +152,10 @@ fn describe() {
     metrics::describe_counter!(
         CONNECTIONS_REFUSED,
         "connections closed on accept, the port at its connection limit"
+    );
+    metrics::describe_counter!(
+        ACCEPT_ERRORS,
+        "accepts that failed (out of file descriptors, say), each followed by a 50 ms pause"
     );
 }
 
@@ -279,6 +285,13 @@ impl ConnectionSlots {
             }
         }
     }
+}
+
+/// An accept on `port` failed (the connection waits in the listen queue
+/// for the next try).
+pub fn accept_failed(port: &'static str) {
+    handle();
+    metrics::counter!(ACCEPT_ERRORS, "port" => port).increment(1);
 }
 
 /// A SQL store wrote one group of `size` batches (`queue` `commit`) or

@@ -170,6 +170,15 @@ impl Drop for RunSlot {
     }
 }
 
+/// The cause of a call refused without asking the store, because its last
+/// health check failed. The outage is logged once, when the health check
+/// first fails; a refusal for it is logged at debug only, not once per call
+/// ([`crate::grpc::status::store`]), where a real store call that fails
+/// keeps its warning.
+#[derive(Debug, Error)]
+#[error("the last store health check failed")]
+pub struct StoreDown;
+
 /// Why a Run was refused before its stream started. Nothing was run, and
 /// nothing was stored, for any of these.
 #[derive(Debug, Error)]
@@ -617,9 +626,7 @@ impl Turns {
         if *self.store_ok.borrow() {
             Ok(())
         } else {
-            Err(RunError::Store(StoreError::Unavailable(anyhow::anyhow!(
-                "the last store health check failed"
-            ))))
+            Err(RunError::Store(StoreError::Unavailable(StoreDown.into())))
         }
     }
 
