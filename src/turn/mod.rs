@@ -16,6 +16,10 @@ mod pump;
 mod stream;
 mod upkeep;
 
+/// How long a run may hold its stream past its deadline while its outcome
+/// is stored (the start-up check of `--shutdown-grace` counts it).
+pub(crate) use pump::OUTCOME_WAIT;
+
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};

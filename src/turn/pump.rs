@@ -32,7 +32,7 @@ const WRITER_BATCH: usize = 2048;
 /// without the `recorded` trailer, whatever it ended with: a follow-up
 /// could otherwise miss the turn in its history, and the outcome may yet
 /// fail to commit.
-const OUTCOME_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 /// After the shutdown's cut, how long the final status waits for the
 /// outcome to be stored: less than the shutdown's wait for the cut runs
 /// to end (`CUT_FLUSH` in src/server.rs, 5 s), so that the run ends within
