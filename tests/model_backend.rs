@@ -480,7 +480,7 @@ async fn done_with_nothing_before_it_is_unavailable_not_an_empty_answer() {
 /// naming the reason, as a short label, not an empty answer. With text, the
 /// text is the answer.
 #[tokio::test]
-async fn a_stop_for_another_reason_without_text_is_failed_precondition_naming_it() {
+async fn a_stop_for_another_reason_or_the_token_limit_without_text_is_failed_precondition() {
     let end = |reason: &str| {
         json!({"choices":[{"index":0,"delta":{},"finish_reason":reason}]}).to_string()
     };
@@ -488,6 +488,8 @@ async fn a_stop_for_another_reason_without_text_is_failed_precondition_naming_it
         Reply::Sse(vec![end("content_filter"), DONE.into()]),
         Reply::Sse(vec![end(SECRET), DONE.into()]),
         Reply::Sse(vec![text("Half an answer"), end("abort"), DONE.into()]),
+        Reply::Sse(vec![end("length"), DONE.into()]),
+        Reply::Sse(vec![text("Cut"), end("length"), DONE.into()]),
     ])
     .await;
     let mut d = Agentd::start(&agents_file(&f.url, "")).await;
@@ -508,6 +510,14 @@ async fn a_stop_for_another_reason_without_text_is_failed_precondition_naming_it
     let (events, status) = run("aborted").await;
     status.unwrap();
     assert_eq!(events.last().unwrap().text, "Half an answer");
+    // The token limit reached before any text is no answer either; with
+    // text, that text is the (cut) answer.
+    let st = run("thought too long").await.1.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition, "{st:?}");
+    assert!(st.message().contains("raise max_tokens"), "{st:?}");
+    let (events, status) = run("cut").await;
+    status.unwrap();
+    assert_eq!(events.last().unwrap().text, "Cut");
     d.stop().await;
 }
 

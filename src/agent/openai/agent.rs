@@ -172,6 +172,15 @@ impl Agent for ModelAgent {
                 }
                 if completion.finish != Finish::ToolCalls {
                     match &completion.finish {
+                        // A model that spends its whole budget before any
+                        // text (a reasoning model thinking past
+                        // max_tokens, say) has not answered: an empty
+                        // answer would pass for the model's.
+                        Finish::Length if completion.text.is_empty() => {
+                            failed(&span, Err::<(), _>(AgentError::FailedPrecondition(
+                                "the model reached its token limit before answering; raise max_tokens (or max_completion_tokens) in the agents file".into(),
+                            )))?;
+                        }
                         Finish::Length => {
                             tracing::warn!(agent = %cfg.name, "the model hit its token limit; the answer may be cut");
                         }
