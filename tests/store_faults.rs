@@ -3,6 +3,7 @@
 //! and a kill -9 of a SQLite-backed server (its turns are all there after a
 //! restart, and the interrupted one has a definite status).
 
+mod a2a_support;
 mod support;
 
 use std::time::Duration;
@@ -702,4 +703,55 @@ async fn runs_refused_while_the_store_is_down_do_not_each_log_a_warning() {
     );
     proxy.up();
     s.stop().await;
+}
+
+/// The A2A face, as agents.v1: with the store known to be down, calls are
+/// refused at once (the task store is unavailable; retry later), logged at
+/// debug. Each used to make its own store call and log two warnings (the
+/// task store's, then the request's).
+#[tokio::test] // current-thread: the server's tasks run under the capture
+async fn a2a_calls_refused_while_the_store_is_down_do_not_each_log_a_warning() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let logs = Logs::default();
+    let _capture = logs.capture();
+    let proxy = Proxy::start(db.pg_addr()).await;
+    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let server = a2a_support::A2aServer::start_on(store).await;
+    let client = server.grpc_client().await;
+    let request = a2a_support::echo_request(vec![a2a::Part::text("hello")]);
+    let task = match client.raw().send_message(&request).await.unwrap() {
+        a2a::SendMessageResponse::Task(t) => t,
+        other => panic!("not a task: {other:?}"),
+    };
+
+    proxy.down();
+    let mut health = server.turns.store_health();
+    tokio::time::timeout(Duration::from_secs(30), health.wait_for(|up| !*up))
+        .await
+        .expect("the store's health check never failed")
+        .unwrap();
+    let before = logs.lines_from(0).len();
+    for _ in 0..25 {
+        let got = client.get_task(&task.id).await.unwrap_err();
+        assert_eq!(
+            got.message, "the task store is unavailable; retry later",
+            "{got:?}"
+        );
+        let sent = client.raw().send_message(&request).await.unwrap_err();
+        assert_eq!(
+            sent.message, "the task store is unavailable; retry later",
+            "{sent:?}"
+        );
+    }
+    let during = logs.lines_from(before);
+    let warnings: Vec<_> = during.iter().filter(|l| l["level"] == "WARN").collect();
+    // At most a late line or two of the outage's start (the pool's).
+    assert!(
+        warnings.len() <= 2,
+        "50 refused A2A calls log no warning each: {warnings:#?}"
+    );
+    proxy.up();
+    server.stop().await;
 }

@@ -80,6 +80,9 @@ pub struct Handler {
     /// Authentication is on: each call's caller is named by the
     /// authentication layers.
     authenticated: bool,
+    /// The session store's health, as the turn engine's upkeep checks it
+    /// (the task store is in the same database).
+    store_ok: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Handler {
@@ -92,6 +95,7 @@ impl Handler {
     ) -> Self {
         Self {
             inner: Arc::new(inner),
+            store_ok: turns.store_health(),
             turns,
             tasks,
             max_input_bytes,
@@ -100,9 +104,16 @@ impl Handler {
     }
 
     /// The caller of a call, once its version is one we speak (that check
-    /// comes first, as the inner handler's authorizer would make it).
+    /// comes first, as the inner handler's authorizer would make it) and
+    /// while the store answers: with its database known to be away (the
+    /// health check failed), the call is refused at once, as agents.v1's
+    /// Runs are, instead of each failing its own store call (and logging
+    /// a warning) through the outage.
     fn caller(&self, params: &ServiceParams) -> Result<UserId, A2AError> {
         super::version::check(params)?;
+        if !*self.store_ok.borrow() {
+            return Err(crate::store::a2a_tasks::unavailable());
+        }
         executor::caller(params, self.authenticated)
     }
 
@@ -556,13 +567,17 @@ impl Observed {
         r
     }
 
-    /// Records the error as the outcome; one on the server's side (the
-    /// store unreachable, say) is logged as a warning, a caller's mistake
-    /// (an unknown task, bad parameters) at debug.
+    /// Records the error as the outcome; one on the server's side is
+    /// logged as a warning, a caller's mistake (an unknown task, bad
+    /// parameters) at debug. The store unreachable is at debug too: the
+    /// failed store call logged its warning, and an outage the health
+    /// check found is logged once, as it starts, not with every call it
+    /// refuses.
     fn failed(&mut self, e: &A2AError) {
         let reason = error_reason(e.code);
         self.outcome = Some(reason);
-        if matches!(reason, "INTERNAL_ERROR" | "INVALID_AGENT_RESPONSE") {
+        let store_away = crate::store::a2a_tasks::store_failure(e) == Some(true);
+        if matches!(reason, "INTERNAL_ERROR" | "INVALID_AGENT_RESPONSE") && !store_away {
             tracing::warn!(method = self.method, outcome = reason, error = %e.message, "a2a: request failed");
         } else {
             tracing::debug!(method = self.method, outcome = reason, error = %e.message, "a2a: request refused");

@@ -199,7 +199,7 @@ pub(crate) fn a2a_err(e: StoreError) -> A2AError {
     match &e {
         StoreError::Unavailable(cause) => {
             tracing::warn!(error = %cause, "a2a task store unavailable");
-            A2AError::internal(UNAVAILABLE)
+            unavailable()
         }
         StoreError::Unexpected(cause) => {
             tracing::error!(error = %cause, "a2a task store failed");
@@ -210,6 +210,12 @@ pub(crate) fn a2a_err(e: StoreError) -> A2AError {
 
 /// What a caller is told when the task store cannot be reached.
 const UNAVAILABLE: &str = "the task store is unavailable; retry later";
+
+/// The answer to a call the task store cannot serve now: its database is
+/// away (a failed call, or the store's health check failing).
+pub(crate) fn unavailable() -> A2AError {
+    A2AError::internal(UNAVAILABLE)
+}
 
 /// Whether `e` is a failure of the task store (as [`a2a_err`] makes them):
 /// `Some(true)` when it could not be reached, `Some(false)` for any other
