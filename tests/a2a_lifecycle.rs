@@ -331,18 +331,20 @@ async fn subscribing_to_a_task_waiting_for_input_streams_the_task() {
 /// A stream whose reader falls behind its run goes on from the task as it
 /// stands, and loses nothing. The crate keeps 32 updates per run for its
 /// subscribers; one further behind used to get INTERNAL "Internal error"
-/// and lose the rest of the run. Here the client's HTTP/2 windows (4 KiB)
+/// and lose the rest of the run. Here the client's HTTP/2 windows (1 KiB)
 /// hold the server back while the client reads nothing for the first 1.5 s
-/// of a run of 600 chunks paced over 3 s.
+/// of a run of 2,400 chunks paced over 6 s, then reads slower than the run
+/// for 3.5 s (it falls behind again and again: more often than the bound
+/// on resumes that deliver nothing), then keeps up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_nothing() {
-    const CHUNKS: usize = 600;
+    const CHUNKS: usize = 2400;
     const SIZE: usize = 16;
     let server = A2aServer::start(Duration::ZERO).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
         .unwrap()
-        .initial_stream_window_size(4096)
-        .initial_connection_window_size(4096)
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024)
         .connect()
         .await
         .unwrap();
@@ -351,7 +353,7 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
     ));
     let mut message = Message::new(
         Role::User,
-        vec![Part::text(format!("n={CHUNKS} size={SIZE} rate=200"))],
+        vec![Part::text(format!("n={CHUNKS} size={SIZE} rate=400"))],
     );
     message.metadata = Some([("agent".to_owned(), serde_json::json!("stream"))].into());
     let req = SendMessageRequest {
@@ -364,23 +366,34 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
     let first = events.next().await.unwrap().unwrap();
     assert!(matches!(first, StreamResponse::Task(_)), "{first:?}");
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let slow_until = tokio::time::Instant::now() + Duration::from_millis(3500);
 
     // The answer's text as the client holds it: a Task replaces it, an
     // appended chunk adds to it. Just before the final answer (which
     // replaces the streamed text) it must be every chunk, once.
     let (mut text, mut streamed, mut snapshots, mut end) = (0, None, 0, None);
-    let read = tokio::time::timeout(Duration::from_secs(30), async {
+    let read = tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(ev) = events.next().await {
+            if tokio::time::Instant::now() < slow_until {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
             match ev.unwrap_or_else(|e| panic!("the stream failed after {text} bytes: {e:?}")) {
                 StreamResponse::Task(t) => {
                     snapshots += 1;
                     end = Some(t.status.state.clone());
-                    text = t
+                    let answer: String = t
                         .artifacts
                         .iter()
                         .flatten()
-                        .map(|a| parts_text(&a.parts).len())
-                        .sum();
+                        .map(|a| parts_text(&a.parts))
+                        .collect();
+                    if t.status.state == TaskState::Completed {
+                        // Fell behind once more at the very end: the
+                        // snapshot holds the final answer.
+                        assert_eq!(answer, format!("sent {CHUNKS} events"));
+                        streamed = Some(CHUNKS * SIZE);
+                    }
+                    text = answer.len();
                 }
                 StreamResponse::ArtifactUpdate(u) if u.last_chunk == Some(true) => {
                     streamed = Some(text);
@@ -388,6 +401,7 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
                 StreamResponse::ArtifactUpdate(u) => {
                     assert_eq!(u.append.unwrap_or(false), text > 0, "{u:?}");
                     text += parts_text(&u.artifact.parts).len();
+                    assert!(text <= CHUNKS * SIZE, "chunks repeated: {text} bytes");
                 }
                 StreamResponse::StatusUpdate(s) => end = Some(s.status.state),
                 StreamResponse::Message(m) => panic!("{m:?}"),
@@ -396,8 +410,8 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
     });
     read.await.expect("the stream does not end");
     assert!(
-        snapshots >= 1,
-        "the stream never fell behind: nothing was tested"
+        snapshots > 8,
+        "the stream fell behind only {snapshots} times: the bound on resumes was not tested"
     );
     assert_eq!(streamed, Some(CHUNKS * SIZE), "chunks lost or repeated");
     assert_eq!(end, Some(TaskState::Completed));

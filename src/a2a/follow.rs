@@ -211,7 +211,7 @@ impl Handler {
             let session = task_session(&task);
             let latest = super::settle::latest_turn(&**turns.store(), session, &prefix)
                 .await
-                .map_err(|_| A2AError::internal("the task store is unavailable; retry later"))?;
+                .map_err(crate::store::a2a_tasks::a2a_err)?;
             let Some(turn) = latest else {
                 if task.status.state == TaskState::Working {
                     // Working without a turn: a scripted (conformance) task,
@@ -325,8 +325,11 @@ async fn ended_elsewhere(tasks: &dyn A2aTasks, e: &A2AError) -> Option<Task> {
     }
 }
 
-/// Times one stream of a task picks up again after the handler dropped it
-/// for falling behind ([`Handler::resuming`]).
+/// Times in a row one stream of a task picks up again after the handler
+/// dropped it for falling behind ([`Handler::resuming`]) without an update
+/// delivered in between: a reader slower than its run all along resumes
+/// as often as it falls behind, each time from a snapshot that holds all
+/// it missed, so it catches up by skipping updates.
 const MAX_RESUMES: u32 = 8;
 
 /// The crate's answer to a subscriber that fell more than its buffer (32
@@ -422,6 +425,12 @@ impl Handler {
                     Ok(update) => {
                         if task_id.is_none() {
                             task_id = task_of(&update).map(str::to_owned);
+                        }
+                        // An update past the snapshot: the stream moves
+                        // again. Only resumes that deliver nothing count
+                        // against the bound.
+                        if !matches!(update, StreamResponse::Task(_)) {
+                            resumed = 0;
                         }
                         yield Ok(update);
                         continue;
