@@ -390,7 +390,8 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
     if not max_run + wait <= grace:
         errors.append(
             f"{what}: AGENTD_MAX_RUN_DURATION ({max_run:g}s) + {wait:g}s (a run's wait past it for its outcome to be stored)"
-            f" = {max_run + wait:g}s must be at most AGENTD_SHUTDOWN_GRACE ({grace:g}s); the server refuses to start otherwise"
+            f" = {max_run + wait:g}s must be at most AGENTD_SHUTDOWN_GRACE ({grace:g}s), or a run that reaches its bound during a drain"
+            f" may be cut before its outcome is stored (the server refuses to start when the bound alone reaches the grace, and warns short of that)"
         )
 
     for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090"), ("AGENTD_A2A_LISTEN", "0.0.0.0:8080")]:

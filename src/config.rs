@@ -417,6 +417,12 @@ const MAX_HISTORY_TURNS: usize = 10_000;
 
 impl ServeArgs {
     /// Checks the combination of flags; the error is one line for a person.
+    /// The longest a run holds its stream: its bound, then the wait for
+    /// its outcome to be stored.
+    fn longest_run(&self) -> Duration {
+        self.max_run_duration.saturating_add(RUN_OUTCOME_WAIT)
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.history_turns > MAX_HISTORY_TURNS {
             return Err(format!(
@@ -424,17 +430,18 @@ impl ServeArgs {
                 self.history_turns
             ));
         }
-        // A run may hold its stream RUN_OUTCOME_WAIT past its deadline
-        // while its outcome is stored: the grace must cover both, or a
-        // run that started before the drain is cut at its very end.
-        let longest_run = self.max_run_duration.saturating_add(RUN_OUTCOME_WAIT);
-        if longest_run > self.shutdown_grace {
+        // A run must end within the grace, or a draining server cuts runs
+        // it promised to finish. (It may also hold its stream up to
+        // RUN_OUTCOME_WAIT past its deadline while its outcome is stored:
+        // a grace that covers the run but not that is warned about, not
+        // refused, so a setting earlier releases took still starts.)
+        if self.max_run_duration >= self.shutdown_grace {
             return Err(format!(
-                "--max-run-duration ({}) plus the {} a run may wait past it for its outcome to be stored must be at most --shutdown-grace ({}), or a draining server would cut runs it promised to finish: raise --shutdown-grace to {} or more, or lower --max-run-duration",
+                "--max-run-duration ({}) must be shorter than --shutdown-grace ({}), or a draining server would cut runs it promised to finish: raise --shutdown-grace to {} or more (the run plus the {} it may wait for its outcome to be stored), or lower --max-run-duration",
                 humantime::format_duration(self.max_run_duration),
-                humantime::format_duration(RUN_OUTCOME_WAIT),
                 humantime::format_duration(self.shutdown_grace),
-                humantime::format_duration(longest_run),
+                humantime::format_duration(self.longest_run()),
+                humantime::format_duration(RUN_OUTCOME_WAIT),
             ));
         }
         let positive: [(&str, usize); 6] = [
@@ -543,6 +550,15 @@ impl ServeArgs {
         if self.auth_tokens.is_some() && !health_open {
             warnings.push(format!(
                 "--auth-open-services does not name {HEALTH_SERVICE} while --auth-tokens is set: health checks without a token (the kubelet's gRPC probes, load balancers, `agentd health`) get UNAUTHENTICATED and a pod probed so never turns ready; add {HEALTH_SERVICE} to --auth-open-services, or probe the admin port's /readyz over HTTP"
+            ));
+        }
+        if self.max_run_duration < self.shutdown_grace && self.longest_run() > self.shutdown_grace {
+            warnings.push(format!(
+                "--shutdown-grace ({}) covers --max-run-duration ({}) but not the {} a run may then wait for its outcome to be stored: a run that reaches its bound during a drain may be cut before its outcome is; set --shutdown-grace to {} or more",
+                humantime::format_duration(self.shutdown_grace),
+                humantime::format_duration(self.max_run_duration),
+                humantime::format_duration(RUN_OUTCOME_WAIT),
+                humantime::format_duration(self.longest_run()),
             ));
         }
         warnings
@@ -883,20 +899,35 @@ mod tests {
     /// A run may hold its stream 5s past its deadline while its outcome is
     /// stored: a grace only 2s longer than the run bound would cut it.
     #[test]
-    fn the_shutdown_grace_covers_a_runs_wait_for_its_outcome_too() {
-        let err = serve(&["--max-run-duration", "128s", "--shutdown-grace", "130s"])
+    fn the_shutdown_grace_covers_a_run_and_is_warned_about_its_outcome_wait() {
+        let err = serve(&["--max-run-duration", "130s", "--shutdown-grace", "130s"])
             .validate()
             .unwrap_err();
         assert!(
-            err.contains("--max-run-duration (2m 8s)")
+            err.contains("--max-run-duration (2m 10s)")
                 && err.contains("--shutdown-grace (2m 10s)")
-                && err.contains("5s")
-                && err.contains("2m 13s or more"),
+                && err.contains("2m 15s or more"),
             "{err}"
         );
-        serve(&["--max-run-duration", "125s", "--shutdown-grace", "130s"])
-            .validate()
-            .unwrap();
+        // Covers the run, not its outcome wait: starts, with a warning.
+        let tight = serve(&["--max-run-duration", "128s", "--shutdown-grace", "130s"]);
+        tight.validate().unwrap();
+        let warned: Vec<_> = tight
+            .insecure_settings()
+            .into_iter()
+            .filter(|w| w.contains("--shutdown-grace (2m 10s)") && w.contains("2m 13s or more"))
+            .collect();
+        assert_eq!(warned.len(), 1, "{:?}", tight.insecure_settings());
+        let roomy = serve(&["--max-run-duration", "125s", "--shutdown-grace", "130s"]);
+        roomy.validate().unwrap();
+        assert!(
+            !roomy
+                .insecure_settings()
+                .iter()
+                .any(|w| w.contains("--shutdown-grace")),
+            "{:?}",
+            roomy.insecure_settings()
+        );
         // No overflow at the longest durations the flags take.
         let most = "3650days";
         assert!(

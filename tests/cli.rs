@@ -716,6 +716,12 @@ fn a_sqlite_store_that_cannot_be_opened_names_its_full_path_and_why() {
     std::fs::set_permissions(&cwd, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut cmd = Command::new(BIN);
     if std::fs::metadata("/proc/self").unwrap().uid() == 0 {
+        // The build's own binary may sit where nobody cannot reach (a
+        // checkout under /root): nobody runs a copy in the test's directory.
+        let bin = cwd.join("agentd");
+        std::fs::copy(BIN, &bin).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        cmd = Command::new(&bin);
         cmd.uid(65534).gid(65534);
     }
     let err = start_up_error(cmd.current_dir(&ro).env_remove("AGENTD_STORE").args(&serve));

@@ -688,11 +688,13 @@ fn remote_agent(
     Ok(Arc::new(agent))
 }
 
-/// Checks sampling settings a model server would refuse on every run (or,
-/// for a NaN or an infinity, which go out as JSON `null`, silently ignore),
-/// on the value's line. The ranges are OpenAI's, which vLLM enforces too
-/// (vLLM refuses a `top_p` of 0; `temperature = 0` asks for greedy
-/// decoding).
+/// Checks sampling settings no model server takes (or, for a NaN or an
+/// infinity, which go out as JSON `null`, every server silently ignores),
+/// on the value's line. Only what is wrong everywhere is refused: the
+/// servers' own ranges differ (OpenAI caps temperature at 2 and the
+/// penalties at ±2, vLLM refuses a `top_p` of 0, Ollama and llama-server
+/// take wider values), and a server refuses what it does not take with a
+/// 4xx on the run (`FAILED_PRECONDITION`).
 fn sampling(
     name: &str,
     s: &SamplingDoc,
@@ -730,19 +732,19 @@ fn sampling(
             ),
         ));
     }
-    let penalty = |x: f64| (-2.0..=2.0).contains(&x);
+    let penalty = |_: f64| true;
     Ok(Sampling {
         temperature: number(
             &s.temperature,
             "temperature",
-            |x| (0.0..=2.0).contains(&x),
-            "a number from 0 to 2",
+            |x| x >= 0.0,
+            "a number of 0 or more",
         )?,
         top_p: number(
             &s.top_p,
             "top_p",
-            |x| x > 0.0 && x <= 1.0,
-            "a number more than 0 and at most 1",
+            |x| (0.0..=1.0).contains(&x),
+            "a number from 0 to 1",
         )?,
         max_tokens: tokens(&s.max_tokens, "max_tokens")?,
         max_completion_tokens: tokens(&s.max_completion_tokens, "max_completion_tokens")?,
@@ -751,13 +753,13 @@ fn sampling(
             &s.presence_penalty,
             "presence_penalty",
             penalty,
-            "a number from -2 to 2",
+            "a finite number",
         )?,
         frequency_penalty: number(
             &s.frequency_penalty,
             "frequency_penalty",
             penalty,
-            "a number from -2 to 2",
+            "a finite number",
         )?,
         stop: s.stop.clone(),
     })
@@ -985,7 +987,7 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
             (
                 GOOD.replace("temperature = 0.1", "temperature = nan"),
                 "agents.toml:17:15:",
-                "sampling.temperature must be a number from 0 to 2",
+                "sampling.temperature must be a number of 0 or more",
             ),
             (
                 GOOD.replace("temperature = 0.1", "temperature = inf"),
@@ -993,17 +995,17 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
                 "sampling.temperature",
             ),
             (
-                GOOD.replace("temperature = 0.1", "temperature = 2.5"),
+                GOOD.replace("temperature = 0.1", "temperature = -0.5"),
                 "agents.toml:17:15:",
                 "sampling.temperature",
             ),
             (
                 GOOD.replace("seed = 7", "top_p = 2"),
                 "agents.toml:18:9:",
-                "sampling.top_p must be a number more than 0 and at most 1",
+                "sampling.top_p must be a number from 0 to 1",
             ),
             (
-                GOOD.replace("seed = 7", "top_p = 0"),
+                GOOD.replace("seed = 7", "top_p = -0.1"),
                 "agents.toml:18:9:",
                 "sampling.top_p",
             ),
@@ -1023,9 +1025,9 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
                 "not both",
             ),
             (
-                GOOD.replace("seed = 7", "frequency_penalty = -3"),
+                GOOD.replace("seed = 7", "frequency_penalty = -inf"),
                 "agents.toml:18:21:",
-                "sampling.frequency_penalty must be a number from -2 to 2",
+                "sampling.frequency_penalty must be a finite number",
             ),
             (
                 GOOD.replace("seed = 7", "presence_penalty = -nan"),
@@ -1052,15 +1054,18 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         );
     }
 
-    /// Values at the ends of their ranges load, and max_completion_tokens
-    /// is sent under its own name.
+    /// Values at the ends of their ranges load, and so do values only some
+    /// servers take (past OpenAI's ranges); max_completion_tokens is sent
+    /// under its own name.
     #[test]
     fn sampling_values_in_range_load_and_max_completion_tokens_is_sent_as_such() {
-        let text = GOOD.replace(
-            "temperature = 0.1\nseed = 7",
+        for settings in [
             "temperature = 0\ntop_p = 1\nmax_completion_tokens = 64\npresence_penalty = -2\nfrequency_penalty = 2",
-        );
-        parse(&text, Path::new("agents.toml"), &opts()).unwrap();
+            "temperature = 2.5\ntop_p = 0\nmax_tokens = 1\npresence_penalty = 3\nfrequency_penalty = -3",
+        ] {
+            let text = GOOD.replace("temperature = 0.1\nseed = 7", settings);
+            parse(&text, Path::new("agents.toml"), &opts()).unwrap();
+        }
         let doc: SamplingDoc =
             toml::from_str("temperature = 2\nmax_completion_tokens = 64").unwrap();
         let s = sampling("a", &doc, &|_, r| anyhow::anyhow!("{r}")).unwrap();
