@@ -690,19 +690,50 @@ fn downgrades(card_url: &str, interface_url: &str) -> bool {
         && scheme(interface_url).as_deref() != Some("https")
 }
 
-/// The credentials an endpoint's URL may carry: its password, and its
-/// query (where an API key often goes). The SDK's transport errors quote the
-/// URL a request failed on (reqwest's "error sending request for url
-/// (…)"), and those errors reach logs, the CLI's `--json` output and, in the
-/// causes of failed recoveries, every caller: each error an [`A2aClient`]
-/// returns has them masked (`***`). Masked, of each URL: its password (in
-/// the URL, and on its own, as written and decoded), its whole query, and
-/// each query value on its own (as written and decoded) wherever a message
-/// quotes it. A value shorter than 4 bytes is masked only where the URL
-/// shows it: no credential is that short, and masking every "1" would
-/// garble the message.
+/// The credentials an endpoint's URL may carry: its userinfo (a password,
+/// or a token given as the username, `https://TOKEN@host/`), and its query
+/// (where an API key often goes). Errors quote the URL a request failed on:
+/// the SDK's transport errors (reqwest's "error sending request for url
+/// (…)", query and all) and this client's own (the card's URL as given,
+/// userinfo and all). Those errors reach logs, the CLI's `--json` output
+/// and, in the causes of failed recoveries, every caller: each error an
+/// [`A2aClient`] returns has them masked (`***`). Masked, of each URL:
+/// - its username and password where the URL shows them (`//***:***@`);
+/// - on its own wherever a message quotes it (as written and decoded), the
+///   password, and the username of a URL without one (the username is then
+///   the credential; beside a password it is a name, and masking it
+///   everywhere would garble a host or a word that holds it);
+/// - its whole query where the URL or its query string shows it;
+/// - on its own wherever a message quotes it (as written and decoded), the
+///   value of each query parameter whose name says it is a credential
+///   ([`credential_key`]). Other values are masked only within the query:
+///   `json` of `?format=json` masked everywhere would make
+///   "application/json" "application/***".
+///
+/// A value shorter than 4 bytes is masked only where the URL shows it: no
+/// credential is that short, and masking every "1" would garble the
+/// message.
 #[derive(Debug, Default)]
 struct Secrets(Vec<(String, String)>);
+
+/// Whether a query parameter named `key` (decoded) carries a credential:
+/// its name, in any case, contains one of the words API keys, tokens,
+/// signatures and session ids go by.
+fn credential_key(key: &str) -> bool {
+    const WORDS: [&str; 9] = [
+        "key",
+        "token",
+        "secret",
+        "sig",
+        "password",
+        "passwd",
+        "auth",
+        "credential",
+        "session",
+    ];
+    let key = key.to_ascii_lowercase();
+    WORDS.iter().any(|w| key.contains(w))
+}
 
 impl Secrets {
     const MASK: &'static str = "***";
@@ -735,15 +766,37 @@ impl Secrets {
         };
         for query in [written, shown].into_iter().flatten() {
             self.push(format!("?{query}"), format!("?{}", Self::MASK));
-            for value in query
-                .split('&')
-                .filter_map(|p| p.split_once('='))
-                .map(|p| p.1)
-            {
-                alone(self, value);
+            for (key, value) in query.split('&').filter_map(|p| p.split_once('=')) {
+                if credential_key(&decoded(key)) {
+                    alone(self, value);
+                }
             }
         }
-        if let Some(password) = parsed.as_ref().and_then(|u| u.password()) {
+        // The username as written (the userinfo before the host, up to a
+        // `:`), and as the parsed URL shows it (percent-encoded; `TOKEN:@`
+        // shown as `TOKEN@`, its empty password dropped).
+        let written_user = url.split_once("://").and_then(|(_, rest)| {
+            let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+            let (userinfo, _) = authority.rsplit_once('@')?;
+            Some(userinfo.split_once(':').map_or(userinfo, |(u, _)| u))
+        });
+        let shown_user = parsed.as_ref().map(|u| u.username());
+        let password = parsed
+            .as_ref()
+            .and_then(|u| u.password())
+            .filter(|p| !p.is_empty());
+        for user in [written_user, shown_user].into_iter().flatten() {
+            if user.is_empty() {
+                continue;
+            }
+            for end in ['@', ':'] {
+                self.push(format!("//{user}{end}"), format!("//{}{end}", Self::MASK));
+            }
+            if password.is_none() {
+                alone(self, user);
+            }
+        }
+        if let Some(password) = password {
             self.push(format!(":{password}@"), format!(":{}@", Self::MASK));
             alone(self, password);
         }
@@ -1359,7 +1412,8 @@ impl A2aClient {
                 // A subscription that does not begin with the task as it
                 // is (a peer older than A2A 1.0, which requires it) leaves
                 // the gap since the recovery's snapshot uncovered: what the
-                // task sent in it is lost.
+                // task sent in it may be lost, unless a last GetTask once
+                // the task completed restores it (see `settle_gap`).
                 Lead::Resubscribed => {
                     if !matches!(next, StreamResponse::Task(_)) && st.gap {
                         st.incomplete = true;
@@ -1375,9 +1429,56 @@ impl A2aClient {
                 return Step::Done(Box::new(done));
             }
             if let Some(end) = end_of(st, Some(&next)) {
+                let end = self.settle_gap(st, opts, deadline, end).await;
                 return Step::Done(Box::new(end));
             }
         }
+    }
+
+    /// A completed task whose stream left a gap uncovered (a resubscription
+    /// after a recovery's snapshot that did not begin with the Task) is
+    /// flagged incomplete, though the gap may have lost nothing: one
+    /// GetTask settles it. A completed task's artifacts are final, so its
+    /// snapshot is authoritative: applied, it restores whatever the gap
+    /// lost, and the result is whole unless the snapshot leaves out
+    /// artifacts the stream brought (see [`CallState::apply_task`]). If
+    /// the read fails (or shows anything but the completed task), the
+    /// result stays flagged: the call ends either way.
+    async fn settle_gap(
+        &self,
+        st: &mut CallState,
+        opts: &CallOptions,
+        deadline: Instant,
+        end: Result<Outcome, CallError>,
+    ) -> Result<Outcome, CallError> {
+        if !st.gap || !matches!(end, Ok(Outcome::Completed { .. })) {
+            return end;
+        }
+        let Some(task_id) = st.task_id.clone() else {
+            return end;
+        };
+        let task = match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+            Ok(Ok(task)) if task.status.state == TaskState::Completed => task,
+            Ok(Ok(task)) => {
+                tracing::warn!(task = %task_id, state = ?task.status.state, "a2a: GetTask after the task completed shows another state; its result stays flagged incomplete");
+                return end;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(task = %task_id, error = %e.message, "a2a: GetTask after the task completed failed; its result stays flagged incomplete");
+                return end;
+            }
+            Err(_) => return end,
+        };
+        st.apply_task(&task);
+        // Covered: the snapshot's artifacts replaced the buffer, or the
+        // task has none and none were streamed: nothing was lost.
+        if !st.gap {
+            st.incomplete = false;
+        }
+        if let Some(e) = self.too_large(st, opts).await {
+            return Err(e);
+        }
+        end_of(st, None).unwrap_or(end)
     }
 
     /// Past `max_artifact_bytes`: the remote task is cancelled, and the
@@ -2324,17 +2425,25 @@ mod tests {
     }
 
     /// What the task sends between a recovery's snapshot and the
-    /// subscription is covered only by a subscription that begins with the
-    /// Task; one that does not leaves a hole, and the result says so.
+    /// subscription is covered by a subscription that begins with the
+    /// Task, or else, once the task completed, by one last GetTask (a
+    /// completed task's artifacts are final); with neither, the hole stays,
+    /// and the result says so.
     #[tokio::test]
     async fn chunks_lost_between_the_snapshot_and_a_subscription_without_a_task_are_flagged() {
-        let art = |text: &str| {
-            let StreamResponse::ArtifactUpdate(u) = chunk("a", text, false, false) else {
+        let art = |id: &str, texts: &[&str]| {
+            let StreamResponse::ArtifactUpdate(u) = update(
+                id,
+                texts.iter().map(|t| Part::text(*t)).collect(),
+                false,
+                false,
+            ) else {
                 unreachable!()
             };
             u.artifact
         };
-        let got = |subscription: Vec<StreamResponse>| {
+        // The recovery's GetTask shows "1"; the one after the end, `last`.
+        let got = |subscription: Vec<StreamResponse>, last: Reply<Task>| {
             Arc::new(Remote {
                 send: Box::new(|_| {
                     Ok(stream(vec![
@@ -2342,7 +2451,10 @@ mod tests {
                         chunk("a", "1", false, false),
                     ]))
                 }),
-                get: Box::new(move |_| Ok(snapshot(TaskState::Working, Some(vec![art("1")])))),
+                get: Box::new(move |n| match n {
+                    0 => Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])]))),
+                    n => last(n),
+                }),
                 subscribe: Box::new(move |_| Ok(stream(subscription.clone()))),
                 ..Remote::new()
             })
@@ -2355,34 +2467,72 @@ mod tests {
             } => (parts_text(&artifacts[0].parts), incomplete),
             other => panic!("{other:?}"),
         };
-        // "2" went out between the snapshot and the subscription.
-        let remote = got(vec![
-            chunk("a", "3", true, true),
-            status(TaskState::Completed),
-        ]);
+        // "2" went out between the snapshot and the subscription: the
+        // completed task's snapshot restores it.
+        let without_the_task = || vec![chunk("a", "3", true, true), status(TaskState::Completed)];
+        let remote = got(
+            without_the_task(),
+            Box::new(move |_| {
+                Ok(snapshot(
+                    TaskState::Completed,
+                    Some(vec![art("a", &["1", "2", "3"])]),
+                ))
+            }),
+        );
         let out = client_of(&remote)
             .send_text("go", None, &opts(), None)
             .await
             .unwrap();
         assert_eq!(remote.count(&remote.subscribed), 1);
-        assert_eq!(result(out), ("13".to_owned(), true));
-        // No artifact was streaming, but a whole one may have gone out.
-        let remote = Arc::new(Remote {
-            send: Box::new(|_| {
-                Ok(stream(vec![
-                    status(TaskState::Working),
-                    chunk("a", "1", false, true),
-                ]))
+        assert_eq!(remote.count(&remote.got), 2, "one GetTask after the end");
+        assert_eq!(result(out), ("123".to_owned(), false));
+        // That last GetTask failing, showing the task without its
+        // artifacts, or not completed, leaves the hole flagged.
+        let lasts: [Reply<Task>; 3] = [
+            Box::new(|_| Err(A2AError::new(a2a::error_code::INTERNAL_ERROR, "busy"))),
+            Box::new(|_| Ok(snapshot(TaskState::Completed, None))),
+            Box::new(move |_| {
+                Ok(snapshot(
+                    TaskState::Working,
+                    Some(vec![art("a", &["1", "2", "3"])]),
+                ))
             }),
-            get: Box::new(move |_| Ok(snapshot(TaskState::Working, Some(vec![art("1")])))),
-            subscribe: Box::new(|_| {
-                Ok(stream(vec![
-                    chunk("c", "3", false, true),
-                    status(TaskState::Completed),
-                ]))
-            }),
-            ..Remote::new()
-        });
+        ];
+        for last in lasts {
+            let remote = got(without_the_task(), last);
+            let out = client_of(&remote)
+                .send_text("go", None, &opts(), None)
+                .await
+                .unwrap();
+            assert_eq!(remote.count(&remote.got), 2);
+            assert_eq!(result(out), ("13".to_owned(), true));
+        }
+        // No artifact was streaming, but a whole one ("b") may have gone
+        // out: flagged, unless the last GetTask shows it.
+        let whole = |last: Reply<Task>| {
+            Arc::new(Remote {
+                send: Box::new(|_| {
+                    Ok(stream(vec![
+                        status(TaskState::Working),
+                        chunk("a", "1", false, true),
+                    ]))
+                }),
+                get: Box::new(move |n| match n {
+                    0 => Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])]))),
+                    n => last(n),
+                }),
+                subscribe: Box::new(|_| {
+                    Ok(stream(vec![
+                        chunk("c", "3", false, true),
+                        status(TaskState::Completed),
+                    ]))
+                }),
+                ..Remote::new()
+            })
+        };
+        let remote = whole(Box::new(|_| {
+            Err(A2AError::new(a2a::error_code::INTERNAL_ERROR, "busy"))
+        }));
         let out = client_of(&remote)
             .send_text("go", None, &opts(), None)
             .await
@@ -2391,21 +2541,38 @@ mod tests {
             matches!(&out, Outcome::Completed { artifacts, incomplete: true, .. } if artifacts.len() == 2),
             "{out:?}"
         );
-        // A subscription that begins with the task as it is restores it.
-        let StreamResponse::ArtifactUpdate(u) =
-            update("a", vec![Part::text("1"), Part::text("2")], false, false)
-        else {
-            unreachable!()
-        };
-        let remote = got(vec![
-            StreamResponse::Task(snapshot(TaskState::Working, Some(vec![u.artifact]))),
-            chunk("a", "3", true, true),
-            status(TaskState::Completed),
-        ]);
+        let remote = whole(Box::new(move |_| {
+            Ok(snapshot(
+                TaskState::Completed,
+                Some(vec![art("a", &["1"]), art("b", &["2"]), art("c", &["3"])]),
+            ))
+        }));
         let out = client_of(&remote)
             .send_text("go", None, &opts(), None)
             .await
             .unwrap();
+        assert!(
+            matches!(&out, Outcome::Completed { artifacts, incomplete: false, .. } if artifacts.len() == 3),
+            "{out:?}"
+        );
+        // A subscription that begins with the task as it is restores it:
+        // no GetTask after the end.
+        let remote = got(
+            vec![
+                StreamResponse::Task(snapshot(
+                    TaskState::Working,
+                    Some(vec![art("a", &["1", "2"])]),
+                )),
+                chunk("a", "3", true, true),
+                status(TaskState::Completed),
+            ],
+            Box::new(|_| panic!("no GetTask after the end")),
+        );
+        let out = client_of(&remote)
+            .send_text("go", None, &opts(), None)
+            .await
+            .unwrap();
+        assert_eq!(remote.count(&remote.got), 1);
         assert_eq!(result(out), ("123".to_owned(), false));
     }
 
@@ -2566,9 +2733,95 @@ mod tests {
         let short = Secrets::of("http://bot:pw@h/a?k=1");
         assert_eq!(
             short.mask("failed: http://bot:pw@h/a?k=1 (pw 1)"),
-            "failed: http://bot:***@h/a?*** (pw 1)"
+            "failed: http://***:***@h/a?*** (pw 1)"
         );
         assert_eq!(Secrets::of("http://h/").mask("plain"), "plain");
+    }
+
+    /// A token given as the URL's username, with no password or an empty
+    /// one, is a credential: masked where the URL shows it (as written, and
+    /// as the parsed URL shows it, without the empty password's `:`) and
+    /// on its own. Beside a password the username is masked in the URL
+    /// only.
+    #[test]
+    fn a_token_given_as_the_urls_username_is_masked() {
+        for url in [
+            "https://tok-5678@agents.internal/a2a",
+            "https://tok-5678:@agents.internal/a2a",
+        ] {
+            let s = Secrets::of(url);
+            let parsed = reqwest::Url::parse(url).unwrap();
+            for message in [
+                format!("cannot read the agent card at {url}: refused"),
+                format!("error sending request for url ({parsed})"),
+                "bad token tok-5678".to_owned(),
+            ] {
+                let shown = s.mask(&message);
+                assert!(!shown.contains("tok-5678"), "{url}: {shown}");
+            }
+            assert_eq!(
+                s.mask(&format!("at {url}")),
+                format!("at {}", url.replace("tok-5678", "***")),
+            );
+            assert_eq!(
+                s.mask(&format!("at {parsed}")),
+                "at https://***@agents.internal/a2a"
+            );
+        }
+        let s = Secrets::of("https://agents:pw-456@agents.internal/a2a");
+        assert_eq!(
+            s.mask("https://agents:pw-456@agents.internal/a2a: agents down"),
+            "https://***:***@agents.internal/a2a: agents down"
+        );
+    }
+
+    /// This client's own errors quote the card's URL as given, userinfo
+    /// and all (reqwest takes it out of what it quotes; this client does
+    /// not): a token given as the username must not reach them.
+    #[tokio::test]
+    async fn connect_errors_do_not_show_a_token_given_as_the_username() {
+        for url in [
+            "http://tok-5678@127.0.0.1:1/",
+            "http://tok-5678:@127.0.0.1:1/",
+        ] {
+            let err = A2aClient::connect(url, None).await.err().unwrap();
+            let shown = format!("{err:#}");
+            assert!(shown.contains("127.0.0.1:1"), "{shown}");
+            assert!(!shown.contains("tok-5678"), "{shown}");
+        }
+    }
+
+    /// Only a credential's query value is masked on its own: `json` of
+    /// `?format=json` is masked within the query, not in
+    /// "application/json"; `api_key`'s value everywhere.
+    #[test]
+    fn only_credential_query_values_are_masked_outside_the_url() {
+        let url = "https://agents.internal/a2a?format=json&api_key=abcd1234";
+        let s = Secrets::of(url);
+        assert_eq!(
+            s.mask(&format!(
+                "error sending request for url ({url}): expected application/json, got text/html; key abcd1234 refused"
+            )),
+            "error sending request for url (https://agents.internal/a2a?***): expected application/json, got text/html; key *** refused"
+        );
+        assert_eq!(
+            s.mask("query format=json&api_key=abcd1234"),
+            "query format=json&api_key=***",
+        );
+        for key in [
+            "X-Amz-Signature",
+            "access_TOKEN",
+            "sessionid",
+            "Auth",
+            "client_secret",
+        ] {
+            let s = Secrets::of(&format!("https://h/a?{key}=v-9876&{key}2=w%2B9876"));
+            assert_eq!(s.mask("v-9876 w+9876 w%2B9876"), "*** *** ***", "{key}");
+        }
+        for key in ["format", "lang", "v"] {
+            let s = Secrets::of(&format!("https://h/a?{key}=v-9876"));
+            assert_eq!(s.mask("v-9876"), "v-9876", "{key}");
+        }
     }
 
     /// The SDK's transport errors quote the URL a request failed on: an

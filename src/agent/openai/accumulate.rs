@@ -356,20 +356,22 @@ impl Accumulator {
         let last = self.slots.len().checked_sub(1);
         match (index, id) {
             // The same index with a different id is a new call when the
-            // fragment names a function, or the call so far is whole
+            // call so far is whole, or the fragment names another function
             // (Ollama sends index 0 and a fresh id for every call, each
             // call whole). Otherwise it continues the call: some servers
-            // send a fresh id on every fragment of one call. A name that
-            // repeats the call's own while its arguments are half-written
-            // continues it too (servers repeat the name on each fragment).
+            // send a fresh id on every fragment of one call, and repeat
+            // the call's name on each. That holds while the arguments are
+            // still empty too: a server may send the name with `""` first,
+            // and a call without arguments is not a whole call (they must
+            // be a JSON object), so the next fragment's `{"x"` is the
+            // start of its arguments, not a call of its own.
             (Some(ix), Some(id)) => {
                 let i = self.slots.iter().rposition(|s| s.index == Some(ix))?;
                 let s = &mut self.slots[i];
                 if s.id.is_empty() || s.id == id {
                     return Some(i);
                 }
-                let new = s.complete()
-                    || name.is_some_and(|n| n != s.name || s.arguments.trim().is_empty());
+                let new = s.complete() || name.is_some_and(|n| n != s.name);
                 (!new).then_some(i)
             }
             (Some(ix), None) => self.slots.iter().rposition(|s| s.index == Some(ix)),
@@ -929,6 +931,54 @@ data: [DONE]
                 c.tool_calls[0].function.name.as_str()
             ),
             ("a", "f")
+        );
+    }
+
+    /// A server that sends a fresh id on every fragment and repeats the
+    /// name each time, the name first with empty arguments: the pieces of
+    /// the arguments that follow continue that call (the call had no
+    /// arguments yet, so it was not whole), one call `f({"x":1})`, not
+    /// `f({})` and `f(:1})`.
+    #[test]
+    fn a_fresh_id_and_the_same_name_on_every_fragment_continue_a_call_with_empty_arguments() {
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","type":"function","function":{"name":"f","arguments":""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"b","type":"function","function":{"name":"f","arguments":"{\"x\""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":":1}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let (outs, done) = run(t);
+        assert_eq!(outs, vec![], "no call is announced before the end");
+        let c = done.unwrap();
+        let calls: Vec<_> = c
+            .tool_calls
+            .iter()
+            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
+            .collect();
+        assert_eq!(calls, vec![("a", "f", json!({"x": 1}))]);
+        // Another name on the same index, or arguments already whole,
+        // still start a new call.
+        let t = r#"
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"f","arguments":""}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"b","function":{"name":"g","arguments":"{}"}}]}}]}
+data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c","function":{"name":"g","arguments":"{\"y\":2}"}}]}}]}
+data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
+data: [DONE]
+"#;
+        let c = run(t).1.unwrap();
+        let calls: Vec<_> = c
+            .tool_calls
+            .iter()
+            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
+            .collect();
+        assert_eq!(
+            calls,
+            vec![
+                ("a", "f", json!({})),
+                ("b", "g", json!({})),
+                ("c", "g", json!({"y": 2}))
+            ]
         );
     }
 
