@@ -4,7 +4,8 @@
 //! `AGENTD_LOG` (or, when it is unset, `RUST_LOG`) filters; the default is
 //! `info`. A filter that does not parse stops start-up. A log line
 //! written inside a call carries its trace id (the `trace_id` field of the
-//! `grpc` span).
+//! `grpc` span, or of the `run` span, which is no child of it:
+//! [`trace::run_span`]).
 //!
 //! Traces: every span also goes to OpenTelemetry ([`trace`]); spans are
 //! exported over OTLP/gRPC only when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
@@ -190,6 +191,9 @@ where
     let _ = tracing_subscriber::registry()
         .with(fmt)
         .with(otel)
+        .with(KeepCaller.with_filter(filter::filter_fn(|m| {
+            m.is_span() && m.fields().field("caller").is_some()
+        })))
         .try_init();
     Telemetry { provider }
 }
@@ -282,6 +286,64 @@ where
     }
 }
 
+/// Keeps the `caller` a span records (the authentication layer names the
+/// caller on the call's span once it is let in) in that span's extensions,
+/// where [`caller_of`] finds it: a run's span is no child of its call's
+/// ([`trace::run_span`]), and copies it for its log lines. Sees only spans
+/// with a `caller` field (its filter).
+struct KeepCaller;
+
+/// The caller a span recorded ([`KeepCaller`]).
+struct CallerName(String);
+
+impl<S> Layer<S> for KeepCaller
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut caller = CallerField(None);
+        values.record(&mut caller);
+        if let (Some(name), Some(span)) = (caller.0, ctx.span(id)) {
+            span.extensions_mut().replace(CallerName(name));
+        }
+    }
+}
+
+struct CallerField(Option<String>);
+
+impl Visit for CallerField {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "caller" {
+            self.0 = Some(value.to_owned());
+        }
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "caller" {
+            self.0 = Some(format!("{value:?}"));
+        }
+    }
+}
+
+/// The caller recorded on `span` or the nearest span above it that has one
+/// ([`KeepCaller`]); `None` outside an authenticated call, or when the
+/// telemetry was not installed here ([`init`]).
+pub(crate) fn caller_of(span: &tracing::Span) -> Option<String> {
+    use tracing_subscriber::registry::LookupSpan;
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>()?;
+        registry
+            .span(id)?
+            .scope()
+            .find_map(|s| s.extensions().get::<CallerName>().map(|c| c.0.clone()))
+    })
+    .flatten()
+}
+
 /// The log filter when neither `AGENTD_LOG` nor `RUST_LOG` is set, and the
 /// traces' filter always.
 const DEFAULT_LOG: &str = "info,h2=warn,hyper=warn,tower=warn";
@@ -319,6 +381,14 @@ fn resource() -> Resource {
 
 /// Text-log fields without the OpenTelemetry attributes (`otel.*`, `rpc.*`,
 /// `gen_ai.*`): those are for the trace backend, the line keeps the rest.
+///
+/// Every value is written through [`Escaping`]: a `%` field (and the
+/// message) is written as its `Display` text, unquoted, so a caller's id
+/// logged as it came (a refused Run's, [`crate::grpc`]) could otherwise
+/// end the line and forge the next one, or drive the reader's terminal.
+/// tracing-subscriber's own formatter escapes only ANSI sequences, and only
+/// in the message. The JSON format needs none of this: serde_json escapes
+/// every control character in a string.
 struct TextFields;
 
 impl<'w> FormatFields<'w> for TextFields {
@@ -341,6 +411,7 @@ struct TextVisitor<'w> {
 
 impl Visit for TextVisitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write as _;
         let name = field.name();
         if self.result.is_err()
             || name.starts_with("otel.")
@@ -355,11 +426,49 @@ impl Visit for TextVisitor<'_> {
             " "
         };
         self.result = if name == "message" {
-            write!(self.writer, "{sep}{value:?}")
+            write!(self.writer, "{sep}")
+                .and_then(|()| write!(Escaping(&mut self.writer), "{value:?}"))
         } else {
-            write!(self.writer, "{sep}{name}={value:?}")
+            write!(self.writer, "{sep}{name}=")
+                .and_then(|()| write!(Escaping(&mut self.writer), "{value:?}"))
         };
     }
+}
+
+/// Writes text with its control characters escaped as Rust writes them in a
+/// string literal (`\n`, `\r`, `\t`, `\u{1b}`): C0, DEL and C1, and the
+/// Unicode line separators and bidirectional controls (text a viewer shows
+/// on a line of its own, or reordered). A log line stays one line, and
+/// nothing a caller sent reaches a terminal as a control sequence. Text
+/// already escaped (a string field's `Debug`) has none left, so it passes
+/// unchanged.
+struct Escaping<W>(W);
+
+fn needs_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+impl<W: std::fmt::Write> std::fmt::Write for Escaping<W> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let mut rest = s;
+        while let Some(i) = rest.find(needs_escape) {
+            self.0.write_str(&rest[..i])?;
+            let c = rest[i..].chars().next().expect("found at i");
+            write!(self.0, "{}", c.escape_debug())?;
+            rest = &rest[i + c.len_utf8()..];
+        }
+        self.0.write_str(rest)
+    }
+}
+
+/// `s` with its control characters escaped ([`Escaping`]): for text from
+/// outside (a model's output) that becomes a span attribute.
+pub(crate) fn escape_control(s: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(s.len());
+    let _ = Escaping(&mut out).write_str(s);
+    out
 }
 
 #[cfg(test)]
@@ -394,6 +503,18 @@ mod tests {
             assert!(t.would_enable("h2::codec", &Level::INFO), "{d:?}");
         }
         assert_eq!(super::without_empty_directives(" , "), "");
+    }
+
+    #[test]
+    fn control_characters_are_escaped_and_the_rest_kept() {
+        let forged = "r1\n2025-06-01T12:00:00Z  INFO run finished\x1b[31m\u{202e}é\u{85}";
+        assert_eq!(
+            super::escape_control(forged),
+            "r1\\n2025-06-01T12:00:00Z  INFO run finished\\u{1b}[31m\\u{202e}é\\u{85}"
+        );
+        // A string's Debug has escaped them already: unchanged.
+        let debug = format!("{forged:?}");
+        assert_eq!(super::escape_control(&debug), debug);
     }
 
     #[test]

@@ -246,6 +246,16 @@ async fn tokens_never_reach_the_logs() {
         logs.contains("call refused"),
         "the refusals are logged:\n{logs}"
     );
+    // The run's span is no child of the call's: it carries the caller
+    // itself, for its log lines.
+    let finished = logs
+        .lines()
+        .find(|l| l.contains("run finished") && l.contains(&session))
+        .unwrap_or_else(|| panic!("no 'run finished' line in:\n{logs}"));
+    assert!(
+        finished.contains("\"caller\":\"svc\""),
+        "the run's line names its caller: {finished}"
+    );
     assert!(
         logs.contains("\"caller\":\"svc\""),
         "the caller's name is logged:\n{logs}"
@@ -309,6 +319,11 @@ async fn a_streams_span_ends_with_the_status_of_its_trailers() {
 /// `stock` and its second with text, and that tool; both keep the
 /// `traceparent` of every request.
 async fn traced_model_and_tool() -> (String, String, Arc<Mutex<Vec<String>>>) {
+    traced_model_calling("stock").await
+}
+
+/// [`traced_model_and_tool`] whose model calls the tool named `tool`.
+async fn traced_model_calling(tool: &str) -> (String, String, Arc<Mutex<Vec<String>>>) {
     use axum::routing::post;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -320,17 +335,21 @@ async fn traced_model_and_tool() -> (String, String, Arc<Mutex<Vec<String>>>) {
         seen.lock().unwrap().push(format!("{who} {tp}"));
     };
     let (s1, s2) = (seen.clone(), seen.clone());
+    let call = serde_json::json!({"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"t1","type":"function",
+        "function":{"name":tool,"arguments":"{}"}}]},"finish_reason":"tool_calls"}]})
+    .to_string();
     let app = axum::Router::new()
         .route(
             "/v1/chat/completions",
             post(move |h: axum::http::HeaderMap| {
                 keep(s1.clone(), "model", &h);
                 let first = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+                let call = call.clone();
                 async move {
                     let chunk = if first {
-                        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"t1","type":"function","function":{"name":"stock","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}"#
+                        call
                     } else {
-                        r#"{"choices":[{"index":0,"delta":{"content":"In stock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#
+                        r#"{"choices":[{"index":0,"delta":{"content":"In stock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#.to_owned()
                     };
                     axum::response::Response::builder()
                         .header("content-type", "text/event-stream")
@@ -394,12 +413,12 @@ parameters = {{ type = "object" }}
     );
     let mut d = openai_support::Agentd::start(&agents).await;
     let session = d.session("alice").await;
-    let trace = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+    let trace = TraceId::from_hex("1af7651916cd43dd8448eb211c80319c").unwrap();
     let req = traced_run(
         session,
         "helper",
         "Any cups?",
-        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "00-1af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     );
     let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}
@@ -625,4 +644,157 @@ async fn an_a2a_task_sent_without_a_traceparent_is_in_its_calls_trace() {
         "the line carries the trace id {trace}: {finished}"
     );
     server.stop().await;
+}
+
+/// A Run that goes on after its client left (`ON_DISCONNECT_CONTINUE`): the
+/// call's span ends when the call does (its client went away: CANCELLED),
+/// not when the run does, though the run's span is its child in the trace.
+/// As the run's tracing parent the call's span was held open until the run
+/// ended, its end in the trace seconds after the call's.
+#[tokio::test]
+async fn a_continued_runs_rpc_span_ends_with_the_call_not_with_the_run() {
+    telemetry();
+    let delay = Duration::from_secs(2);
+    let server = SecureServer::start(
+        Ca::new("ca"),
+        Secure {
+            tool_delay: delay,
+            ..Secure::default()
+        },
+    )
+    .await;
+    let mut c = server.client(None, None).await.unwrap();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let mut run = run_request("alice", &session, "r1", "Where is order 1187?");
+    run.on_disconnect = agentd::pb::OnDisconnect::Continue as i32;
+    let mut req = tonic::Request::new(run);
+    req.metadata_mut().insert(
+        "traceparent",
+        "00-9bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            .parse()
+            .unwrap(),
+    );
+    let mut stream = c.raw().run(req).await.unwrap().into_inner();
+    stream
+        .message()
+        .await
+        .unwrap()
+        .expect("the tool call's event");
+    // The client goes away while the tool runs; the run goes on.
+    drop(stream);
+
+    let trace = TraceId::from_hex("9bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+    let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
+    let rpc = named(&spans, RPC);
+    let run = named(&spans, "run");
+    assert_eq!(attr(rpc, "rpc.grpc.status_code").as_deref(), Some("1"));
+    assert_eq!(
+        run.parent_span_id,
+        rpc.span_context.span_id(),
+        "the run is a child of the RPC in the trace"
+    );
+    assert!(!run.parent_span_is_remote);
+    assert_eq!(attr(run, "trace_id"), Some(trace.to_string()));
+    let gap = run
+        .end_time
+        .duration_since(rpc.end_time)
+        .unwrap_or_else(|e| panic!("the RPC span ended {:?} after the run's", e.duration()));
+    assert!(
+        gap >= delay / 2,
+        "the RPC span ended only {gap:?} before the run's: it lasted as long as the run"
+    );
+    server.stop().await;
+}
+
+/// A tool name the model made up (a hallucination, a prompt injection) names
+/// no span: a call of a tool the agent does not have is `execute_tool
+/// unknown`, the name it sent kept as `gen_ai.tool.name`, cut short and its
+/// control characters escaped.
+#[tokio::test]
+async fn a_call_of_a_tool_the_agent_does_not_have_is_execute_tool_unknown() {
+    telemetry();
+    let made_up = format!("stock\n\x1b[31m{}", "x".repeat(1000));
+    let (model_url, tools_url, _) = traced_model_calling(&made_up).await;
+    let agents = format!(
+        r#"
+[agents.helper]
+description = "test agent"
+instruction = "You answer stock questions."
+tools = ["stock"]
+[agents.helper.model]
+base_url = "{model_url}"
+model = "test-model"
+[tools.stock]
+description = "Stock of a product."
+url = "{tools_url}/stock"
+parameters = {{ type = "object" }}
+"#
+    );
+    let mut d = openai_support::Agentd::start(&agents).await;
+    let session = d.session("alice").await;
+    let req = traced_run(
+        session,
+        "helper",
+        "Any cups?",
+        "00-a1f92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01",
+    );
+    let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
+    let mut last = None;
+    while let Some(e) = stream.message().await.unwrap() {
+        last = Some(e);
+    }
+    assert!(last.is_some_and(|e| e.is_final), "the model answered");
+
+    let trace = TraceId::from_hex("a1f92f3577b34da6a3ce929d0e0e4736").unwrap();
+    let unknown = "execute_tool unknown";
+    let spans = spans_of(trace, &["run", unknown]).await;
+    let run = named(&spans, "run");
+    let tool = named(&spans, unknown);
+    assert_eq!(tool.parent_span_id, run.span_context.span_id());
+    let names: Vec<_> = spans.iter().map(|s| s.name.to_string()).collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.starts_with("execute_tool") || n == unknown),
+        "{names:?}"
+    );
+    let name = attr(tool, "gen_ai.tool.name").expect("the name sent");
+    assert!(
+        name.starts_with("stock\\n\\u{1b}[31mxxx") && name.ends_with('…'),
+        "{name}"
+    );
+    assert!(name.chars().count() < 150, "{name}");
+    assert!(!name.chars().any(char::is_control), "{name}");
+    d.stop().await;
+}
+
+/// A caller's ids, logged as they came when its Run is refused, stay inside
+/// their JSON line: serde_json escapes control characters (the text format
+/// escapes them itself: tests/text_logs.rs).
+#[tokio::test]
+async fn a_forged_request_id_stays_inside_its_json_log_line() {
+    telemetry();
+    let mut d = openai_support::Agentd::start("").await;
+    let session = d.session("alice").await;
+    let injected =
+        "{\"timestamp\":\"2025-06-01T12:00:00Z\",\"level\":\"INFO\",\"message\":\"run finished\"}";
+    let req = agentd::pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session.clone(),
+        text: "hello".into(),
+        request_id: format!("x\n{injected}\x1b[31m"),
+        ..Default::default()
+    };
+    let status = d.client.raw().run(req).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    d.stop().await;
+
+    let logs = telemetry().1.text();
+    let refused = logs
+        .lines()
+        .find(|l| l.contains("run refused") && l.contains(&session))
+        .unwrap_or_else(|| panic!("no 'run refused' line in:\n{logs}"));
+    assert!(refused.contains("x\\n{\\\"timestamp"), "{refused}");
+    assert!(!logs.lines().any(|l| l.starts_with(injected)), "{logs}");
+    assert!(!logs.contains('\x1b'), "{logs}");
 }

@@ -448,8 +448,10 @@ impl Shared {
             let cancel = CancellationToken::new();
             self.running.lock().unwrap_or_else(|e| e.into_inner()).insert(job.task_id.clone(), cancel.clone());
             let _running = Running { tasks: self.running.clone(), task_id: job.task_id.clone() };
-            // The run's span is a child of this one, which continues the
-            // caller's trace; it ends with the task's stream.
+            // The run's span is a child of this one in the trace (its
+            // OpenTelemetry parent; in tracing it stands alone, so neither
+            // holds the other open), which continues the caller's trace;
+            // this one ends with the task's stream.
             let span = crate::telemetry::trace::a2a_task_span(&job.task_id, &job.context_id, job.trace_parent.clone());
             let events = match self.turns.start(input, None).instrument(span.clone()).await {
                 Ok(started) => started.stream,

@@ -207,9 +207,11 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
             Code::Cancelled,
             "the client cancelled the call".into(),
         ),
-        Failure::Agent(AgentError::Unavailable { message, .. }) => {
-            (TurnState::Failed, Code::Unavailable, message.clone())
-        }
+        Failure::Agent(AgentError::Unavailable { message, .. }) => (
+            TurnState::Failed,
+            Code::Unavailable,
+            run_it_again(message),
+        ),
         Failure::Agent(AgentError::FailedPrecondition(m)) => {
             (TurnState::Failed, Code::FailedPrecondition, m.clone())
         }
@@ -251,6 +253,15 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
     }
 }
 
+/// An agent's UNAVAILABLE as its turn's outcome. The agent says what was
+/// down, and often "retry later" (it may pass), but the outcome is recorded:
+/// the same request_id replays it. So the message says to send a new one,
+/// as [`replica_stopped`]'s does.
+fn run_it_again(message: &str) -> String {
+    let why = message.strip_suffix("; retry later").unwrap_or(message);
+    format!("{why}; send a new request_id to run it again")
+}
+
 /// Trailer on a status that is a turn's recorded outcome: a retry with the
 /// same request_id gets the same answer, so clients do not retry it.
 pub const TURN_OUTCOME_HEADER: &str = "agentd-turn-outcome";
@@ -280,11 +291,14 @@ pub fn failure(f: Failure) -> Status {
             tonic::metadata::MetadataValue::from_static("recorded"),
         );
     }
-    if let Some(after) = retry_after {
-        // The standard gRPC retry pushback, honoured by retrying clients.
-        if let Ok(v) = after.as_millis().to_string().parse() {
-            status.metadata_mut().insert("grpc-retry-pushback-ms", v);
-        }
+    // The standard gRPC retry pushback, honoured by retrying clients: only
+    // on a status a resend may cure. A recorded outcome's resend (the same
+    // request, so the same request_id) only replays it, however long the
+    // caller waited; its message says to send a new request_id instead.
+    if let Some(after) = retry_after.filter(|_| !recorded)
+        && let Ok(v) = after.as_millis().to_string().parse()
+    {
+        status.metadata_mut().insert("grpc-retry-pushback-ms", v);
     }
     status
 }
@@ -316,12 +330,17 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_becomes_the_pushback_trailer() {
+    fn a_recorded_unavailable_has_no_pushback_and_asks_for_a_new_request_id() {
         let s = failure(Failure::Agent(AgentError::Unavailable {
-            message: "the model is overloaded".into(),
+            message: "the model is overloaded; retry later".into(),
             retry_after: Some(std::time::Duration::from_secs(2)),
         }));
         assert_eq!(s.code(), Code::Unavailable);
-        assert_eq!(s.metadata().get("grpc-retry-pushback-ms").unwrap(), "2000");
+        assert!(s.metadata().get(TURN_OUTCOME_HEADER).is_some());
+        assert!(s.metadata().get("grpc-retry-pushback-ms").is_none());
+        assert_eq!(
+            s.message(),
+            "the model is overloaded; send a new request_id to run it again"
+        );
     }
 }

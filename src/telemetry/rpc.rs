@@ -119,8 +119,8 @@ where
 
     fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
         let call = Call::start(&req, &self.known);
-        // Entered while the handler is called, so its spans (the run's) are
-        // children of this one.
+        // Entered while the handler is called, so its spans are children of
+        // this one (the run's in the trace only: `trace::run_span`).
         let inner = call.span.in_scope(|| self.inner.call(req));
         RpcFuture {
             inner,

@@ -109,15 +109,44 @@ pub fn trace_id(span: &Span) -> Option<String> {
     sc.is_valid().then(|| sc.trace_id().to_string())
 }
 
-/// The span of one agent run (or of a replay/attach of one), a child of the
-/// RPC span that started it.
+/// The span of one agent run (or of a replay/attach of one). In the trace it
+/// is a child of the span current where it starts (a Run's or an Attach's
+/// RPC span, an A2A task's span); to tracing it has no parent. A tracing
+/// span stays open as long as any child does: as the run's parent, the RPC
+/// span of a run that goes on after its client left
+/// (`ON_DISCONNECT_CONTINUE`) would last until the run ended, in memory and
+/// in the trace (its end time, long after the call's, which
+/// `grpc_server_handling_seconds` counts). So the run's log lines carry
+/// themselves what they would take from the call's span: the trace id, and
+/// the caller the authentication layer named on it (which the telemetry's
+/// `KeepCaller` layer keeps for this).
 pub fn run_span(
     mode: &'static str,
     agent: &str,
     session: &dyn std::fmt::Display,
     request_id: &dyn std::fmt::Display,
 ) -> Span {
-    tracing::info_span!("run", otel.name = "run", mode, agent, session = %session, request_id = %request_id)
+    let current = Span::current();
+    let span = tracing::info_span!(
+        parent: None,
+        "run",
+        otel.name = "run",
+        mode,
+        agent,
+        session = %session,
+        request_id = %request_id,
+        trace_id = tracing::field::Empty,
+        caller = tracing::field::Empty,
+    );
+    // No current span: an empty context, and the run starts a trace.
+    let _ = span.set_parent(current.context());
+    if let Some(id) = trace_id(&span) {
+        span.record("trace_id", tracing::field::display(&id));
+    }
+    if let Some(caller) = crate::telemetry::caller_of(&current) {
+        span.record("caller", caller.as_str());
+    }
+    span
 }
 
 /// The span of one A2A task's turn on this server. Its parent is the trace
@@ -156,7 +185,9 @@ pub fn invoke_agent_span(agent: &str) -> Span {
     )
 }
 
-/// The span of one tool call, a child of the run's span.
+/// The span of one call of the configured tool `tool`, a child of the run's
+/// span. A name the model sent that is none of the agent's tools gets
+/// [`unknown_tool_span`] instead: a span's name must come from a small set.
 pub fn tool_span(tool: &str, call_id: &str) -> Span {
     tracing::info_span!(
         "tool",
@@ -164,8 +195,37 @@ pub fn tool_span(tool: &str, call_id: &str) -> Span {
         otel.kind = "internal",
         gen_ai.operation.name = "execute_tool",
         gen_ai.tool.name = tool,
-        gen_ai.tool.call.id = call_id,
+        gen_ai.tool.call.id = %bounded(call_id),
     )
+}
+
+/// The span of a call of a tool the agent does not have, named
+/// `execute_tool unknown`. The name is model output (hallucinated, or put
+/// there by a prompt injection) of up to the model's answer size: as the
+/// span's name it made one span name per call, of any length. It is kept
+/// as `gen_ai.tool.name`, cut to [`MAX_ATTRIBUTE_CHARS`], its control
+/// characters escaped.
+pub fn unknown_tool_span(requested: &str, call_id: &str) -> Span {
+    tracing::info_span!(
+        "tool",
+        otel.name = "execute_tool unknown",
+        otel.kind = "internal",
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %bounded(requested),
+        gen_ai.tool.call.id = %bounded(call_id),
+    )
+}
+
+/// The most characters of model output kept in a span attribute.
+pub const MAX_ATTRIBUTE_CHARS: usize = 128;
+
+/// Model output as a span attribute: at most [`MAX_ATTRIBUTE_CHARS`]
+/// characters (the rest marked with `…`), control characters escaped.
+fn bounded(v: &str) -> String {
+    match v.char_indices().nth(MAX_ATTRIBUTE_CHARS) {
+        Some((cut, _)) => format!("{}…", crate::telemetry::escape_control(&v[..cut])),
+        None => crate::telemetry::escape_control(v),
+    }
 }
 
 /// The span of one call to a model server, a child of the run's span, named

@@ -233,7 +233,14 @@ impl Agent for ModelAgent {
                         // The span starts when the call does, not while it
                         // waits for a place.
                         async move {
-                            let span = crate::telemetry::trace::tool_span(&c.function.name, &c.id);
+                            // Named for the tool only if it is one of the
+                            // agent's: the name is model output.
+                            let name = &c.function.name;
+                            let span = if cfg.tools.iter().any(|t| t.def().name == *name) {
+                                crate::telemetry::trace::tool_span(name, &c.id)
+                            } else {
+                                crate::telemetry::trace::unknown_tool_span(name, &c.id)
+                            };
                             (i, tracing::Instrument::instrument(run_tool(&cfg, ctx, c), span).await)
                         }
                     })
