@@ -1,7 +1,10 @@
 //! A turn's recorded outcome and what its status tells a caller to do: a
 //! resend with the same request_id replays it, so a recorded UNAVAILABLE
-//! (the model server rate-limited the run) carries no retry pushback, and
-//! its message says to send a new request_id, which runs the turn again.
+//! (the model server rate-limited the run) of a caller's own request_id
+//! carries no retry pushback (the `recorded` trailer says a resend would
+//! replay it); a new request_id runs the turn again. A Run whose
+//! request_id the server made up gets the pushback: its resend is a new
+//! turn.
 
 mod openai_support;
 
@@ -12,7 +15,7 @@ use std::time::Duration;
 use agentd::grpc::status::TURN_OUTCOME_HEADER;
 use tonic::Code;
 
-/// A model server that rate-limits its first request (429 with
+/// A model server that rate-limits its first two requests (429 with
 /// `Retry-After: 3`) and answers the others; its URL and how many requests
 /// it got.
 async fn rate_limited_once() -> (String, Arc<AtomicUsize>) {
@@ -22,7 +25,7 @@ async fn rate_limited_once() -> (String, Arc<AtomicUsize>) {
     let app = axum::Router::new().route(
         "/v1/chat/completions",
         post(move || {
-            let first = seen.fetch_add(1, Ordering::SeqCst) == 0;
+            let first = seen.fetch_add(1, Ordering::SeqCst) < 2;
             async move {
                 let r = axum::response::Response::builder();
                 if first {
@@ -83,7 +86,7 @@ async fn turn(
 }
 
 #[tokio::test]
-async fn a_recorded_unavailable_has_no_pushback_and_a_new_request_id_runs_it_again() {
+async fn a_recorded_unavailable_has_a_pushback_only_where_a_resend_runs_again() {
     let (url, calls) = rate_limited_once().await;
     let agents = format!(
         r#"
@@ -109,11 +112,6 @@ model = "test-model"
         first.metadata().get("grpc-retry-pushback-ms").is_none(),
         "a pushback invites a resend, which would only replay it: {first:?}"
     );
-    assert!(
-        first.message().contains("send a new request_id")
-            && !first.message().contains("retry later"),
-        "{first:?}"
-    );
 
     // What the pushback invited: the same request, later. The stored
     // outcome again, and the model is not asked.
@@ -127,10 +125,24 @@ model = "test-model"
     assert!(again.metadata().get("grpc-retry-pushback-ms").is_none());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 
-    // What the message says: a new request_id runs the turn again.
+    // No request_id: the server makes one up, and a resend is a new turn,
+    // so the model server's Retry-After is the pushback.
+    let (_, end) = turn(&mut d, &session, "").await;
+    let made_up = end.unwrap_err();
+    assert_eq!(made_up.code(), Code::Unavailable, "{made_up:?}");
+    assert_eq!(
+        made_up
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap()),
+        Some("3000"),
+        "{made_up:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // A new request_id runs the turn again.
     let (events, end) = turn(&mut d, &session, "r2").await;
     end.unwrap();
     assert!(events > 0);
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
     d.stop().await;
 }

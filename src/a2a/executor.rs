@@ -627,7 +627,7 @@ pub(crate) fn updates(
                         Failure::Stored(o) if o.state == TurnState::Cancelled => TaskState::Canceled,
                         _ => TaskState::Failed,
                     };
-                    let why = status::failure(f).message().to_owned();
+                    let why = status::failure(f, true).message().to_owned();
                     yield job.status(state, Some(job.agent_message(vec![Part::text(why)])));
                     return;
                 }
@@ -637,7 +637,7 @@ pub(crate) fn updates(
         if mapper.answered {
             yield job.status(TaskState::Completed, None);
         } else {
-            let why = status::failure(Failure::NoFinalAnswer).message().to_owned();
+            let why = status::failure(Failure::NoFinalAnswer, true).message().to_owned();
             yield job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)])));
         }
     }

@@ -283,7 +283,7 @@ impl pb::agent_service_server::AgentService for AgentsService {
             }
             s
         })?;
-        Ok(stream_response(started))
+        Ok(stream_response(started, false))
     }
 
     async fn run(&self, req: Request<pb::RunRequest>) -> Result<Response<Self::RunStream>, Status> {
@@ -315,22 +315,29 @@ impl AgentsService {
         let input = parse_run(req.into_inner(), &self.limits).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &input.user_id)
             .map_err(status::permission_denied)?;
+        let generated = input.generated_request_id;
         let started = self
             .turns
             .start(input, timeout)
             .await
             .map_err(|e| status::run_error(e, self.turns.agents()))?;
-        Ok(stream_response(started))
+        Ok(stream_response(started, generated))
     }
 }
 
 /// A started turn as a response: its events, with the request id and the
 /// mode in the headers.
+/// `generated`: the server made the request id up (the caller sent none),
+/// so sending the same request again is a new turn.
 fn stream_response(
     started: turn::Started,
+    generated: bool,
 ) -> Response<<AgentsService as pb::agent_service_server::AgentService>::RunStream> {
-    let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult =
-        |r| r.map_err(status::failure);
+    let to_status: fn(Result<pb::AgentEvent, Failure>) -> EventResult = if generated {
+        |r| r.map_err(|f| status::failure(f, true))
+    } else {
+        |r| r.map_err(|f| status::failure(f, false))
+    };
     let mut resp = Response::new(started.stream.map(to_status));
     if let Ok(v) = MetadataValue::try_from(started.request_id.as_str()) {
         resp.metadata_mut().insert(REQUEST_ID_HEADER, v);

@@ -207,11 +207,9 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
             Code::Cancelled,
             "the client cancelled the call".into(),
         ),
-        Failure::Agent(AgentError::Unavailable { message, .. }) => (
-            TurnState::Failed,
-            Code::Unavailable,
-            run_it_again(message),
-        ),
+        Failure::Agent(AgentError::Unavailable { message, .. }) => {
+            (TurnState::Failed, Code::Unavailable, message.clone())
+        }
         Failure::Agent(AgentError::FailedPrecondition(m)) => {
             (TurnState::Failed, Code::FailedPrecondition, m.clone())
         }
@@ -253,21 +251,14 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
     }
 }
 
-/// An agent's UNAVAILABLE as its turn's outcome. The agent says what was
-/// down, and often "retry later" (it may pass), but the outcome is recorded:
-/// the same request_id replays it. So the message says to send a new one,
-/// as [`replica_stopped`]'s does.
-fn run_it_again(message: &str) -> String {
-    let why = message.strip_suffix("; retry later").unwrap_or(message);
-    format!("{why}; send a new request_id to run it again")
-}
-
 /// Trailer on a status that is a turn's recorded outcome: a retry with the
 /// same request_id gets the same answer, so clients do not retry it.
 pub const TURN_OUTCOME_HEADER: &str = "agentd-turn-outcome";
 
-/// The status that ends a stream that failed with `f`.
-pub fn failure(f: Failure) -> Status {
+/// The status that ends a stream that failed with `f`. `resend_runs_again`:
+/// the same request sent again is a new turn (its request_id was made up
+/// by the server), not a replay of this one.
+pub fn failure(f: Failure, resend_runs_again: bool) -> Status {
     let retry_after = match &f {
         Failure::Agent(AgentError::Unavailable { retry_after, .. }) => *retry_after,
         _ => None,
@@ -294,8 +285,9 @@ pub fn failure(f: Failure) -> Status {
     // The standard gRPC retry pushback, honoured by retrying clients: only
     // on a status a resend may cure. A recorded outcome's resend (the same
     // request, so the same request_id) only replays it, however long the
-    // caller waited; its message says to send a new request_id instead.
-    if let Some(after) = retry_after.filter(|_| !recorded)
+    // caller waited (the `recorded` trailer says so); unless the server
+    // made the request_id up, when a resend is a new turn.
+    if let Some(after) = retry_after.filter(|_| !recorded || resend_runs_again)
         && let Ok(v) = after.as_millis().to_string().parse()
     {
         status.metadata_mut().insert("grpc-retry-pushback-ms", v);
@@ -312,7 +304,7 @@ mod tests {
         let f = Failure::Agent(AgentError::Unexpected(anyhow::anyhow!(
             "prompt said: my password is hunter2"
         )));
-        let s = failure(f);
+        let s = failure(f, false);
         assert_eq!(s.code(), Code::Internal);
         assert!(!s.message().contains("hunter2"), "{}", s.message());
     }
@@ -325,22 +317,32 @@ mod tests {
             message: "x".into(),
         };
         assert_eq!(outcome(&Err(Failure::Stored(o.clone()))), o);
-        let s = failure(Failure::Stored(o));
+        let s = failure(Failure::Stored(o), false);
         assert_eq!((s.code(), s.message()), (Code::Unavailable, "x"));
     }
 
     #[test]
-    fn a_recorded_unavailable_has_no_pushback_and_asks_for_a_new_request_id() {
-        let s = failure(Failure::Agent(AgentError::Unavailable {
-            message: "the model is overloaded; retry later".into(),
-            retry_after: Some(std::time::Duration::from_secs(2)),
-        }));
+    fn a_recorded_unavailable_has_a_pushback_only_where_a_resend_runs_again() {
+        let overloaded = || {
+            Failure::Agent(AgentError::Unavailable {
+                message: "the model is overloaded; retry later".into(),
+                retry_after: Some(std::time::Duration::from_secs(2)),
+            })
+        };
+        // The caller's own request_id: a resend replays the outcome.
+        let s = failure(overloaded(), false);
         assert_eq!(s.code(), Code::Unavailable);
         assert!(s.metadata().get(TURN_OUTCOME_HEADER).is_some());
         assert!(s.metadata().get("grpc-retry-pushback-ms").is_none());
+        assert_eq!(s.message(), "the model is overloaded; retry later");
+        // A request_id the server made up: a resend is a new turn.
+        let s = failure(overloaded(), true);
+        assert!(s.metadata().get(TURN_OUTCOME_HEADER).is_some());
         assert_eq!(
-            s.message(),
-            "the model is overloaded; send a new request_id to run it again"
+            s.metadata()
+                .get("grpc-retry-pushback-ms")
+                .map(|v| v.to_str().unwrap()),
+            Some("2000")
         );
     }
 }
