@@ -82,7 +82,7 @@ async fn ended(store: &dyn Store, key: &TurnKey) -> TurnRecord {
 /// The call's status for a stream that ended with `f`: its code, its
 /// message, and whether it carries the `recorded` trailer.
 fn status_of(f: Failure) -> (Code, String, bool) {
-    let s = status::failure(f);
+    let s = status::failure(f, false);
     let recorded = s.metadata().get(TURN_OUTCOME_HEADER).is_some();
     (s.code(), s.message().to_owned(), recorded)
 }
