@@ -191,9 +191,14 @@ where
     let _ = tracing_subscriber::registry()
         .with(fmt)
         .with(otel)
-        .with(KeepCaller.with_filter(filter::filter_fn(|m| {
-            m.is_span() && m.fields().field("caller").is_some()
-        })))
+        .with(
+            KeepCaller.with_filter(
+                filter::filter_fn(|m| m.is_span() && m.fields().field("caller").is_some())
+                    // The spans with a caller are at info; without a hint
+                    // the filter would lift the whole subscriber's to trace.
+                    .with_max_level_hint(tracing::level_filters::LevelFilter::INFO),
+            ),
+        )
         .try_init();
     Telemetry { provider }
 }

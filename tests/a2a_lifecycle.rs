@@ -333,12 +333,12 @@ async fn subscribing_to_a_task_waiting_for_input_streams_the_task() {
 /// subscribers; one further behind used to get INTERNAL "Internal error"
 /// and lose the rest of the run. Here the client's HTTP/2 windows (1 KiB)
 /// hold the server back while the client reads nothing for the first 1.5 s
-/// of a run of 2,400 chunks paced over 6 s, then reads slower than the run
-/// for 3.5 s (it falls behind again and again: more often than the bound
+/// of a run of 2,800 chunks paced over 7 s, then reads slower than the run
+/// for 4.5 s (it falls behind again and again: more often than the bound
 /// on resumes that deliver nothing), then keeps up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_nothing() {
-    const CHUNKS: usize = 2400;
+    const CHUNKS: usize = 2800;
     const SIZE: usize = 16;
     let server = A2aServer::start(Duration::ZERO).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
@@ -366,7 +366,7 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
     let first = events.next().await.unwrap().unwrap();
     assert!(matches!(first, StreamResponse::Task(_)), "{first:?}");
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let slow_until = tokio::time::Instant::now() + Duration::from_millis(3500);
+    let slow_until = tokio::time::Instant::now() + Duration::from_millis(4500);
 
     // The answer's text as the client holds it: a Task replaces it, an
     // appended chunk adds to it. Just before the final answer (which

@@ -331,6 +331,10 @@ async fn ended_elsewhere(tasks: &dyn A2aTasks, e: &A2AError) -> Option<Task> {
 /// as often as it falls behind, each time from a snapshot that holds all
 /// it missed, so it catches up by skipping updates.
 const MAX_RESUMES: u32 = 8;
+/// Times in all one stream picks up again: each resume is a task read and
+/// a snapshot of every chunk so far, so a reader that keeps falling behind
+/// a long run does not cost that without end.
+const MAX_RESUMES_IN_ALL: u32 = 64;
 
 /// The crate's answer to a subscriber that fell more than its buffer (32
 /// updates) behind the run: an INTERNAL error with its generic message (the
@@ -420,6 +424,7 @@ impl Handler {
             let mut events = events;
             let mut task_id = task_id;
             let mut resumed = 0;
+            let mut resumed_in_all = 0;
             while let Some(item) = events.next().await {
                 let e = match item {
                     Ok(update) => {
@@ -446,11 +451,17 @@ impl Handler {
                     }));
                     return;
                 }
-                if let Some(id) = task_id.as_deref().filter(|_| fell_behind(&e) && resumed < MAX_RESUMES) {
+                let may_resume = fell_behind(&e) && resumed < MAX_RESUMES && resumed_in_all < MAX_RESUMES_IN_ALL;
+                if let Some(id) = task_id.as_deref().filter(|_| may_resume) {
                     resumed += 1;
+                    resumed_in_all += 1;
                     match resume.resume(id).await {
                         Ok(more) => {
-                            tracing::info!(task = %id, resumed, "a2a: a stream fell behind its run; it goes on from the task as it stands");
+                            if resumed_in_all == 1 {
+                                tracing::info!(task = %id, "a2a: a stream fell behind its run; it goes on from the task as it stands");
+                            } else {
+                                tracing::debug!(task = %id, resumed_in_all, "a2a: a stream fell behind its run again");
+                            }
                             crate::telemetry::metrics::a2a_stream_resumed();
                             events = more;
                             continue;

@@ -718,21 +718,26 @@ struct Secrets(Vec<(String, String)>);
 
 /// Whether a query parameter named `key` (decoded) carries a credential:
 /// its name, in any case, contains one of the words API keys, tokens,
-/// signatures and session ids go by.
+/// passwords, signatures, OAuth codes and session ids go by (or is `sid`).
 fn credential_key(key: &str) -> bool {
-    const WORDS: [&str; 9] = [
+    const WORDS: [&str; 14] = [
         "key",
         "token",
         "secret",
         "sig",
         "password",
         "passwd",
+        "pass",
+        "pwd",
         "auth",
         "credential",
         "session",
+        "jwt",
+        "bearer",
+        "code",
     ];
     let key = key.to_ascii_lowercase();
-    WORDS.iter().any(|w| key.contains(w))
+    key == "sid" || WORDS.iter().any(|w| key.contains(w))
 }
 
 impl Secrets {
@@ -1334,7 +1339,10 @@ impl A2aClient {
                 return Err(self.abandon_at_deadline(st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
-            let task = match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+            // The task is over: a remote that does not answer holds the call
+            // no longer than one idle period, not to its deadline.
+            let until = deadline.min(Instant::now() + opts.idle_timeout);
+            let task = match tokio::time::timeout_at(until, self.get_task(&task_id)).await {
                 Err(_) => return Err(self.abandon_at_deadline(st).await),
                 Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(st, e)),
                 Ok(Err(e)) if permanent(&e) => {
@@ -1475,8 +1483,13 @@ impl A2aClient {
         if !st.gap {
             st.incomplete = false;
         }
-        if let Some(e) = self.too_large(st, opts).await {
-            return Err(e);
+        // Over the limit: the call ends TooLarge, with no cancel for a
+        // task that has completed.
+        if st.artifact_bytes > opts.max_artifact_bytes {
+            return Err(CallError::TooLarge {
+                task_id: st.task_id.clone(),
+                limit: opts.max_artifact_bytes,
+            });
         }
         end_of(st, None).unwrap_or(end)
     }
@@ -2814,11 +2827,18 @@ mod tests {
             "sessionid",
             "Auth",
             "client_secret",
+            "pwd",
+            "pass",
+            "jwt",
+            "bearer",
+            "code",
         ] {
             let s = Secrets::of(&format!("https://h/a?{key}=v-9876&{key}2=w%2B9876"));
             assert_eq!(s.mask("v-9876 w+9876 w%2B9876"), "*** *** ***", "{key}");
         }
-        for key in ["format", "lang", "v"] {
+        let s = Secrets::of("https://h/a?SID=v-9876");
+        assert_eq!(s.mask("v-9876"), "***");
+        for key in ["format", "lang", "v", "side"] {
             let s = Secrets::of(&format!("https://h/a?{key}=v-9876"));
             assert_eq!(s.mask("v-9876"), "v-9876", "{key}");
         }
