@@ -165,13 +165,7 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
         panic!("not a task")
     };
     assert_eq!(t.status.state, TaskState::Completed);
-    let answer: String = t
-        .artifacts
-        .iter()
-        .flatten()
-        .map(|a| parts_text(&a.parts))
-        .collect();
-    assert_eq!(answer, "hello as bytes");
+    assert_eq!(a2a_support::answer_of(&t), "hello as bytes");
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }
@@ -374,13 +368,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
             task.status.state
         );
         if task.status.state == TaskState::Completed {
-            let answer: String = task
-                .artifacts
-                .iter()
-                .flatten()
-                .map(|a| parts_text(&a.parts))
-                .collect();
-            assert_eq!(answer, "hello there", "{refuse:?}");
+            assert_eq!(a2a_support::answer_of(&task), "hello there", "{refuse:?}");
         }
         server.stop().await;
     }

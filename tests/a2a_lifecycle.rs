@@ -12,7 +12,7 @@ use a2a::{
     GetTaskRequest, Message, Part, Role, SendMessageConfiguration, SendMessageRequest,
     SendMessageResponse, StreamResponse, Task, TaskPushNotificationConfig, TaskState,
 };
-use a2a_support::{A2aServer, a2a_at};
+use a2a_support::{A2aServer, a2a_at, answer_of};
 use agentd::client::a2a::parts_text;
 use futures::StreamExt;
 use support::{Backend, Child, TestDb};
@@ -185,13 +185,7 @@ async fn a_streamed_reply_to_a_waiting_task_begins_with_the_task() {
         assert_eq!(task.status.state, TaskState::Completed);
         assert_eq!(history_texts(&task), ["start", "and now?"]);
         if !scripted {
-            let answer: String = task
-                .artifacts
-                .iter()
-                .flatten()
-                .map(|a| parts_text(&a.parts))
-                .collect();
-            assert_eq!(answer, "and now?");
+            assert_eq!(answer_of(&task), "and now?");
         }
     }
     let task = waiting_task(&client).await;
@@ -381,12 +375,7 @@ async fn a_stream_that_falls_behind_its_run_goes_on_from_the_task_and_loses_noth
                 StreamResponse::Task(t) => {
                     snapshots += 1;
                     end = Some(t.status.state.clone());
-                    let answer: String = t
-                        .artifacts
-                        .iter()
-                        .flatten()
-                        .map(|a| parts_text(&a.parts))
-                        .collect();
+                    let answer = answer_of(&t);
                     if t.status.state == TaskState::Completed {
                         // Fell behind once more at the very end: the
                         // snapshot holds the final answer.

@@ -12,7 +12,7 @@ use a2a::{
     ListTasksRequest, Message, Part, Role, SendMessageRequest, StreamResponse,
     SubscribeToTaskRequest, TaskState,
 };
-use a2a_support::a2a_at;
+use a2a_support::{a2a_at, answer_of};
 use agentd::client::a2a::{A2aClient, CallOptions, Outcome, parts_text};
 use futures::StreamExt;
 use support::*;
@@ -73,14 +73,6 @@ async fn ask(client: &A2aClient, text: &str, context_id: Option<&str>) -> (Strin
     assert!(!incomplete);
     let answer = artifacts.iter().map(|a| parts_text(&a.parts)).collect();
     (task_id, context_id, answer)
-}
-
-fn answer_of(task: &a2a::Task) -> String {
-    task.artifacts
-        .iter()
-        .flatten()
-        .map(|a| parts_text(&a.parts))
-        .collect()
 }
 
 async fn list(client: &A2aClient, req: ListTasksRequest) -> a2a::ListTasksResponse {

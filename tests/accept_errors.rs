@@ -6,12 +6,15 @@
 //! to the hard one, with a warning when even that is short of what the
 //! ports may hold.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt as _;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use support::{check_on_new_connection, serve_grpc_alone};
 use tokio::io::AsyncBufReadExt;
 
 /// `agentd serve` (memory store, the gRPC port alone) started with its
@@ -26,22 +29,8 @@ struct Limited {
 
 impl Limited {
     async fn serve(soft: u64, hard: u64, args: &[&str]) -> Limited {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"));
-        cmd.env("AGENTD_STORE", "memory:")
-            .env("AGENTD_LOG", "info")
-            .args([
-                "--log-format",
-                "json",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "off",
-                "--a2a-listen",
-                "off",
-                "--drain-delay",
-                "0s",
-            ])
+        let mut cmd = serve_grpc_alone(&["--drain-delay", "0s"]);
+        cmd.env("AGENTD_LOG", "info")
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -150,24 +139,6 @@ async fn within_10s(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// A health check over a new connection to `addr`.
-async fn health_check(addr: SocketAddr) -> Result<(), String> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_client::HealthClient;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
-    HealthClient::new(channel)
-        .check(HealthCheckRequest::default())
-        .await
-        .map(drop)
-        .map_err(|s| format!("check: {s}"))
-}
-
 const LIMIT: u64 = 64;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,7 +202,7 @@ async fn out_of_file_descriptors_the_grpc_port_waits_between_accepts_and_warns_o
     })
     .await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while let Err(e) = health_check(server.addr).await {
+    while let Err(e) = check_on_new_connection(server.addr, Duration::from_secs(2)).await {
         assert!(
             tokio::time::Instant::now() < deadline,
             "a new connection is served again: {e}"

@@ -3,6 +3,7 @@
 //! `--token`; bad files fail start-up with one line that quotes no secret.
 
 mod secured;
+mod support;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -266,20 +267,7 @@ fn tokens_with_the_health_service_closed_are_warned_about_at_start_up() {
         &format!(r#"{{"tokens": [{{"token": "{TOKEN}", "caller": "cli", "user_ids": ["*"]}}]}}"#),
     );
     let warnings = |open: Option<&str>| -> Vec<String> {
-        let mut cmd = Command::new(BIN);
-        cmd.env("AGENTD_STORE", "memory:").args([
-            "--log-format",
-            "json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "off",
-            "--a2a-listen",
-            "off",
-            "--auth-tokens",
-            &tokens,
-        ]);
+        let mut cmd = support::serve_grpc_alone(&["--auth-tokens", &tokens]);
         if let Some(open) = open {
             cmd.args(["--auth-open-services", open]);
         }

@@ -2,12 +2,14 @@
 //! reconnect and rebalance) without cutting calls in flight.
 
 mod common;
+mod support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agentd::client::AgentClient;
 use common::*;
+use support::check_on_new_connection;
 
 #[tokio::test]
 async fn an_aged_connection_gets_goaway_and_its_call_in_flight_still_completes() {
@@ -45,24 +47,6 @@ async fn an_aged_connection_gets_goaway_and_its_call_in_flight_still_completes()
     server.stop().await;
 }
 
-/// A health check over a new connection to `addr`.
-async fn check_on_new_connection(addr: std::net::SocketAddr) -> Result<(), String> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_client::HealthClient;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
-    HealthClient::new(channel)
-        .check(HealthCheckRequest::default())
-        .await
-        .map(drop)
-        .map_err(|s| format!("check: {s}"))
-}
-
 #[tokio::test]
 async fn past_the_connection_limit_a_new_grpc_connection_is_closed_until_one_ends() {
     let mut opts = Options::default();
@@ -81,7 +65,7 @@ async fn past_the_connection_limit_a_new_grpc_connection_is_closed_until_one_end
         .await
         .expect("the second connection is within the limit");
 
-    let refused = check_on_new_connection(addr).await;
+    let refused = check_on_new_connection(addr, Duration::from_secs(5)).await;
     assert!(
         refused.is_err(),
         "a third connection is served: {refused:?}"
@@ -96,7 +80,7 @@ async fn past_the_connection_limit_a_new_grpc_connection_is_closed_until_one_end
     drop(second);
     let mut served = Err(String::new());
     for _ in 0..100 {
-        served = check_on_new_connection(addr).await;
+        served = check_on_new_connection(addr, Duration::from_secs(5)).await;
         if served.is_ok() {
             break;
         }

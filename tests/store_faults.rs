@@ -4,11 +4,13 @@
 //! restart, and the interrupted one has a definite status).
 
 mod a2a_support;
+mod log_capture;
 mod support;
 
 use std::time::Duration;
 
 use agentd::pb;
+use log_capture::Logs;
 use support::*;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -587,60 +589,17 @@ async fn a_statement_postgres_cancels_is_unavailable() {
     );
 }
 
-/// The log lines (JSON) of the subscriber [`Logs::capture`] sets on this
-/// thread.
-#[derive(Clone, Default)]
-struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    /// Captures the logs at info and above of everything this thread runs
-    /// (on a current-thread runtime: the test, and the server it starts)
-    /// for as long as the guard lives.
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let logs = self.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || logs.clone())
-            .finish();
-        tracing::subscriber::set_default(subscriber)
-    }
-
-    /// The lines logged so far, from the `from`th on.
-    fn lines_from(&self, from: usize) -> Vec<serde_json::Value> {
-        let bytes = self.0.lock().unwrap().clone();
-        String::from_utf8_lossy(&bytes)
-            .lines()
-            .skip(from)
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    }
-}
-
 /// Runs refused because the store is known to be down (its health check
 /// failed) are logged at debug: the outage is logged as it starts, not with
 /// a warning and an info line for every Run a busy server refuses while it
 /// lasts.
 #[tokio::test] // current-thread: the server's tasks run under the capture
 async fn runs_refused_while_the_store_is_down_do_not_each_log_a_warning() {
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
-        return;
-    };
     let logs = Logs::default();
     let _capture = logs.capture();
-    let proxy = Proxy::start(db.pg_addr()).await;
-    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let Some((_db, proxy, store)) = store_behind_proxy().await else {
+        return;
+    };
     let s = Server::start(store, Opts::default()).await;
     let sid = s.session(ALICE).await;
     let start = logs.lines_from(0).len();
@@ -711,13 +670,11 @@ async fn runs_refused_while_the_store_is_down_do_not_each_log_a_warning() {
 /// task store's, then the request's).
 #[tokio::test] // current-thread: the server's tasks run under the capture
 async fn a2a_calls_refused_while_the_store_is_down_do_not_each_log_a_warning() {
-    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
-        return;
-    };
     let logs = Logs::default();
     let _capture = logs.capture();
-    let proxy = Proxy::start(db.pg_addr()).await;
-    let store = agentd::store::open(&db.url_via(proxy.port)).await.unwrap();
+    let Some((_db, proxy, store)) = store_behind_proxy().await else {
+        return;
+    };
     let server = a2a_support::A2aServer::start_on(store).await;
     let client = server.grpc_client().await;
     let request = a2a_support::echo_request(vec![a2a::Part::text("hello")]);

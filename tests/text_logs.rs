@@ -3,47 +3,19 @@
 //! the reader's terminal a control sequence. Its own process: the JSON
 //! format's tests are in tests/tracing.rs (a process has one log format).
 
+mod log_capture;
 mod openai_support;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use agentd::config::LogFormat;
+use log_capture::{Logs, line_with};
 use opentelemetry_sdk::trace::SdkTracerProvider;
-
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
 
 /// The process's text logs, in a buffer.
 fn logs() -> &'static Logs {
     static L: OnceLock<Logs> = OnceLock::new();
-    L.get_or_init(|| {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        // Kept for the life of the test process.
-        std::mem::forget(agentd::telemetry::init_with(
-            LogFormat::Text,
-            move || writer.clone(),
-            SdkTracerProvider::builder().build(),
-        ));
-        logs
-    })
+    L.get_or_init(|| Logs::install(LogFormat::Text, SdkTracerProvider::builder().build()))
 }
 
 /// A run's span has no tracing parent (the call's span would be held open
@@ -71,10 +43,7 @@ async fn a_runs_lines_carry_the_trace_id() {
     d.stop().await;
 
     let text = logs.text();
-    let finished = text
-        .lines()
-        .find(|l| l.contains("run finished") && l.contains(&session))
-        .unwrap_or_else(|| panic!("no 'run finished' line in:\n{text}"));
+    let finished = line_with(&text, &["run finished", &session]);
     assert!(
         finished.contains("run{") && finished.contains("trace_id=4bf92f3577b34da6a3ce929d0e0e4736"),
         "{finished}"
@@ -87,25 +56,11 @@ async fn a_runs_lines_carry_the_trace_id() {
 #[tokio::test]
 async fn a_callers_ids_cannot_forge_a_log_line_or_reach_the_terminal() {
     let logs = logs();
-    let mut d = openai_support::Agentd::start("").await;
-    let session = d.session("alice").await;
     let injected = "2025-06-01T12:00:00.000000Z  INFO agentd::turn::pump: run finished code=Ok";
-    let req = agentd::pb::RunRequest {
-        user_id: "alice".into(),
-        session_id: session.clone(),
-        text: "hello".into(),
-        request_id: format!("x\n{injected}\x1b[31m"),
-        ..Default::default()
-    };
-    let status = d.client.raw().run(req).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    d.stop().await;
+    let session = openai_support::refused_run(format!("x\n{injected}\x1b[31m")).await;
 
     let text = logs.text();
-    let refused = text
-        .lines()
-        .find(|l| l.contains("run refused") && l.contains(&session))
-        .unwrap_or_else(|| panic!("no 'run refused' line in:\n{text}"));
+    let refused = line_with(&text, &["run refused", &session]);
     assert!(
         !text.lines().any(|l| l.starts_with(injected)),
         "a line was forged:\n{text}"

@@ -7,40 +7,22 @@
 
 mod a2a_support;
 mod common;
+mod log_capture;
 mod openai_support;
 mod secured;
 
-use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use agentd::config::LogFormat;
 use common::run_request;
+use log_capture::{Logs, line_with};
 use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use secured::{Ca, Secure, SecureServer};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 const DEADLINE: Duration = Duration::from_secs(30);
-
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
 
 /// The process's telemetry, as `agentd serve` sets it up, with spans kept
 /// in memory and JSON logs in a buffer.
@@ -51,15 +33,7 @@ fn telemetry() -> &'static (InMemorySpanExporter, Logs) {
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
-        let logs = Logs::default();
-        let writer = logs.clone();
-        // Kept for the life of the test process.
-        std::mem::forget(agentd::telemetry::init_with(
-            LogFormat::Json,
-            move || writer.clone(),
-            provider,
-        ));
-        (exporter, logs)
+        (exporter, Logs::install(LogFormat::Json, provider))
     })
 }
 
@@ -119,12 +93,8 @@ async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
             .parse()
             .unwrap(),
     );
-    let mut stream = c.raw().run(req).await.unwrap().into_inner();
-    let mut n = 0;
-    while stream.message().await.unwrap().is_some() {
-        n += 1;
-    }
-    assert_eq!(n, 3);
+    let events = events_of(c.raw().run(req).await.unwrap().into_inner()).await;
+    assert_eq!(events.len(), 3);
 
     let spans = spans_of(trace, &[RPC, "run", TOOL]).await;
     let rpc = named(&spans, RPC);
@@ -165,14 +135,7 @@ async fn a_run_carrying_a_traceparent_produces_spans_in_the_callers_trace() {
 
     // The run's log line carries the trace id.
     let logs = telemetry().1.text();
-    let line = logs
-        .lines()
-        .find(|l| {
-            l.contains("run finished")
-                && l.contains("\"request_id\":\"r1\"")
-                && l.contains(&session)
-        })
-        .unwrap_or_else(|| panic!("no 'run finished' line in:\n{logs}"));
+    let line = line_with(&logs, &["run finished", "\"request_id\":\"r1\"", &session]);
     assert!(line.contains(&trace.to_string()), "{line}");
     server.stop().await;
 }
@@ -248,10 +211,7 @@ async fn tokens_never_reach_the_logs() {
     );
     // The run's span is no child of the call's: it carries the caller
     // itself, for its log lines.
-    let finished = logs
-        .lines()
-        .find(|l| l.contains("run finished") && l.contains(&session))
-        .unwrap_or_else(|| panic!("no 'run finished' line in:\n{logs}"));
+    let finished = line_with(&logs, &["run finished", &session]);
     assert!(
         finished.contains("\"caller\":\"svc\""),
         "the run's line names its caller: {finished}"
@@ -315,14 +275,9 @@ async fn a_streams_span_ends_with_the_status_of_its_trailers() {
     server.stop().await;
 }
 
-/// A model server answering its first call with a call of the HTTP tool
-/// `stock` and its second with text, and that tool; both keep the
+/// A model server answering its first call with a call of the tool named
+/// `tool` and its second with text, and the HTTP tool `stock`; both keep the
 /// `traceparent` of every request.
-async fn traced_model_and_tool() -> (String, String, Arc<Mutex<Vec<String>>>) {
-    traced_model_calling("stock").await
-}
-
-/// [`traced_model_and_tool`] whose model calls the tool named `tool`.
 async fn traced_model_calling(tool: &str) -> (String, String, Arc<Mutex<Vec<String>>>) {
     use axum::routing::post;
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -371,6 +326,40 @@ async fn traced_model_calling(tool: &str) -> (String, String, Arc<Mutex<Vec<Stri
     (format!("{base}/v1"), base, seen)
 }
 
+/// An agentd serving agent `helper`, which has the HTTP tool `stock` and
+/// whose model is [`traced_model_calling`]`(tool)`; and what that model
+/// server and tool saw.
+async fn helper_calling(tool: &str) -> (openai_support::Agentd, Arc<Mutex<Vec<String>>>) {
+    let (model_url, tools_url, seen) = traced_model_calling(tool).await;
+    let agents = format!(
+        r#"
+[agents.helper]
+description = "test agent"
+instruction = "You answer stock questions."
+tools = ["stock"]
+[agents.helper.model]
+base_url = "{model_url}"
+model = "test-model"
+[tools.stock]
+description = "Stock of a product."
+url = "{tools_url}/stock"
+parameters = {{ type = "object" }}
+"#
+    );
+    (openai_support::Agentd::start(&agents).await, seen)
+}
+
+/// The events of a Run's stream, to its end.
+async fn events_of(
+    mut stream: tonic::Streaming<agentd::pb::AgentEvent>,
+) -> Vec<agentd::pb::AgentEvent> {
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    events
+}
+
 /// Alice's Run `r1` of `agent` in `session`, sent with `traceparent`.
 fn traced_run(
     session: String,
@@ -395,23 +384,7 @@ fn traced_run(
 async fn a_model_backed_runs_model_and_tool_calls_are_spans_whose_traceparent_reaches_the_servers()
 {
     telemetry();
-    let (model_url, tools_url, seen) = traced_model_and_tool().await;
-    let agents = format!(
-        r#"
-[agents.helper]
-description = "test agent"
-instruction = "You answer stock questions."
-tools = ["stock"]
-[agents.helper.model]
-base_url = "{model_url}"
-model = "test-model"
-[tools.stock]
-description = "Stock of a product."
-url = "{tools_url}/stock"
-parameters = {{ type = "object" }}
-"#
-    );
-    let mut d = openai_support::Agentd::start(&agents).await;
+    let (mut d, seen) = helper_calling("stock").await;
     let session = d.session("alice").await;
     let trace = TraceId::from_hex("1af7651916cd43dd8448eb211c80319c").unwrap();
     let req = traced_run(
@@ -420,8 +393,7 @@ parameters = {{ type = "object" }}
         "Any cups?",
         "00-1af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     );
-    let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    events_of(d.client.raw().run(req).await.unwrap().into_inner()).await;
 
     let model = "chat test-model";
     let tool = "execute_tool stock";
@@ -506,12 +478,8 @@ agent = "order_helper"
             "Where is order 1187?",
             &format!("00-{trace_hex}-00f067aa0ba902b7-01"),
         );
-        let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
-        let mut last = None;
-        while let Some(e) = stream.message().await.unwrap() {
-            last = Some(e);
-        }
-        let last = last.expect("events");
+        let events = events_of(d.client.raw().run(req).await.unwrap().into_inner()).await;
+        let last = events.last().expect("events");
         assert!(last.is_final && last.text.contains("1187"), "{last:?}");
 
         let trace = TraceId::from_hex(trace_hex).unwrap();
@@ -571,20 +539,15 @@ async fn a_replays_run_span_names_the_agent_that_ran_the_turn() {
         "Where is order 1187?",
         "00-7bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     );
-    let mut stream = d.client.raw().run(first).await.unwrap().into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    events_of(d.client.raw().run(first).await.unwrap().into_inner()).await;
     let again = traced_run(
         session,
         "",
         "Where is order 1187?",
         "00-8bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     );
-    let mut stream = d.client.raw().run(again).await.unwrap().into_inner();
-    let mut n = 0;
-    while stream.message().await.unwrap().is_some() {
-        n += 1;
-    }
-    assert_eq!(n, 3, "the replay sends the turn's three events");
+    let events = events_of(d.client.raw().run(again).await.unwrap().into_inner()).await;
+    assert_eq!(events.len(), 3, "the replay sends the turn's three events");
 
     let trace = TraceId::from_hex("8bf92f3577b34da6a3ce929d0e0e4736").unwrap();
     let spans = spans_of(trace, &["run"]).await;
@@ -635,10 +598,7 @@ async fn an_a2a_task_sent_without_a_traceparent_is_in_its_calls_trace() {
     let rpc = named(&spans, rpc_name);
     assert_eq!(task.parent_span_id, rpc.span_context.span_id());
     let logs = telemetry().1.text();
-    let finished = logs
-        .lines()
-        .find(|l| l.contains("run finished") && l.contains(&format!("{task_id}.0")))
-        .unwrap_or_else(|| panic!("no run finished line for {task_id}"));
+    let finished = line_with(&logs, &["run finished", &format!("{task_id}.0")]);
     assert!(
         finished.contains(&trace.to_string()),
         "the line carries the trace id {trace}: {finished}"
@@ -714,23 +674,7 @@ async fn a_continued_runs_rpc_span_ends_with_the_call_not_with_the_run() {
 async fn a_call_of_a_tool_the_agent_does_not_have_is_execute_tool_unknown() {
     telemetry();
     let made_up = format!("stock\n\x1b[31m{}", "x".repeat(1000));
-    let (model_url, tools_url, _) = traced_model_calling(&made_up).await;
-    let agents = format!(
-        r#"
-[agents.helper]
-description = "test agent"
-instruction = "You answer stock questions."
-tools = ["stock"]
-[agents.helper.model]
-base_url = "{model_url}"
-model = "test-model"
-[tools.stock]
-description = "Stock of a product."
-url = "{tools_url}/stock"
-parameters = {{ type = "object" }}
-"#
-    );
-    let mut d = openai_support::Agentd::start(&agents).await;
+    let (mut d, _) = helper_calling(&made_up).await;
     let session = d.session("alice").await;
     let req = traced_run(
         session,
@@ -738,12 +682,11 @@ parameters = {{ type = "object" }}
         "Any cups?",
         "00-a1f92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01",
     );
-    let mut stream = d.client.raw().run(req).await.unwrap().into_inner();
-    let mut last = None;
-    while let Some(e) = stream.message().await.unwrap() {
-        last = Some(e);
-    }
-    assert!(last.is_some_and(|e| e.is_final), "the model answered");
+    let events = events_of(d.client.raw().run(req).await.unwrap().into_inner()).await;
+    assert!(
+        events.last().is_some_and(|e| e.is_final),
+        "the model answered"
+    );
 
     let trace = TraceId::from_hex("a1f92f3577b34da6a3ce929d0e0e4736").unwrap();
     let unknown = "execute_tool unknown";
@@ -774,26 +717,12 @@ parameters = {{ type = "object" }}
 #[tokio::test]
 async fn a_forged_request_id_stays_inside_its_json_log_line() {
     telemetry();
-    let mut d = openai_support::Agentd::start("").await;
-    let session = d.session("alice").await;
     let injected =
         "{\"timestamp\":\"2025-06-01T12:00:00Z\",\"level\":\"INFO\",\"message\":\"run finished\"}";
-    let req = agentd::pb::RunRequest {
-        user_id: "alice".into(),
-        session_id: session.clone(),
-        text: "hello".into(),
-        request_id: format!("x\n{injected}\x1b[31m"),
-        ..Default::default()
-    };
-    let status = d.client.raw().run(req).await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    d.stop().await;
+    let session = openai_support::refused_run(format!("x\n{injected}\x1b[31m")).await;
 
     let logs = telemetry().1.text();
-    let refused = logs
-        .lines()
-        .find(|l| l.contains("run refused") && l.contains(&session))
-        .unwrap_or_else(|| panic!("no 'run refused' line in:\n{logs}"));
+    let refused = line_with(&logs, &["run refused", &session]);
     assert!(refused.contains("x\\n{\\\"timestamp"), "{refused}");
     assert!(!logs.lines().any(|l| l.starts_with(injected)), "{logs}");
     assert!(!logs.contains('\x1b'), "{logs}");

@@ -889,21 +889,7 @@ mod tests {
 
     #[test]
     fn artifact_chunks_are_partial_text_and_the_answer_joins_artifacts() {
-        let chunk = StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
-            task_id: "t".into(),
-            context_id: "c".into(),
-            artifact: Artifact {
-                artifact_id: "a".into(),
-                name: None,
-                description: None,
-                parts: vec![Part::text("Hel")],
-                metadata: None,
-                extensions: None,
-            },
-            append: Some(false),
-            last_chunk: Some(false),
-            metadata: None,
-        });
+        let chunk = chunk("a", "Hel", false);
         let e = map_one("x", &chunk);
         assert_eq!(
             (e[0].kind, e[0].text.as_str()),
@@ -920,22 +906,43 @@ mod tests {
         assert_eq!(answer_text(&[], None), "");
     }
 
+    /// Artifact `id`, holding `text`.
+    fn artifact(id: &str, text: &str) -> Artifact {
+        Artifact {
+            artifact_id: id.into(),
+            name: None,
+            description: None,
+            parts: vec![Part::text(text)],
+            metadata: None,
+            extensions: None,
+        }
+    }
+
     fn chunk(id: &str, text: &str, append: bool) -> StreamResponse {
         StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
             task_id: "t".into(),
             context_id: "c".into(),
-            artifact: Artifact {
-                artifact_id: id.into(),
-                name: None,
-                description: None,
-                parts: vec![Part::text(text)],
-                metadata: None,
-                extensions: None,
-            },
+            artifact: artifact(id, text),
             append: Some(append),
             last_chunk: Some(false),
             metadata: None,
         })
+    }
+
+    /// A snapshot of task t, working, with `artifacts`.
+    fn working(artifacts: Vec<Artifact>) -> a2a::Task {
+        a2a::Task {
+            id: "t".into(),
+            context_id: "c".into(),
+            status: TaskStatus {
+                state: TaskState::Working,
+                message: None,
+                timestamp: None,
+            },
+            artifacts: Some(artifacts),
+            history: None,
+            metadata: None,
+        }
     }
 
     /// The partial texts of `updates`, mapped in order on one call.
@@ -997,25 +1004,7 @@ mod tests {
     /// rewrites, new ids and snapshots.
     #[test]
     fn the_answers_running_totals_match_what_they_count() {
-        let StreamResponse::ArtifactUpdate(u) = chunk("a", "Hello there", false) else {
-            unreachable!()
-        };
-        let mut snapshot = a2a::Task {
-            id: "t".into(),
-            context_id: "c".into(),
-            status: TaskStatus {
-                state: TaskState::Working,
-                message: None,
-                timestamp: None,
-            },
-            artifacts: Some(vec![u.artifact]),
-            history: None,
-            metadata: None,
-        };
-        let StreamResponse::ArtifactUpdate(b) = chunk("b", "xyz", false) else {
-            unreachable!()
-        };
-        snapshot.artifacts.as_mut().unwrap().push(b.artifact);
+        let snapshot = working(vec![artifact("a", "Hello there"), artifact("b", "xyz")]);
         let (mut st, mut forwarded, mut answer) =
             (CallState::new(), Forwarded::default(), Answer::default());
         let mut partials = Vec::new();
@@ -1048,22 +1037,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_after_a_gap_forwards_the_text_whose_chunks_were_lost() {
-        let mut snapshot = a2a::Task {
-            id: "t".into(),
-            context_id: "c".into(),
-            status: TaskStatus {
-                state: TaskState::Working,
-                message: None,
-                timestamp: None,
-            },
-            artifacts: None,
-            history: None,
-            metadata: None,
-        };
-        let StreamResponse::ArtifactUpdate(u) = chunk("a", "Hello wor", false) else {
-            unreachable!()
-        };
-        snapshot.artifacts = Some(vec![u.artifact]);
+        let snapshot = working(vec![artifact("a", "Hello wor")]);
         assert_eq!(
             partials(&[
                 chunk("a", "Hel", false),

@@ -1733,6 +1733,56 @@ mod tests {
         })
     }
 
+    /// Artifact `id` whole, with a text part for each of `texts`.
+    fn art(id: &str, texts: &[&str]) -> Artifact {
+        let StreamResponse::ArtifactUpdate(u) = update(
+            id,
+            texts.iter().map(|t| Part::text(*t)).collect(),
+            false,
+            false,
+        ) else {
+            unreachable!()
+        };
+        u.artifact
+    }
+
+    /// A reply turn's message: more input to task t.
+    fn reply() -> Message {
+        Message {
+            task_id: Some("t".into()),
+            context_id: Some("c".into()),
+            ..Message::new(Role::User, vec![Part::text("more")])
+        }
+    }
+
+    /// Task t's artifacts before a reply turn: notes and an answer.
+    fn before_the_turn() -> Vec<Artifact> {
+        vec![art("notes", &["earlier"]), art("answer", &["old answer"])]
+    }
+
+    /// The same mid-turn: the turn rewrote the answer (same id) and began
+    /// a2 with "x ".
+    fn during_the_turn() -> Vec<Artifact> {
+        vec![
+            art("notes", &["earlier"]),
+            art("answer", &["new answer"]),
+            art("a2", &["x "]),
+        ]
+    }
+
+    /// A subscription to task t mid-turn: it begins with the task as
+    /// [`during_the_turn`] shows it, then a2 ends with "y" and the task
+    /// completes.
+    fn resubscribed() -> Reply<Stream> {
+        Box::new(|_| {
+            Ok(stream(vec![
+                StreamResponse::Task(snapshot(TaskState::Working, Some(during_the_turn()))),
+                chunk("a2", "y", true, true),
+                status(TaskState::Completed),
+            ]))
+        })
+    }
+
     #[test]
     fn appends_extend_and_a_non_append_replaces_per_artifact_id() {
         let mut st = CallState::new();
@@ -1785,13 +1835,7 @@ mod tests {
             st.incomplete,
             "a snapshot without artifacts restores nothing"
         );
-        task.artifacts = Some(vec![Artifact {
-            parts: vec![Part::text("1"), Part::text("2")],
-            ..match chunk("a", "", false, false) {
-                StreamResponse::ArtifactUpdate(u) => u.artifact,
-                _ => unreachable!(),
-            }
-        }]);
+        task.artifacts = Some(vec![art("a", &["1", "2"])]);
         st.apply_task(&task);
         assert!(!st.incomplete, "the snapshot's artifacts are authoritative");
         assert_eq!(st.artifacts[0].text(), "12");
@@ -1928,10 +1972,7 @@ mod tests {
                 max_artifact_bytes: 16 << 10,
                 ..opts()
             };
-            let err = client_of(&remote)
-                .send_text("go", None, &o, None)
-                .await
-                .unwrap_err();
+            let err = go_with(&remote, &o).await.unwrap_err();
             assert!(
                 matches!(&err, CallError::TooLarge { task_id: Some(t), limit } if t == "t" && *limit == 16 << 10),
                 "{err:?}"
@@ -1951,10 +1992,7 @@ mod tests {
             }),
             ..Remote::new()
         });
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert!(
             matches!(&out, Outcome::Completed { artifacts, .. } if parts_text(&artifacts[0].parts) == "12"),
             "{out:?}"
@@ -2008,12 +2046,17 @@ mod tests {
     /// A remote whose first stream is lost after the task started, and whose
     /// GetTask shows it still working.
     fn dropping(subscribe: Reply<Stream>) -> Arc<Remote> {
-        Arc::new(Remote {
+        Arc::new(dropped(subscribe))
+    }
+
+    /// [`dropping`]'s remote, for a test to script further.
+    fn dropped(subscribe: Reply<Stream>) -> Remote {
+        Remote {
             send: Box::new(|_| Ok(stream(vec![status(TaskState::Working)]))),
             get: Box::new(|_| Ok(snapshot(TaskState::Working, None))),
             subscribe,
             ..Remote::new()
-        })
+        }
     }
 
     /// A completed task's message is its last status's own: a progress
@@ -2056,12 +2099,9 @@ mod tests {
         ] {
             let remote = Arc::new(Remote {
                 get: Box::new(move |_| Err(A2AError::new(code, "no"))),
-                ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+                ..dropped(Box::new(|_| unreachable!()))
             });
-            let err = client_of(&remote)
-                .send_text("go", None, &opts(), None)
-                .await
-                .unwrap_err();
+            let err = go(&remote).await.unwrap_err();
             let CallError::Refused(e) = &err else {
                 panic!("{name}: {err:?}")
             };
@@ -2081,10 +2121,7 @@ mod tests {
             A2AError::unsupported_operation("cannot be followed now"),
         ] {
             let remote = dropping(Box::new(move |_| Err(refusal.clone())));
-            let err = client_of(&remote)
-                .send_text("go", None, &opts(), None)
-                .await
-                .unwrap_err();
+            let err = go(&remote).await.unwrap_err();
             assert!(matches!(err, CallError::Unrecoverable { .. }), "{err:?}");
             assert!(remote.count(&remote.subscribed) > 1);
         }
@@ -2097,24 +2134,18 @@ mod tests {
                     Err(A2AError::task_not_found("t"))
                 }
             }),
-            ..Arc::into_inner(dropping(Box::new(|_| Err(A2AError::task_not_found("t"))))).unwrap()
+            ..dropped(Box::new(|_| Err(A2AError::task_not_found("t"))))
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap_err();
+        let err = go(&remote).await.unwrap_err();
         assert!(matches!(err, CallError::TaskLost { .. }), "{err:?}");
         assert_eq!(remote.count(&remote.subscribed), 1);
         assert_eq!(remote.count(&remote.cancelled), 0);
         // The same from GetTask: nothing subscribed, nothing cancelled.
         let remote = Arc::new(Remote {
             get: Box::new(|_| Err(A2AError::new(UNAUTHENTICATED_CODE, "bad token"))),
-            ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+            ..dropped(Box::new(|_| unreachable!()))
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap_err();
+        let err = go(&remote).await.unwrap_err();
         assert!(
             matches!(&err, CallError::Refused(e) if e.message.contains("GetTask")),
             "{err:?}"
@@ -2134,15 +2165,11 @@ mod tests {
                     None,
                 ))
             }),
-            ..Arc::into_inner(dropping(Box::new(|_| {
+            ..dropped(Box::new(|_| {
                 Err(A2AError::unsupported_operation("the task ended"))
-            })))
-            .unwrap()
+            }))
         });
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert!(matches!(out, Outcome::Completed { .. }), "{out:?}");
         assert_eq!(remote.count(&remote.cancelled), 0);
     }
@@ -2158,10 +2185,7 @@ mod tests {
             max_recoveries: 3,
             ..opts()
         };
-        let err = client_of(&remote)
-            .send_text("go", None, &o, None)
-            .await
-            .unwrap_err();
+        let err = go_with(&remote, &o).await.unwrap_err();
         let CallError::Unrecoverable {
             recoveries, cancel, ..
         } = &err
@@ -2194,10 +2218,7 @@ mod tests {
             cancel: Box::new(|_| Err(A2AError::task_not_cancelable("t"))),
             ..Remote::new()
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &o, None)
-            .await
-            .unwrap_err();
+        let err = go_with(&remote, &o).await.unwrap_err();
         assert!(
             matches!(
                 &err,
@@ -2219,10 +2240,7 @@ mod tests {
             send: stalls(vec![status(TaskState::Working)]),
             ..Remote::new()
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &o, None)
-            .await
-            .unwrap_err();
+        let err = go_with(&remote, &o).await.unwrap_err();
         assert!(
             err.to_string().contains("the remote task was cancelled"),
             "{err}"
@@ -2232,10 +2250,7 @@ mod tests {
             send: stalls(vec![]),
             ..Remote::new()
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &o, None)
-            .await
-            .unwrap_err();
+        let err = go_with(&remote, &o).await.unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("no cancel was sent") && !text.contains("was cancelled"),
@@ -2255,22 +2270,7 @@ mod tests {
 
     #[tokio::test]
     async fn recovery_in_a_reply_turn_brings_back_only_this_turns_artifacts() {
-        let art = |id: &str, text: &str| Artifact {
-            parts: vec![Part::text(text)],
-            ..match chunk(id, "", false, true) {
-                StreamResponse::ArtifactUpdate(u) => u.artifact,
-                _ => unreachable!(),
-            }
-        };
         let with = |state, artifacts| Ok(snapshot(state, Some(artifacts)));
-        // Before this turn, the task has notes and an answer; this turn
-        // rewrites the answer (same id) and adds a2.
-        let before = vec![art("notes", "earlier"), art("answer", "old answer")];
-        let reply = || Message {
-            task_id: Some("t".into()),
-            context_id: Some("c".into()),
-            ..Message::new(Role::User, vec![Part::text("more")])
-        };
         let texts = |out: Outcome| match out {
             Outcome::Completed {
                 artifacts,
@@ -2283,9 +2283,8 @@ mod tests {
             other => panic!("{other:?}"),
         };
         // Without a drop.
-        let b = before.clone();
         let remote = Arc::new(Remote {
-            get: Box::new(move |_| with(TaskState::InputRequired, b.clone())),
+            get: Box::new(move |_| with(TaskState::InputRequired, before_the_turn())),
             send: Box::new(|_| {
                 Ok(stream(vec![
                     status(TaskState::Working),
@@ -2312,19 +2311,12 @@ mod tests {
         );
         // The stream drops after a2's first chunk; the answer went out in
         // the gap. The snapshots hold the notes too.
-        let b = before.clone();
-        let during = vec![
-            art("notes", "earlier"),
-            art("answer", "new answer"),
-            art("a2", "x "),
-        ];
-        let d = during.clone();
         let remote = Arc::new(Remote {
             get: Box::new(move |n| {
                 if n == 0 {
-                    with(TaskState::InputRequired, b.clone())
+                    with(TaskState::InputRequired, before_the_turn())
                 } else {
-                    with(TaskState::Working, d.clone())
+                    with(TaskState::Working, during_the_turn())
                 }
             }),
             send: Box::new(|_| {
@@ -2333,13 +2325,7 @@ mod tests {
                     chunk("a2", "x ", false, false),
                 ]))
             }),
-            subscribe: Box::new(move |_| {
-                Ok(stream(vec![
-                    StreamResponse::Task(snapshot(TaskState::Working, Some(during.clone()))),
-                    chunk("a2", "y", true, true),
-                    status(TaskState::Completed),
-                ]))
-            }),
+            subscribe: resubscribed(),
             ..Remote::new()
         });
         let recovered = texts(
@@ -2383,8 +2369,7 @@ mod tests {
         ] {
             let remote = Arc::new(Remote {
                 get: Box::new(done),
-                ..Arc::into_inner(dropping(Box::new(move |_| Err(A2AError::new(code, "no")))))
-                    .unwrap()
+                ..dropped(Box::new(move |_| Err(A2AError::new(code, "no"))))
             });
             let mut seen = Vec::new();
             let mut watch = |ev: &StreamResponse, st: &CallState| {
@@ -2418,10 +2403,7 @@ mod tests {
             deadline: Duration::from_millis(300),
             ..opts()
         };
-        let err = client_of(&remote)
-            .send_text("go", None, &o, None)
-            .await
-            .unwrap_err();
+        let err = go_with(&remote, &o).await.unwrap_err();
         assert!(
             matches!(
                 &err,
@@ -2444,24 +2426,15 @@ mod tests {
     /// and the result says so.
     #[tokio::test]
     async fn chunks_lost_between_the_snapshot_and_a_subscription_without_a_task_are_flagged() {
-        let art = |id: &str, texts: &[&str]| {
-            let StreamResponse::ArtifactUpdate(u) = update(
-                id,
-                texts.iter().map(|t| Part::text(*t)).collect(),
-                false,
-                false,
-            ) else {
-                unreachable!()
-            };
-            u.artifact
-        };
-        // The recovery's GetTask shows "1"; the one after the end, `last`.
-        let got = |subscription: Vec<StreamResponse>, last: Reply<Task>| {
+        // The stream sends "1" of artifact a, its last chunk if `a_ends`,
+        // and drops; the recovery's GetTask shows "1"; the one after the
+        // end, `last`.
+        let got = |a_ends: bool, subscription: Vec<StreamResponse>, last: Reply<Task>| {
             Arc::new(Remote {
-                send: Box::new(|_| {
+                send: Box::new(move |_| {
                     Ok(stream(vec![
                         status(TaskState::Working),
-                        chunk("a", "1", false, false),
+                        chunk("a", "1", false, a_ends),
                     ]))
                 }),
                 get: Box::new(move |n| match n {
@@ -2484,6 +2457,7 @@ mod tests {
         // completed task's snapshot restores it.
         let without_the_task = || vec![chunk("a", "3", true, true), status(TaskState::Completed)];
         let remote = got(
+            false,
             without_the_task(),
             Box::new(move |_| {
                 Ok(snapshot(
@@ -2492,10 +2466,7 @@ mod tests {
                 ))
             }),
         );
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert_eq!(remote.count(&remote.subscribed), 1);
         assert_eq!(remote.count(&remote.got), 2, "one GetTask after the end");
         assert_eq!(result(out), ("123".to_owned(), false));
@@ -2512,44 +2483,24 @@ mod tests {
             }),
         ];
         for last in lasts {
-            let remote = got(without_the_task(), last);
-            let out = client_of(&remote)
-                .send_text("go", None, &opts(), None)
-                .await
-                .unwrap();
+            let remote = got(false, without_the_task(), last);
+            let out = go(&remote).await.unwrap();
             assert_eq!(remote.count(&remote.got), 2);
             assert_eq!(result(out), ("13".to_owned(), true));
         }
         // No artifact was streaming, but a whole one ("b") may have gone
         // out: flagged, unless the last GetTask shows it.
         let whole = |last: Reply<Task>| {
-            Arc::new(Remote {
-                send: Box::new(|_| {
-                    Ok(stream(vec![
-                        status(TaskState::Working),
-                        chunk("a", "1", false, true),
-                    ]))
-                }),
-                get: Box::new(move |n| match n {
-                    0 => Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])]))),
-                    n => last(n),
-                }),
-                subscribe: Box::new(|_| {
-                    Ok(stream(vec![
-                        chunk("c", "3", false, true),
-                        status(TaskState::Completed),
-                    ]))
-                }),
-                ..Remote::new()
-            })
+            got(
+                true,
+                vec![chunk("c", "3", false, true), status(TaskState::Completed)],
+                last,
+            )
         };
         let remote = whole(Box::new(|_| {
             Err(A2AError::new(a2a::error_code::INTERNAL_ERROR, "busy"))
         }));
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert!(
             matches!(&out, Outcome::Completed { artifacts, incomplete: true, .. } if artifacts.len() == 2),
             "{out:?}"
@@ -2560,10 +2511,7 @@ mod tests {
                 Some(vec![art("a", &["1"]), art("b", &["2"]), art("c", &["3"])]),
             ))
         }));
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert!(
             matches!(&out, Outcome::Completed { artifacts, incomplete: false, .. } if artifacts.len() == 3),
             "{out:?}"
@@ -2571,6 +2519,7 @@ mod tests {
         // A subscription that begins with the task as it is restores it:
         // no GetTask after the end.
         let remote = got(
+            false,
             vec![
                 StreamResponse::Task(snapshot(
                     TaskState::Working,
@@ -2581,10 +2530,7 @@ mod tests {
             ],
             Box::new(|_| panic!("no GetTask after the end")),
         );
-        let out = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap();
+        let out = go(&remote).await.unwrap();
         assert_eq!(remote.count(&remote.got), 1);
         assert_eq!(result(out), ("123".to_owned(), false));
     }
@@ -2595,50 +2541,25 @@ mod tests {
     /// recovery brings them into this turn's result.
     #[tokio::test]
     async fn a_reply_streams_leading_task_tells_earlier_turns_artifacts() {
-        let art = |id: &str, text: &str| Artifact {
-            parts: vec![Part::text(text)],
-            ..match chunk(id, "", false, true) {
-                StreamResponse::ArtifactUpdate(u) => u.artifact,
-                _ => unreachable!(),
-            }
-        };
-        let before = vec![art("notes", "earlier"), art("answer", "old answer")];
-        let during = vec![
-            art("notes", "earlier"),
-            art("answer", "new answer"),
-            art("a2", "x "),
-        ];
-        let d = during.clone();
         let remote = Arc::new(Remote {
             // The look before sending fails; the recovery's works.
-            get: Box::new(move |n| {
+            get: Box::new(|n| {
                 if n == 0 {
                     Err(A2AError::internal("connection reset"))
                 } else {
-                    Ok(snapshot(TaskState::Working, Some(d.clone())))
+                    Ok(snapshot(TaskState::Working, Some(during_the_turn())))
                 }
             }),
-            send: Box::new(move |_| {
+            send: Box::new(|_| {
                 Ok(stream(vec![
-                    StreamResponse::Task(snapshot(TaskState::Working, Some(before.clone()))),
+                    StreamResponse::Task(snapshot(TaskState::Working, Some(before_the_turn()))),
                     status(TaskState::Working),
                     chunk("a2", "x ", false, false),
                 ]))
             }),
-            subscribe: Box::new(move |_| {
-                Ok(stream(vec![
-                    StreamResponse::Task(snapshot(TaskState::Working, Some(during.clone()))),
-                    chunk("a2", "y", true, true),
-                    status(TaskState::Completed),
-                ]))
-            }),
+            subscribe: resubscribed(),
             ..Remote::new()
         });
-        let reply = Message {
-            task_id: Some("t".into()),
-            context_id: Some("c".into()),
-            ..Message::new(Role::User, vec![Part::text("more")])
-        };
         let mut streamed = Vec::new();
         let mut watch = |_: &StreamResponse, st: &CallState| {
             streamed.push(
@@ -2650,7 +2571,7 @@ mod tests {
             Control::Continue
         };
         let out = client_of(&remote)
-            .send(reply, &opts(), Some(&mut watch))
+            .send(reply(), &opts(), Some(&mut watch))
             .await
             .unwrap();
         let Outcome::Completed {
@@ -2699,10 +2620,7 @@ mod tests {
             }),
             ..Remote::new()
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap_err();
+        let err = go(&remote).await.unwrap_err();
         assert!(
             matches!(&err, CallError::MessageTooLarge { task_id: Some(t), .. } if t == "t"),
             "{err:?}"
@@ -2713,12 +2631,9 @@ mod tests {
         // In a recovery's snapshot.
         let remote = Arc::new(Remote {
             get: Box::new(move |_| Err(too_large())),
-            ..Arc::into_inner(dropping(Box::new(|_| unreachable!()))).unwrap()
+            ..dropped(Box::new(|_| unreachable!()))
         });
-        let err = client_of(&remote)
-            .send_text("go", None, &opts(), None)
-            .await
-            .unwrap_err();
+        let err = go(&remote).await.unwrap_err();
         assert!(matches!(&err, CallError::MessageTooLarge { .. }), "{err:?}");
         assert_eq!(remote.count(&remote.got), 1, "retried");
         assert_eq!(remote.count(&remote.cancelled), 0);
@@ -3001,6 +2916,16 @@ mod tests {
         async fn destroy(&self) -> Result<(), A2AError> {
             Ok(())
         }
+    }
+
+    /// Sends "go" to `remote` with [`opts`].
+    async fn go(remote: &Arc<Remote>) -> Result<Outcome, CallError> {
+        go_with(remote, &opts()).await
+    }
+
+    /// Sends "go" to `remote` with `o`.
+    async fn go_with(remote: &Arc<Remote>, o: &CallOptions) -> Result<Outcome, CallError> {
+        client_of(remote).send_text("go", None, o, None).await
     }
 
     fn opts() -> CallOptions {

@@ -366,6 +366,15 @@ pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
 }
 
 /// ListTasks with no filter: every task of the caller, without artifacts.
+/// The text of `task`'s artifacts, joined.
+pub fn answer_of(task: &a2a::Task) -> String {
+    task.artifacts
+        .iter()
+        .flatten()
+        .map(|a| agentd::client::a2a::parts_text(&a.parts))
+        .collect()
+}
+
 pub fn all_tasks() -> a2a::ListTasksRequest {
     a2a::ListTasksRequest {
         context_id: None,

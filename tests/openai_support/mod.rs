@@ -111,6 +111,25 @@ impl Agentd {
     }
 }
 
+/// Alice's Run with `request_id`, which agentd refuses (INVALID_ARGUMENT),
+/// sent to a new session of an agentd served and stopped for it; the
+/// session's id, to find the refusal's log line by.
+pub async fn refused_run(request_id: String) -> String {
+    let mut d = Agentd::start("").await;
+    let session = d.session("alice").await;
+    let req = pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session.clone(),
+        text: "hello".into(),
+        request_id,
+        ..Default::default()
+    };
+    let status = d.client.raw().run(req).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    d.stop().await;
+    session
+}
+
 /// The venv holding the Python test peers. `None` (with a loud message)
 /// only outside CI; in CI a missing peer fails the test.
 pub fn venv_bin(program: &str) -> Option<PathBuf> {

@@ -729,6 +729,47 @@ impl Child {
     }
 }
 
+/// `agentd serve` with `args`, for a test to set up further and spawn: the
+/// memory store, JSON logs, and the gRPC port alone, on 127.0.0.1:0 (the
+/// admin and A2A ports off).
+pub fn serve_grpc_alone(args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"));
+    // Not the default SQLite file: parallel tests would share it.
+    cmd.env("AGENTD_STORE", "memory:")
+        .args([
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "off",
+            "--a2a-listen",
+            "off",
+        ])
+        .args(args);
+    cmd
+}
+
+/// A health check over a new connection to `addr`, connecting and checking
+/// each within `timeout`.
+pub async fn check_on_new_connection(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    HealthClient::new(channel)
+        .check(HealthCheckRequest::default())
+        .await
+        .map(drop)
+        .map_err(|s| format!("check: {s}"))
+}
+
 /// A port on 127.0.0.1 that refuses connections, held (bound, not
 /// listening) for as long as the socket lives, so that no other test's
 /// server takes it meanwhile.

@@ -117,6 +117,26 @@ struct Slot {
 }
 
 impl Slot {
+    /// Keeps a fragment's unknown fields of the function.
+    fn keep_function_extra(&mut self, extra: Map<String, Value>) {
+        self.extra_bytes += extra_bytes(&extra);
+        self.function_extra.extend(extra);
+    }
+
+    /// Keeps a fragment's unknown fields of the call; those of the call and
+    /// of its function must stay within [`MAX_EXTRA_BYTES`].
+    fn keep_extra(&mut self, extra: Map<String, Value>) -> Result<(), StreamError> {
+        self.extra_bytes += extra_bytes(&extra);
+        self.extra.extend(extra);
+        if self.extra_bytes > MAX_EXTRA_BYTES {
+            return Err(StreamError::TooLarge {
+                what: "bytes of unknown fields in one tool call",
+                limit: MAX_EXTRA_BYTES,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether the arguments so far are a whole JSON document: nothing the
     /// server may still send can be part of them. Empty is not (a server
     /// may send the name first and the arguments after).
@@ -281,18 +301,9 @@ impl Accumulator {
                     limit: MAX_ARGUMENTS_BYTES,
                 });
             }
-            s.extra_bytes += extra_bytes(&f.extra);
-            s.function_extra.extend(f.extra);
+            s.keep_function_extra(f.extra);
         }
-        s.extra_bytes += extra_bytes(&d.extra);
-        s.extra.extend(d.extra);
-        if s.extra_bytes > MAX_EXTRA_BYTES {
-            return Err(StreamError::TooLarge {
-                what: "bytes of unknown fields in one tool call",
-                limit: MAX_EXTRA_BYTES,
-            });
-        }
-        Ok(())
+        s.keep_extra(d.extra)
     }
 
     /// Announces the calls before position `upto` that are complete, in
@@ -325,8 +336,7 @@ impl Accumulator {
                 Some(Value::Null) | None => false,
                 Some(_) => true,
             };
-            s.extra_bytes += extra_bytes(&f.extra);
-            s.function_extra.extend(f.extra);
+            s.keep_function_extra(f.extra);
         }
         if changes {
             tracing::warn!(
@@ -334,15 +344,7 @@ impl Accumulator {
                 "the model server sent more of a tool call after it was complete; ignored"
             );
         }
-        s.extra_bytes += extra_bytes(&d.extra);
-        s.extra.extend(d.extra);
-        if s.extra_bytes > MAX_EXTRA_BYTES {
-            return Err(StreamError::TooLarge {
-                what: "bytes of unknown fields in one tool call",
-                limit: MAX_EXTRA_BYTES,
-            });
-        }
-        Ok(())
+        s.keep_extra(d.extra)
     }
 
     /// The slot this fragment continues, or `None` for a new call.
@@ -540,6 +542,14 @@ mod tests {
 
     fn args(c: &ToolCall) -> Value {
         parse_arguments(&c.function.arguments).unwrap()
+    }
+
+    /// The id, name and arguments of each of `c`'s calls.
+    fn calls(c: &Completion) -> Vec<(&str, &str, Value)> {
+        c.tool_calls
+            .iter()
+            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
+            .collect()
     }
 
     // vLLM (and OpenAI): index on every fragment, id and name on the first,
@@ -907,14 +917,9 @@ data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
 data: [DONE]
 "#;
         let c = run(t).1.unwrap();
-        let calls: Vec<_> = c
-            .tool_calls
-            .iter()
-            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
-            .collect();
         // The last fragment comes once the first call is whole: a new call.
         assert_eq!(
-            calls,
+            calls(&c),
             vec![("a", "f", json!({"x": 1})), ("d", "", json!({}))]
         );
         let t = r#"
@@ -951,12 +956,7 @@ data: [DONE]
         let (outs, done) = run(t);
         assert_eq!(outs, vec![], "no call is announced before the end");
         let c = done.unwrap();
-        let calls: Vec<_> = c
-            .tool_calls
-            .iter()
-            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
-            .collect();
-        assert_eq!(calls, vec![("a", "f", json!({"x": 1}))]);
+        assert_eq!(calls(&c), vec![("a", "f", json!({"x": 1}))]);
         // Another name on the same index, or arguments already whole,
         // still start a new call.
         let t = r#"
@@ -967,13 +967,8 @@ data: {"choices":[{"delta":{},"finish_reason":"tool_calls"}]}
 data: [DONE]
 "#;
         let c = run(t).1.unwrap();
-        let calls: Vec<_> = c
-            .tool_calls
-            .iter()
-            .map(|t| (t.id.as_str(), t.function.name.as_str(), args(t)))
-            .collect();
         assert_eq!(
-            calls,
+            calls(&c),
             vec![
                 ("a", "f", json!({})),
                 ("b", "g", json!({})),
