@@ -354,14 +354,7 @@ async fn a_task_whose_update_could_not_be_stored_still_gets_its_end() {
             }
         }
         let task_id = task_id.expect("the stream named its task");
-        let mut task = client.get_task(&task_id).await.unwrap();
-        for _ in 0..200 {
-            if task.status.state.is_terminal() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-            task = client.get_task(&task_id).await.unwrap();
-        }
+        let task = a2a_support::ended_task(&client, &task_id, Duration::from_millis(25)).await;
         assert!(
             task.status.state.is_terminal(),
             "{refuse:?}: the task reads {:?}",
@@ -395,14 +388,7 @@ async fn a_task_whose_run_and_end_the_store_refused_still_gets_its_end() {
         }
     }
     let task_id = task_id.expect("the stream named its task");
-    let mut task = client.get_task(&task_id).await.unwrap();
-    for _ in 0..200 {
-        if task.status.state.is_terminal() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-        task = client.get_task(&task_id).await.unwrap();
-    }
+    let task = a2a_support::ended_task(&client, &task_id, Duration::from_millis(25)).await;
     assert_eq!(task.status.state, TaskState::Failed, "{:?}", task.status);
     server.stop().await;
 }

@@ -456,14 +456,7 @@ async fn assert_ends_replica_stopped(on_b: &A2aClient, id: &str) {
 /// Waits (at most 10 s) for task `id` to end on `on_b`, and checks that it
 /// ended FAILED saying `why`.
 async fn assert_ends(on_b: &A2aClient, id: &str, why: &str) {
-    let mut task = on_b.get_task(id).await.unwrap();
-    for _ in 0..200 {
-        if task.status.state.is_terminal() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        task = on_b.get_task(id).await.unwrap();
-    }
+    let task = a2a_support::ended_task(on_b, id, Duration::from_millis(50)).await;
     assert_eq!(task.status.state, TaskState::Failed, "{task:?}");
     let said = parts_text(&task.status.message.unwrap().parts);
     assert!(said.contains(why), "{said}");

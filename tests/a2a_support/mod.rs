@@ -427,3 +427,21 @@ pub async fn a2a_at(addr: SocketAddr) -> agentd::client::a2a::A2aClient {
         channel,
     )))
 }
+
+/// Task `id` once it has ended, read every `every` for at most 200 reads
+/// (or as it stands then, for the caller to assert on).
+pub async fn ended_task(
+    client: &agentd::client::a2a::A2aClient,
+    id: &str,
+    every: Duration,
+) -> a2a::Task {
+    let mut task = client.get_task(id).await.unwrap();
+    for _ in 0..200 {
+        if task.status.state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(every).await;
+        task = client.get_task(id).await.unwrap();
+    }
+    task
+}
