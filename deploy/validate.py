@@ -394,7 +394,7 @@ def check_workload(doc: dict, docs: list[dict], flags: dict[str, str | None]) ->
             f" may be cut before its outcome is stored (the server refuses to start when the bound alone reaches the grace, and warns short of that)"
         )
 
-    for name, want in [("AGENTD_LISTEN", "0.0.0.0:50051"), ("AGENTD_ADMIN_LISTEN", "0.0.0.0:9090"), ("AGENTD_A2A_LISTEN", "0.0.0.0:8080")]:
+    for name, want in [("AGENTD_LISTEN", "[::]:50051"), ("AGENTD_ADMIN_LISTEN", "[::]:9090"), ("AGENTD_A2A_LISTEN", "[::]:8080")]:
         if env.get(name) != want:
             errors.append(f"{what}: {name} must be {want} in a container (is {env.get(name)!r})")
 
@@ -738,13 +738,13 @@ def self_test(rendered: dict[str, list[dict]], plain: dict[str, list[dict]]) -> 
         ("only reflection open to tokenless probes", pg, "AGENTD_AUTH_OPEN_SERVICES ('grpc.reflection.v1.ServerReflection') must name", lambda d: find(d, "ConfigMap")["data"].update(AGENTD_AUTH_OPEN_SERVICES="grpc.reflection.v1.ServerReflection")),
         ("the binary's default history at the shipped run cap", pg, "AGENTD_HISTORY_BYTES (1048576) = 1024 MiB of history must be at most half of limits.memory 512Mi (256 MiB)", lambda d: find(d, "ConfigMap")["data"].pop("AGENTD_HISTORY_BYTES")),
         ("a memory limit too small for the runs' history", sq, "must be at most half of limits.memory 256Mi", lambda d: container(d, "StatefulSet")["resources"]["limits"].update(memory="256Mi")),
-        ("the gRPC port on loopback", pg, "AGENTD_LISTEN must be 0.0.0.0:50051", lambda d: env(d, "AGENTD_LISTEN", "127.0.0.1:50051")),
+        ("the gRPC port on loopback", pg, "AGENTD_LISTEN must be [::]:50051", lambda d: env(d, "AGENTD_LISTEN", "127.0.0.1:50051")),
         ("a liveness probe on gRPC health", sq, "livenessProbe must be an HTTP GET of /healthz", lambda d: container(d, "StatefulSet").update(livenessProbe={"grpc": {"port": 50051}})),
         ("an HTTP readiness probe", pg, "readinessProbe must be a gRPC probe", lambda d: container(d).update(readinessProbe={"httpGet": {"path": "/readyz", "port": 9090}})),
         ("a rollout that may drop capacity", pg, "maxUnavailable 0", lambda d: find(d, "Deployment")["spec"]["strategy"]["rollingUpdate"].update(maxUnavailable=1)),
         ("a Service with a cluster IP", sq, "must be headless", lambda d: find(d, "Service")["spec"].pop("clusterIP")),
         ("a Service port without h2c", pg, "appProtocol kubernetes.io/h2c", lambda d: find(d, "Service")["spec"]["ports"][0].pop("appProtocol")),
-        ("the A2A port on loopback", sq, "AGENTD_A2A_LISTEN must be 0.0.0.0:8080", lambda d: env(d, "AGENTD_A2A_LISTEN", "127.0.0.1:8080", "StatefulSet")),
+        ("the A2A port on loopback", sq, "AGENTD_A2A_LISTEN must be [::]:8080", lambda d: env(d, "AGENTD_A2A_LISTEN", "127.0.0.1:8080", "StatefulSet")),
         ("no A2A container port", pg, "container ports must be", lambda d: container(d)["ports"].pop()),
         ("a Service without the A2A port", pg, "must have the ports ['a2a', 'grpc']", lambda d: find(d, "Service")["spec"]["ports"].pop()),
         ("the pod's host name on the agent card", sq, "AGENTD_A2A_ADVERTISE_HOST must expand to agentd.agentd.svc.cluster.local", lambda d: container(d, "StatefulSet")["env"].pop(next(i for i, e in enumerate(container(d, "StatefulSet")["env"]) if e["name"] == "AGENTD_A2A_ADVERTISE_HOST"))),

@@ -191,16 +191,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let turns = Turns::new(store.clone(), registry, turn_config);
     let mut opts = args.server_options();
     opts.security = args.security()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+    let listener = agentd::server::bind(args.listen, "--listen")?;
     let admin = spawn_admin(&args, opts.readiness.clone()).await?;
     let grpc_addr = listener.local_addr()?;
     let a2a_http = match args.a2a_listen.0 {
         Some(addr) => {
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--a2a-listen): {e}"))?;
+            let l = agentd::server::bind(addr, "--a2a-listen")?;
             let advertised = agentd::a2a::advertised(
                 grpc_addr,
                 l.local_addr()?,
@@ -351,9 +347,7 @@ async fn spawn_admin(
     let Some(addr) = args.admin_listen.0 else {
         return Ok(None);
     };
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} (--admin-listen): {e}"))?;
+    let listener = agentd::server::bind(addr, "--admin-listen")?;
     tracing::info!(admin = %listener.local_addr()?, "admin HTTP port: /metrics /healthz /readyz");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {

@@ -115,6 +115,70 @@ pub async fn run_with_a2a(
     serve_with_a2a(incoming, a2a_http, turns, opts, shutdown).await
 }
 
+/// Connections a port's kernel queue holds before they are accepted (the
+/// kernel caps it at `net.core.somaxconn`): room for a fleet of clients
+/// reconnecting at once, after a deploy or a replica's restart.
+const LISTEN_BACKLOG: i32 = 1024;
+
+/// Binds a listening TCP socket for `flag` (named in errors and warnings).
+///
+/// `[::]` listens on IPv6 and IPv4 alike (dual stack), whatever the
+/// system's `net.ipv6.bindv6only`, so one address serves single-stack and
+/// dual-stack clusters. On a kernel without IPv6 (booted with
+/// `ipv6.disable=1`) it listens on `0.0.0.0` instead, with a warning.
+pub fn bind(addr: std::net::SocketAddr, flag: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    let (listener, fell_back) = bind_with(addr, bind_socket)
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} ({flag}): {e}"))?;
+    if let Some(why) = fell_back {
+        tracing::warn!(
+            listen = %addr,
+            error = %why,
+            "{flag}: this kernel has no IPv6; listening on IPv4 only (0.0.0.0)"
+        );
+    }
+    Ok(listener)
+}
+
+/// [`bind`] over `socket`, which binds one address; the error of the `[::]`
+/// attempt when it fell back to `0.0.0.0`.
+fn bind_with(
+    addr: std::net::SocketAddr,
+    socket: impl Fn(std::net::SocketAddr) -> std::io::Result<std::net::TcpListener>,
+) -> std::io::Result<(tokio::net::TcpListener, Option<std::io::Error>)> {
+    let any_v6 = addr.is_ipv6() && addr.ip().is_unspecified();
+    let (std_listener, fell_back) = match socket(addr) {
+        Ok(l) => (l, None),
+        Err(e) if any_v6 && no_ipv6(&e) => {
+            let v4 = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            (socket(v4)?, Some(e))
+        }
+        Err(e) => return Err(e),
+    };
+    std_listener.set_nonblocking(true)?;
+    Ok((tokio::net::TcpListener::from_std(std_listener)?, fell_back))
+}
+
+/// The error of a socket the kernel cannot make because it has no IPv6.
+fn no_ipv6(e: &std::io::Error) -> bool {
+    // EAFNOSUPPORT (97 on Linux): the address family is not supported (no
+    // IPv6 at all); EADDRNOTAVAIL: IPv6 switched off on every interface.
+    e.raw_os_error() == Some(97) || e.kind() == std::io::ErrorKind::AddrNotAvailable
+}
+
+fn bind_socket(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
+    // As std's and tokio's listeners: a restarted server binds its port
+    // while the old one's connections are still in TIME_WAIT.
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
+}
+
 /// Serves connections from `incoming` (TCP, or in-memory in tests).
 pub async fn serve<I, IO, IE>(
     incoming: I,
@@ -675,6 +739,61 @@ async fn first_bytes(stream: &tokio::net::TcpStream) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[::]` is one socket that IPv4 and IPv6 clients both reach, not an
+    /// IPv6-only one, whatever the system's default.
+    #[tokio::test]
+    async fn any_ipv6_address_listens_for_ipv4_and_ipv6_alike() {
+        let l = bind("[::]:0".parse().unwrap(), "--listen").unwrap();
+        assert!(!socket2::SockRef::from(&l).only_v6().unwrap());
+        let port = l.local_addr().unwrap().port();
+        for client in ["127.0.0.1", "[::1]"] {
+            let to: std::net::SocketAddr = format!("{client}:{port}").parse().unwrap();
+            let _c = tokio::net::TcpStream::connect(to).await.unwrap();
+            let (_, from) = tokio::time::timeout(Duration::from_secs(5), l.accept())
+                .await
+                .expect("accepted")
+                .unwrap();
+            assert_eq!(
+                from.ip().to_canonical().is_ipv4(),
+                client == "127.0.0.1",
+                "{from}"
+            );
+        }
+    }
+
+    /// On a kernel without IPv6, `[::]` listens on `0.0.0.0`, same port;
+    /// any other failure, or one of another address, is the error it was.
+    #[tokio::test]
+    async fn any_ipv6_address_falls_back_to_ipv4_without_ipv6() {
+        let no_v6 = |a: std::net::SocketAddr| {
+            if a.is_ipv6() {
+                Err(std::io::Error::from_raw_os_error(97))
+            } else {
+                bind_socket(a)
+            }
+        };
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap().port()
+        };
+        let (l, why) = bind_with(format!("[::]:{port}").parse().unwrap(), no_v6).unwrap();
+        assert_eq!(
+            l.local_addr().unwrap(),
+            format!("0.0.0.0:{port}").parse().unwrap()
+        );
+        assert_eq!(why.unwrap().raw_os_error(), Some(97));
+        drop(l);
+
+        // A specific IPv6 address is not replaced by another one.
+        let e = bind_with("[::1]:0".parse().unwrap(), no_v6).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(97));
+        // A port in use is reported, not retried on IPv4.
+        let held = bind("[::]:0".parse().unwrap(), "--listen").unwrap();
+        let taken = held.local_addr().unwrap();
+        let e = bind_with(taken, bind_socket).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+    }
 
     #[test]
     fn the_connection_age_is_jittered_within_ten_percent() {
