@@ -153,9 +153,10 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
 
-    /// The most bytes of earlier questions and answers an agent gets: the
-    /// oldest of the --history-turns go first when they hold more (each
-    /// answer may hold up to 2 MiB, which every later turn would send).
+    /// The most bytes of earlier questions and answers (with the answers'
+    /// payloads, up to 4 KiB each) an agent gets: the oldest of the
+    /// --history-turns go first when they hold more (each answer may hold
+    /// up to 2 MiB, which every later turn would send).
     #[arg(long, env = "AGENTD_HISTORY_BYTES", default_value_t = 1024 * 1024)]
     pub history_bytes: usize,
 

@@ -1,12 +1,14 @@
 //! `kind = "remote_a2a"` agents: an `agentd serve` child whose agents file
 //! delegates to a second agentd (in-process, A2A on 127.0.0.1) or to the
 //! Python SDK test agent. A Run streams the remote's answer through, a
-//! dropped Run cancels the remote task, remote failures are sanitised, and a
-//! bad entry stops start-up with the file, line and reason. A scripted A2A
-//! peer (the A2A crates' JSON-RPC router on a handler that answers from a
-//! script) sends what those agents do not: artifact chunks that replace
-//! rather than append, and a turn replayed from its first chunk after a
-//! resubscription.
+//! dropped Run cancels the remote task, remote failures are sanitised, the
+//! remote conversation (its context, a question waiting for its reply)
+//! goes on across a restart on SQLite and across replicas on PostgreSQL,
+//! and a bad entry stops start-up with the file, line and reason. A
+//! scripted A2A peer (the A2A crates' JSON-RPC router on a handler that
+//! answers from a script) sends what those agents do not: artifact chunks
+//! that replace rather than append, and a turn replayed from its first
+//! chunk after a resubscription.
 
 mod a2a_support;
 mod support;
@@ -315,6 +317,187 @@ async fn remote_failures_are_sanitised_and_input_required_is_an_answer_that_says
     let (events, end) = run(&child, "py", "message=1").await;
     end.unwrap();
     assert_eq!(events.last().unwrap().text, "direct reply");
+}
+
+/// agentd on `store` as replica `replica` (its agents file in `dir`),
+/// serving `agent`: a remote_a2a agent for the remote at `url`, its own
+/// agent `remote_agent` there when given.
+async fn serve_on(
+    dir: &tempfile::TempDir,
+    store: &str,
+    replica: &str,
+    agent: &str,
+    url: &str,
+    remote_agent: Option<&str>,
+) -> Child {
+    let pick = remote_agent.map_or(String::new(), |a| format!("agent = \"{a}\"\n"));
+    let agents = write_agents(
+        dir,
+        &format!(
+            "[agents.{agent}]\nkind = \"remote_a2a\"\n[agents.{agent}.a2a]\ncard_url = \"{url}\"\n{pick}"
+        ),
+    );
+    Child::serve(&[
+        "--agents",
+        &agents,
+        "--store",
+        store,
+        "--replica-id",
+        replica,
+        "--a2a-listen",
+        "off",
+    ])
+    .await
+}
+
+/// Turn `rid` of alice's `session`, run by `agent` on `child`: its events,
+/// and what its final answer's payload records of the remote conversation
+/// (`{"context_id", "task_id", "state"}`).
+async fn turn(
+    child: &Child,
+    session: &str,
+    rid: &str,
+    agent: &str,
+    text: &str,
+) -> (Vec<pb::AgentEvent>, serde_json::Value) {
+    let req = pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session.into(),
+        request_id: rid.into(),
+        text: text.into(),
+        agent: agent.into(),
+        ..Default::default()
+    };
+    let mut call = child.client.clone().run(req, DEADLINE).await.unwrap();
+    let (events, end) = collect(&mut call.events).await;
+    end.unwrap_or_else(|e| panic!("{rid}: {e:?} after {events:?}"));
+    let last = events.last().expect("no events");
+    assert_eq!(last.kind(), pb::EventKind::FinalAnswer, "{events:?}");
+    let payload: serde_json::Value = serde_json::from_str(&last.payload_json)
+        .unwrap_or_else(|e| panic!("{rid}: payload {:?}: {e}", last.payload_json));
+    (events, payload["a2a"].clone())
+}
+
+/// The remote conversation is kept with the session, in the store: an
+/// agentd restarted on its SQLite file continues it, its next turn sent in
+/// the remote context of the first (the remote, another agentd, then
+/// remembers the order the first turn named).
+#[tokio::test]
+async fn a_remote_conversation_continues_across_a_restart() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("agentd.db").display());
+    let url = remote.base_url();
+    let serve = || serve_on(&dir, &store, "a", "orders", &url, Some("order_helper"));
+    let child = serve().await;
+    let session = child
+        .client
+        .clone()
+        .create_session("alice")
+        .await
+        .unwrap()
+        .session_id;
+    let (_, first) = turn(&child, &session, "r1", "orders", "Where is order 2301?").await;
+    assert_eq!(first["state"], "completed", "{first}");
+    let context = first["context_id"].as_str().expect("a context").to_owned();
+    child.kill9().await;
+
+    let child = serve().await;
+    let (events, second) = turn(&child, &session, "r2", "orders", "and when will it arrive?").await;
+    assert_eq!(second["context_id"], context.as_str(), "{second}");
+    let answer = &events.last().unwrap().text;
+    assert!(
+        answer.contains("2301"),
+        "the remote's session goes on: {answer}"
+    );
+    let tasks = remote_tasks(&remote).await;
+    assert_eq!(tasks.len(), 2, "{tasks:?}");
+    assert!(tasks.iter().all(|t| t.context_id == context), "{tasks:?}");
+    remote.stop().await;
+}
+
+/// Two replicas on one PostgreSQL database: a session's turn on B goes on
+/// in the remote context its turn on A began.
+#[tokio::test]
+async fn a_remote_conversation_begun_on_one_replica_continues_on_another() {
+    let Some(db) = support::TestDb::fresh(support::Backend::Postgres).await else {
+        return;
+    };
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let url = remote.base_url();
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = serve_on(&dir_a, &db.url, "a", "orders", &url, Some("order_helper")).await;
+    let b = serve_on(&dir_b, &db.url, "b", "orders", &url, Some("order_helper")).await;
+    let session = a
+        .client
+        .clone()
+        .create_session("alice")
+        .await
+        .unwrap()
+        .session_id;
+    let (_, first) = turn(&a, &session, "r1", "orders", "Where is order 2301?").await;
+    let context = first["context_id"].as_str().expect("a context").to_owned();
+    let (events, second) = turn(&b, &session, "r2", "orders", "and when will it arrive?").await;
+    assert_eq!(second["context_id"], context.as_str(), "{second}");
+    let answer = &events.last().unwrap().text;
+    assert!(
+        answer.contains("2301"),
+        "the remote's session goes on: {answer}"
+    );
+    let tasks = remote_tasks(&remote).await;
+    assert_eq!(tasks.len(), 2, "{tasks:?}");
+    assert!(tasks.iter().all(|t| t.context_id == context), "{tasks:?}");
+    remote.stop().await;
+}
+
+/// A remote task that waits for input (INPUT_REQUIRED) in a turn on
+/// replica A is answered by the session's next turn, on replica B: the
+/// reply goes to that task, which completes. The turn after that, back on
+/// A, starts a new task in the same context: A holds nothing of the
+/// session that could have gone stale meanwhile.
+#[tokio::test]
+async fn a_question_asked_on_one_replica_is_answered_by_the_next_turn_on_another() {
+    let Some(py) = python() else { return };
+    let Some(db) = support::TestDb::fresh(support::Backend::Postgres).await else {
+        return;
+    };
+    let peer = PyAgent::start(&py, false).await;
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = serve_on(&dir_a, &db.url, "a", "py", &peer.base_url, None).await;
+    let b = serve_on(&dir_b, &db.url, "b", "py", &peer.base_url, None).await;
+    let session = a
+        .client
+        .clone()
+        .create_session("alice")
+        .await
+        .unwrap()
+        .session_id;
+
+    let (events, asked) = turn(&a, &session, "r1", "py", "input=1").await;
+    assert_eq!(
+        events.last().unwrap().text,
+        "The remote agent needs more input: which order?"
+    );
+    assert_eq!(asked["state"], "input_required", "{asked}");
+    let waiting = asked["task_id"].as_str().expect("a task").to_owned();
+    let context = asked["context_id"].as_str().expect("a context").to_owned();
+
+    let (events, answered) = turn(&b, &session, "r2", "py", "said=1").await;
+    assert_eq!(events.last().unwrap().text, "all done");
+    assert_eq!(answered["task_id"], waiting.as_str(), "{answered}");
+    assert_eq!(answered["state"], "completed", "{answered}");
+    let remote = A2aClient::connect(&peer.base_url, None).await.unwrap();
+    let task = remote.get_task(&waiting).await.unwrap();
+    assert_eq!(
+        task.status.state,
+        TaskState::Completed,
+        "the reply went to the waiting task"
+    );
+
+    let (events, next) = turn(&a, &session, "r3", "py", "chunks=1 delay=0").await;
+    assert_eq!(events.last().unwrap().text, "c0 ");
+    assert_ne!(next["task_id"], waiting.as_str(), "{next}");
+    assert_eq!(next["context_id"], context.as_str(), "{next}");
 }
 
 #[tokio::test]

@@ -710,6 +710,101 @@ async fn a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_his
     s.stop().await;
 }
 
+/// A Run of agent `agent`, collected to its end.
+async fn run_agent(
+    s: &Server,
+    sid: &str,
+    rid: &str,
+    agent: &str,
+    text: &str,
+) -> (Vec<pb::AgentEvent>, Result<(), tonic::Status>) {
+    let req = pb::RunRequest {
+        agent: agent.into(),
+        ..run_request(ALICE, sid, rid, text)
+    };
+    s.client
+        .clone()
+        .run_to_end(req, Duration::from_secs(30))
+        .await
+        .unwrap()
+}
+
+/// A completed turn's final answer payload (its FINAL_ANSWER event's
+/// `payload_json`, which the client sees) and the agent that ran it come
+/// back in the history of the session's later runs, whatever agents ran in
+/// between; from the database as from the SQLite store's memory, and
+/// after the store is opened again. A payload over the bound reaches the
+/// client and the event log but is not kept beside the turn.
+async fn a_final_answers_payload_and_agent_come_back_in_the_next_runs_history(db: TestDb) {
+    let store = db.open().await;
+    let s = Server::start(store.clone(), Opts::default()).await;
+    let sid = s.session(ALICE).await;
+    let (events, ok) = run_agent(&s, &sid, "r1", "notes", "first").await;
+    ok.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind(), pb::EventKind::FinalAnswer);
+    assert_eq!(
+        last.payload_json, r#"{"note":"first"}"#,
+        "the client sees it"
+    );
+    run_agent(&s, &sid, "r2", "echo", "hello").await.1.unwrap();
+    let (events, ok) = run_agent(&s, &sid, "r3", "notes", "big").await;
+    ok.unwrap();
+    let big = &events.last().unwrap().payload_json;
+    assert!(
+        big.len() > agentd::agent::MAX_ANSWER_PAYLOAD_BYTES,
+        "{} bytes",
+        big.len()
+    );
+    let (replayed, ok) = s.attach(ALICE, &sid, "r3", None).await.unwrap();
+    ok.unwrap();
+    assert_eq!(
+        &replayed.last().unwrap().payload_json,
+        big,
+        "the event log keeps it whole"
+    );
+    let seen = [
+        r#"r1 notes {"note":"first"}"#,
+        "r2 echo ",
+        // Over the bound: not kept.
+        "r3 notes ",
+    ];
+    let (events, ok) = run_agent(&s, &sid, "r4", "notes", "again").await;
+    ok.unwrap();
+    assert_eq!(events.last().unwrap().text, seen.join("\n"));
+    // The history a Run reads (on SQLite from memory) is the database's.
+    let id = SessionId::parse(&sid).unwrap();
+    let (_, read) = store.session_with_history(id, 10).await.unwrap().unwrap();
+    let stored = store.history(id, 10).await.unwrap();
+    assert_eq!(read, stored);
+    let kept: Vec<(&str, &str)> = stored
+        .iter()
+        .map(|t| (t.agent.as_str(), t.answer_payload.as_str()))
+        .collect();
+    assert_eq!(
+        kept,
+        [
+            ("notes", r#"{"note":"first"}"#),
+            ("echo", ""),
+            ("notes", ""),
+            ("notes", r#"{"note":"again"}"#),
+        ]
+    );
+    s.stop().await;
+    drop(store);
+    if db.backend == Backend::Memory {
+        return;
+    }
+    // Opened again (on SQLite, the file without the memory of it).
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let (events, ok) = run_agent(&s, &sid, "r5", "notes", "after").await;
+    ok.unwrap();
+    let mut after = seen.to_vec();
+    after.push(r#"r4 notes {"note":"again"}"#);
+    assert_eq!(events.last().unwrap().text, after.join("\n"));
+    s.stop().await;
+}
+
 /// The store contract below the service: a claim is exclusive, appends keep
 /// seq order, and a lease is only renewed by its owner.
 async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb) {
@@ -863,7 +958,7 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
                 code: 0,
                 message: String::new(),
             },
-            Some("chunk 309"),
+            Some("chunk 309".into()),
         )
         .await
         .unwrap();
@@ -1206,7 +1301,7 @@ async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) 
                     k,
                     encoded,
                     &outcome,
-                    i.is_multiple_of(2).then_some(answer.as_str()),
+                    i.is_multiple_of(2).then_some(answer.as_str().into()),
                 )
                 .await
         }
@@ -1217,7 +1312,7 @@ async fn turns_ending_together_store_their_last_events_and_outcomes(db: TestDb) 
         &never,
         events(&never).iter().map(EncodedEvent::of).collect(),
         &completed,
-        Some("x"),
+        Some("x".into()),
     );
     // The first half alone, then the second with the bad one among them.
     let mut ends: Vec<_> = ends.collect();
@@ -1339,7 +1434,7 @@ async fn every_store_call_is_timed_and_a_failure_counted(db: TestDb) {
             &key,
             vec![EncodedEvent::of(&last)],
             &completed,
-            Some("done"),
+            Some("done".into()),
         )
         .await
         .unwrap();
@@ -1538,7 +1633,12 @@ async fn end_turn(store: &dyn agentd::store::Store, key: &TurnKey, answer: Optio
         message: String::new(),
     };
     store
-        .append_and_finish(key, vec![EncodedEvent::of(&last)], &outcome, answer)
+        .append_and_finish(
+            key,
+            vec![EncodedEvent::of(&last)],
+            &outcome,
+            answer.map(Into::into),
+        )
         .await
         .unwrap();
 }
@@ -2351,7 +2451,7 @@ async fn a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with(
         .unwrap();
     let late = vec![EncodedEvent::of(&text_event(2, "after"))];
     let recorded = store
-        .append_and_finish(&key("r1"), late, &ok, Some("answer"))
+        .append_and_finish(&key("r1"), late, &ok, Some("answer".into()))
         .await
         .unwrap();
     assert!(!recorded, "the writer hears its outcome was not recorded");
@@ -2375,7 +2475,7 @@ async fn a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with(
     let last = vec![EncodedEvent::of(&text_event(0, "only"))];
     assert!(
         store
-            .append_and_finish(&key("r2"), last, &ok, Some("answer"))
+            .append_and_finish(&key("r2"), last, &ok, Some("answer".into()))
             .await
             .unwrap()
     );
@@ -2533,6 +2633,7 @@ per_backend!(
     sessions_left_with_no_turns_are_pruned_oldest_first,
     an_unused_session_is_deleted_past_the_session_retention,
     a_nul_character_is_refused_in_a_question_and_kept_out_of_the_stored_history,
+    a_final_answers_payload_and_agent_come_back_in_the_next_runs_history,
     a_runs_read_tells_whether_its_turn_is_stored,
     reads_made_together_each_get_their_own_session_and_history,
     the_history_a_run_reads_follows_every_change_to_its_session,

@@ -146,7 +146,12 @@ async fn finish(
         message: String::new(),
     };
     store
-        .append_and_finish(key, vec![EncodedEvent::of(&event)], &outcome, Some("x"))
+        .append_and_finish(
+            key,
+            vec![EncodedEvent::of(&event)],
+            &outcome,
+            Some("x".into()),
+        )
         .await
         .map(drop)
 }

@@ -105,7 +105,7 @@ async fn on_sqlite_batches_stored_in_a_group_whose_outcome_failed_are_answered_s
         Box::pin(store.append_encoded(&b, encoded(0..3))),
     ];
     let mut ends: Call<bool> =
-        Box::pin(store.append_and_finish(&c, encoded(0..1), &COMPLETED, Some("c")));
+        Box::pin(store.append_and_finish(&c, encoded(0..1), &COMPLETED, Some("c".into())));
     for call in &mut appends {
         queue(call).await;
     }
@@ -131,7 +131,7 @@ async fn a_turns_second_outcome_in_a_group_is_answered_not_recorded(db: TestDb) 
     let (store, session) = with_turns(&db, &["r1"]).await;
     let k = key(session, "r1");
     let mut first: Call<bool> =
-        Box::pin(store.append_and_finish(&k, encoded(0..2), &COMPLETED, Some("done")));
+        Box::pin(store.append_and_finish(&k, encoded(0..2), &COMPLETED, Some("done".into())));
     let mut second: Call<bool> = Box::pin(store.finish_turn(&k, &UNAVAILABLE, None));
     queue(&mut first).await;
     queue(&mut second).await;
@@ -201,7 +201,7 @@ async fn on_sqlite_a_turn_ended_by_a_write_whose_answer_was_lost_is_in_the_histo
     recorded_behind_the_store(&db, &k, "lost").await;
     assert!(
         !store
-            .finish_turn(&k, &COMPLETED, Some("lost"))
+            .finish_turn(&k, &COMPLETED, Some("lost".into()))
             .await
             .unwrap()
     );

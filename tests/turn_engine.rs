@@ -199,7 +199,7 @@ impl store_wrap::Hooks for Late {
         inner: &dyn Store,
         k: &TurnKey,
         o: &agentd::store::TurnOutcome,
-        a: Option<&str>,
+        a: Option<agentd::store::FinalAnswer<'_>>,
     ) -> agentd::store::StoreResult<bool> {
         self.outcome_write(inner.finish_turn(k, o, a)).await
     }
@@ -209,7 +209,7 @@ impl store_wrap::Hooks for Late {
         k: &TurnKey,
         e: Vec<agentd::store::EncodedEvent>,
         o: &agentd::store::TurnOutcome,
-        a: Option<&str>,
+        a: Option<agentd::store::FinalAnswer<'_>>,
     ) -> agentd::store::StoreResult<bool> {
         self.outcome_write(inner.append_and_finish(k, e, o, a))
             .await

@@ -242,7 +242,7 @@ impl store_wrap::Hooks for NoOutcomes {
         _: &dyn Store,
         _: &TurnKey,
         _: &TurnOutcome,
-        _: Option<&str>,
+        _: Option<agentd::store::FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         Err(StoreError::Unavailable(anyhow::anyhow!(
             "the database is away"
@@ -254,7 +254,7 @@ impl store_wrap::Hooks for NoOutcomes {
         _: &TurnKey,
         _: Vec<agentd::store::EncodedEvent>,
         _: &TurnOutcome,
-        _: Option<&str>,
+        _: Option<agentd::store::FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         Err(StoreError::Unavailable(anyhow::anyhow!(
             "the database is away"

@@ -307,6 +307,7 @@ mod tests {
             request_id: "r1".into(),
             user_text: "Where is order 2301?".into(),
             answer: "...".into(),
+            ..PriorTurn::default()
         }];
         assert_eq!(
             classify("when will it arrive?", &history),

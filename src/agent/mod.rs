@@ -51,6 +51,12 @@ impl EventKind {
     }
 }
 
+/// The most bytes of a final answer's payload kept beside its turn, and so
+/// given back in later turns' [`PriorTurn::answer_payload`]: an agent's
+/// state for its next turn (a remote A2A agent's conversation, say), not
+/// data. A larger one still reaches the client and the event log.
+pub const MAX_ANSWER_PAYLOAD_BYTES: usize = 4096;
+
 /// One step of a run, as the agent produced it. The turn assigns `seq`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
@@ -60,7 +66,9 @@ pub struct Event {
     pub text: String,
     pub tool_name: String,
     pub tool_call_id: String,
-    /// Tool arguments or result as a JSON document; empty otherwise.
+    /// Tool arguments or result as a JSON document; on a final answer,
+    /// what the agent keeps of the turn for its later turns (at most
+    /// [`MAX_ANSWER_PAYLOAD_BYTES`] is kept); empty otherwise.
     pub payload_json: String,
     /// When the producer created it, Unix epoch nanoseconds.
     pub created_unix_nanos: i64,
@@ -124,12 +132,27 @@ impl Event {
 }
 
 /// An earlier turn of the same session: the agent's conversation memory.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PriorTurn {
     pub request_id: String,
+    /// The agent that ran it: a session's turns may name different agents,
+    /// and an agent finds its own turns' [`PriorTurn::answer_payload`] by it.
+    pub agent: String,
     pub user_text: String,
     /// The final answer; empty when that turn did not complete.
     pub answer: String,
+    /// The final answer event's `payload_json`, when it had one of at most
+    /// [`MAX_ANSWER_PAYLOAD_BYTES`]; empty otherwise (no final answer, none
+    /// given, or a larger one, which is not kept).
+    pub answer_payload: String,
+}
+
+impl PriorTurn {
+    /// What the turn weighs in the history's byte budget: its question,
+    /// its answer and its payload.
+    pub fn bytes(&self) -> usize {
+        self.user_text.len() + self.answer.len() + self.answer_payload.len()
+    }
 }
 
 /// Everything a run may know besides the message itself.

@@ -4,7 +4,8 @@
 //! and reused.
 //!
 //! ```text
-//! Run ─▶ SendStreamingMessage (contextId of this session, metadata "agent")
+//! Run ─▶ SendStreamingMessage (the session's remote contextId, metadata "agent";
+//!        taskId: the task the session's last turn left waiting for input)
 //!        WORKING status with a toolCall / toolResult data part ─▶ TOOL_CALL / TOOL_RESULT
 //!        other status messages                               ─▶ not forwarded (debug log)
 //!        artifact chunks (text)                              ─▶ PARTIAL_TEXT: the text not
@@ -19,6 +20,13 @@
 //! or the call ended on a refusal while the task runs          ─▶ CancelTask on the remote task
 //! ```
 //!
+//! The remote conversation (its contextId, and the task waiting for input)
+//! is kept with the session, in the store, so that any replica and any
+//! restart continues it: every final answer carries it as its payload,
+//! `{"a2a": {"context_id": …, "task_id": …, "state": …}}` ([`RemoteTurn`]),
+//! which later turns read back from their history ([`Conversation::of`]).
+//! Nothing of it is held in this process.
+//!
 //! The remote's own texts (status messages of a failure, errors) go to the
 //! log, never into a status message: they may echo the prompt. The bearer
 //! token is never logged.
@@ -31,19 +39,16 @@ use a2a::{Message, Part, PartContent, Role, StreamResponse, TaskState};
 use tokio::sync::{Notify, OnceCell};
 use tracing::Instrument;
 
-use super::{Agent, AgentError, Event, EventKind, EventStream, RunContext};
+use super::{Agent, AgentError, Event, EventKind, EventStream, PriorTurn, RunContext};
 use crate::client::a2a::{
     A2aClient, Binding, BufferedArtifact, CallError, CallOptions, CallState, Control, Outcome,
     parts_text,
 };
-use crate::domain::SessionId;
 
 /// Default: no event from the remote for this long counts as a lost stream.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default bound of one delegated turn.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(120);
-/// Sessions whose remote context this process remembers.
-const MAX_REMEMBERED_SESSIONS: usize = 10_000;
 /// How long the CancelTask sent for a dropped run may take.
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -88,34 +93,82 @@ pub struct RemoteA2aConfig {
     pub call_timeout: Duration,
 }
 
-/// What this process remembers of a session's conversation with the remote.
-#[derive(Debug, Clone, Default)]
+/// Where a turn left the session's conversation with the remote: the
+/// payload of its final answer, `{"a2a": {...}}`, kept by the store beside
+/// the turn (within [`super::MAX_ANSWER_PAYLOAD_BYTES`]) and given back in
+/// later turns' history, and seen by agents.v1 clients on the FINAL_ANSWER
+/// event. A field the remote did not give is left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct RemoteTurn {
+    /// The remote contextId: the session's conversation there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context_id: Option<String>,
+    /// The remote task that answered; none for a direct Message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    task_id: Option<String>,
+    /// That task's state: [`COMPLETED`], or [`INPUT_REQUIRED`] (the next
+    /// turn replies to the task); none for a direct Message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    state: Option<String>,
+}
+
+/// [`RemoteTurn::state`] of a task that completed.
+const COMPLETED: &str = "completed";
+/// [`RemoteTurn::state`] of a task that waits for input.
+const INPUT_REQUIRED: &str = "input_required";
+
+impl RemoteTurn {
+    /// The final answer payload that records this turn.
+    fn payload(&self) -> String {
+        serde_json::json!({ "a2a": self }).to_string()
+    }
+
+    /// The turn `payload` records, if it records one.
+    fn parse(payload: &str) -> Option<Self> {
+        #[derive(serde::Deserialize)]
+        struct Payload {
+            a2a: RemoteTurn,
+        }
+        serde_json::from_str::<Payload>(payload).ok().map(|p| p.a2a)
+    }
+}
+
+/// The session's conversation with the remote, as this agent's earlier
+/// turns left it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Conversation {
     context_id: Option<String>,
-    /// The remote task waits for input (INPUT_REQUIRED): the next turn replies to it.
+    /// The remote task waits for input (INPUT_REQUIRED): this turn replies to it.
     waiting_task: Option<String>,
 }
 
-#[derive(Default)]
-struct Conversations {
-    by_session: HashMap<SessionId, Conversation>,
-    order: VecDeque<SessionId>,
-}
-
-impl Conversations {
-    fn get(&self, s: &SessionId) -> Conversation {
-        self.by_session.get(s).cloned().unwrap_or_default()
-    }
-
-    fn set(&mut self, s: SessionId, c: Conversation) {
-        if self.by_session.insert(s, c).is_none() {
-            self.order.push_back(s);
-        }
-        while self.order.len() > MAX_REMEMBERED_SESSIONS {
-            if let Some(old) = self.order.pop_front() {
-                self.by_session.remove(&old);
+impl Conversation {
+    /// From `history` (oldest first), the turns agent `agent` ran: the
+    /// remote context of the newest that recorded one, and the task it
+    /// waits on only if the newest of them all left it waiting for input.
+    /// A turn of this agent that ended without an answer (failed,
+    /// cancelled) records nothing: the conversation goes on in the context
+    /// before it, with no task waiting.
+    fn of(agent: &str, history: &[PriorTurn]) -> Self {
+        let mut c = Conversation::default();
+        for (i, t) in history
+            .iter()
+            .rev()
+            .filter(|t| t.agent == agent)
+            .enumerate()
+        {
+            let Some(turn) = RemoteTurn::parse(&t.answer_payload) else {
+                continue;
+            };
+            if i == 0 && turn.state.as_deref() == Some(INPUT_REQUIRED) {
+                c.waiting_task = turn.task_id;
+            }
+            if let Some(context) = turn.context_id.filter(|c| !c.is_empty()) {
+                c.context_id = Some(context);
+                break;
             }
         }
+        c
     }
 }
 
@@ -127,7 +180,6 @@ pub struct RemoteA2aAgent {
 struct Shared {
     cfg: RemoteA2aConfig,
     client: OnceCell<A2aClient>,
-    conversations: Mutex<Conversations>,
 }
 
 impl RemoteA2aAgent {
@@ -145,11 +197,7 @@ impl RemoteA2aAgent {
             let _ = client.set(c);
         }
         Ok(Self {
-            shared: Arc::new(Shared {
-                cfg,
-                client,
-                conversations: Mutex::default(),
-            }),
+            shared: Arc::new(Shared { cfg, client }),
         })
     }
 }
@@ -181,20 +229,6 @@ impl Shared {
                 Err(unavailable("the remote A2A agent cannot be reached"))
             }
         }
-    }
-
-    fn conversation(&self, s: &SessionId) -> Conversation {
-        self.conversations
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(s)
-    }
-
-    fn remember(&self, s: SessionId, c: Conversation) {
-        self.conversations
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set(s, c);
     }
 }
 
@@ -605,7 +639,7 @@ impl Agent for RemoteA2aAgent {
             let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
             let turn_deadline = tokio::time::Instant::now() + shared.cfg.call_timeout.min(left);
             let client = shared.client(turn_deadline).await?.clone();
-            let conversation = shared.conversation(&ctx.session_id);
+            let conversation = Conversation::of(&agent, &ctx.history);
             let metadata = shared.cfg.remote_agent.as_ref().map(|a| {
                 [(crate::a2a::executor::AGENT_METADATA_KEY.to_owned(), serde_json::Value::String(a.clone()))]
                     .into_iter()
@@ -701,13 +735,20 @@ impl Agent for RemoteA2aAgent {
             for e in pending {
                 yield e;
             }
-            let mut next = Conversation { context_id: conversation.context_id.clone(), waiting_task: None };
+            // What the final answer records for the session's next turn
+            // ([`RemoteTurn`]): the context it continues (this turn's, else
+            // the one it was sent in), and the task if it waits for input.
+            // A turn that ends in an error records nothing.
+            let recorded = |context_id: Option<String>, task_id: Option<String>, state: Option<&str>| {
+                RemoteTurn {
+                    context_id: context_id.filter(|c| !c.is_empty()).or_else(|| conversation.context_id.clone()),
+                    task_id,
+                    state: state.map(str::to_owned),
+                }
+                .payload()
+            };
             match result {
                 Ok(Outcome::Completed { context_id, artifacts, incomplete, task_id, message }) => {
-                    if !context_id.is_empty() {
-                        next.context_id = Some(context_id);
-                    }
-                    shared.remember(ctx.session_id, next);
                     if incomplete {
                         tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote answer lost chunks in transit");
                         Err(unavailable("the remote A2A agent's answer was cut in transit"))?;
@@ -715,21 +756,20 @@ impl Agent for RemoteA2aAgent {
                     // The task has ended: nothing to cancel if the answer
                     // is too large.
                     let answer = within_limit(&agent, answer_text(&artifacts, message.as_ref()))?;
-                    yield Event::final_answer(&agent, answer);
+                    yield Event {
+                        payload_json: recorded(Some(context_id), Some(task_id), Some(COMPLETED)),
+                        ..Event::final_answer(&agent, answer)
+                    };
                 }
                 Ok(Outcome::Message(m)) => {
-                    if let Some(c) = m.context_id.clone().filter(|c| !c.is_empty()) {
-                        next.context_id = Some(c);
-                    }
-                    shared.remember(ctx.session_id, next);
-                    yield Event::final_answer(&agent, within_limit(&agent, parts_text(&m.parts))?);
+                    let answer = within_limit(&agent, parts_text(&m.parts))?;
+                    yield Event {
+                        payload_json: recorded(m.context_id, None, None),
+                        ..Event::final_answer(&agent, answer)
+                    };
                 }
                 Ok(Outcome::Waiting { state, task_id, context_id, message, .. }) => {
-                    if !context_id.is_empty() {
-                        next.context_id = Some(context_id);
-                    }
                     if state == TaskState::AuthRequired {
-                        shared.remember(ctx.session_id, next.clone());
                         tracing::warn!(%agent, task = %task_id, "remote_a2a: the remote agent asks for authorization");
                         Err(AgentError::FailedPrecondition("the remote A2A agent asks for an authorization this server cannot give".into()))?;
                     }
@@ -744,15 +784,15 @@ impl Agent for RemoteA2aAgent {
                     guard.armed = true;
                     let text = within_limit(&agent, text)?;
                     guard.armed = false;
-                    next.waiting_task = Some(task_id);
-                    shared.remember(ctx.session_id, next);
-                    yield Event::final_answer(&agent, text);
+                    yield Event {
+                        payload_json: recorded(Some(context_id), Some(task_id), Some(INPUT_REQUIRED)),
+                        ..Event::final_answer(&agent, text)
+                    };
                 }
                 Ok(Outcome::Stopped { .. }) => {
                     Err(AgentError::Unexpected(anyhow::anyhow!("the call stopped without a listener asking")))?;
                 }
                 Err(e) => {
-                    shared.remember(ctx.session_id, next);
                     Err(call_error(&agent, e))?;
                 }
             }
@@ -1071,6 +1111,93 @@ mod tests {
             },
         );
         assert!(matches!(e, AgentError::FailedPrecondition(_)));
+    }
+
+    /// A prior turn of `agent` whose final answer carried `payload`.
+    fn prior(agent: &str, payload: &str) -> PriorTurn {
+        PriorTurn {
+            agent: agent.into(),
+            answer_payload: payload.into(),
+            ..PriorTurn::default()
+        }
+    }
+
+    fn recorded(context: &str, task: Option<&str>, state: Option<&str>) -> String {
+        RemoteTurn {
+            context_id: Some(context.into()),
+            task_id: task.map(Into::into),
+            state: state.map(Into::into),
+        }
+        .payload()
+    }
+
+    #[test]
+    fn a_turns_record_is_its_final_answers_payload_and_reads_back() {
+        let waiting = recorded("c1", Some("t1"), Some(INPUT_REQUIRED));
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&waiting).unwrap(),
+            serde_json::json!({"a2a": {"context_id": "c1", "task_id": "t1", "state": "input_required"}})
+        );
+        assert_eq!(
+            RemoteTurn::parse(&recorded("c1", None, None)),
+            Some(RemoteTurn {
+                context_id: Some("c1".into()),
+                ..RemoteTurn::default()
+            })
+        );
+        assert_eq!(
+            RemoteTurn::parse(&recorded("c1", None, None))
+                .unwrap()
+                .payload(),
+            r#"{"a2a":{"context_id":"c1"}}"#
+        );
+        for other in ["", "{}", "not json", r#"{"order":"1187"}"#] {
+            assert_eq!(RemoteTurn::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn the_conversation_is_read_from_this_agents_latest_turns() {
+        let me = "orders";
+        assert_eq!(Conversation::of(me, &[]), Conversation::default());
+        let waiting = prior(me, &recorded("c1", Some("t1"), Some(INPUT_REQUIRED)));
+        let conversation = |history: &[PriorTurn]| {
+            let c = Conversation::of(me, history);
+            (c.context_id, c.waiting_task)
+        };
+        let c1 = || Some("c1".to_owned());
+        // The newest turn waits: this one replies to its task.
+        assert_eq!(
+            conversation(std::slice::from_ref(&waiting)),
+            (c1(), Some("t1".into()))
+        );
+        // Other agents' turns in between change nothing, even one whose
+        // payload looks like a record.
+        let theirs = [
+            prior("other", &recorded("c9", Some("t9"), Some(INPUT_REQUIRED))),
+            prior("demo", ""),
+        ];
+        let mut history = vec![waiting.clone()];
+        history.extend(theirs.iter().cloned());
+        assert_eq!(conversation(&history), (c1(), Some("t1".into())));
+        // A later turn of this agent that failed (no payload): the context
+        // goes on, the task no longer waits for this session.
+        history.push(prior(me, ""));
+        assert_eq!(conversation(&history), (c1(), None));
+        // Nor once a later turn answered.
+        let answered = [
+            waiting.clone(),
+            prior(me, &recorded("c1", Some("t1"), Some(COMPLETED))),
+        ];
+        assert_eq!(conversation(&answered), (c1(), None));
+        // The newest context wins; a Message answer records one too.
+        let moved = [
+            prior(me, &recorded("c0", Some("t0"), Some(COMPLETED))),
+            prior(me, &recorded("c2", None, None)),
+        ];
+        assert_eq!(conversation(&moved), (Some("c2".into()), None));
+        // Only other agents' turns: a new conversation.
+        assert_eq!(conversation(&theirs), (None, None));
     }
 
     #[test]

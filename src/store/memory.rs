@@ -14,8 +14,10 @@ struct Turn {
     record: Option<TurnRecord>,
     /// As the pump encoded them; decoded when read.
     events: Vec<EncodedEvent>,
-    /// The final answer `finish_turn` recorded, for history.
+    /// The final answer `finish_turn` recorded, and its payload, for
+    /// history.
     answer: Option<String>,
+    answer_payload: String,
 }
 
 #[derive(Default)]
@@ -175,6 +177,7 @@ impl Store for MemoryStore {
                 }),
                 events: Vec::new(),
                 answer: None,
+                answer_payload: String::new(),
             },
         );
         if let Some(s) = inner.sessions.get_mut(&t.key.session_id) {
@@ -213,7 +216,7 @@ impl Store for MemoryStore {
         &self,
         key: &TurnKey,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         let mut inner = self.lock();
         let turn = inner
@@ -226,7 +229,8 @@ impl Store for MemoryStore {
             rec.state = outcome.state;
             rec.outcome = Some(outcome.clone());
             rec.updated_at = SystemTime::now();
-            turn.answer = answer.map(str::to_owned);
+            turn.answer = answer.map(|a| a.text.to_owned());
+            turn.answer_payload = answer.map(|a| a.payload.to_owned()).unwrap_or_default();
             return Ok(true);
         }
         Ok(false)
@@ -269,11 +273,12 @@ impl Store for MemoryStore {
             .into_iter()
             .filter_map(|t| {
                 let r = t.record.as_ref()?;
-                let answer = t.answer.clone().unwrap_or_default();
                 Some(PriorTurn {
                     request_id: r.key.request_id.to_string(),
+                    agent: r.agent.clone(),
                     user_text: r.user_text.clone(),
-                    answer,
+                    answer: t.answer.clone().unwrap_or_default(),
+                    answer_payload: t.answer_payload.clone(),
                 })
             })
             .collect())

@@ -20,8 +20,9 @@ use async_trait::async_trait;
 
 use super::a2a_tasks::{A2aTaskSource, A2aTasks, Unfinished, UnfinishedKey};
 use super::{
-    Claim, Deletion, EncodedEvent, KindEncoding, NewTurn, PageCursor, RunRead, SeqEvent, Session,
-    SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
+    Claim, Deletion, EncodedEvent, FinalAnswer, KindEncoding, NewTurn, PageCursor, RunRead,
+    SeqEvent, Session, SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome,
+    TurnRecord,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -297,7 +298,7 @@ impl Store for Metered {
         &self,
         key: &TurnKey,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         self.timed(Op::FinishTurn, self.inner.finish_turn(key, outcome, answer))
             .await
@@ -308,7 +309,7 @@ impl Store for Metered {
         key: &TurnKey,
         events: Vec<EncodedEvent>,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         self.timed(
             Op::AppendAndFinish,

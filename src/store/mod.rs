@@ -150,6 +150,23 @@ impl EncodedEvent {
     }
 }
 
+/// A turn's final answer as its outcome records it beside the turn: the
+/// text later turns get as history, and the final event's payload
+/// ([`PriorTurn::answer_payload`]; empty for none). The turn engine keeps a
+/// payload only within [`crate::agent::MAX_ANSWER_PAYLOAD_BYTES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FinalAnswer<'a> {
+    pub text: &'a str,
+    pub payload: &'a str,
+}
+
+impl<'a> From<&'a str> for FinalAnswer<'a> {
+    /// An answer without a payload.
+    fn from(text: &'a str) -> Self {
+        Self { text, payload: "" }
+    }
+}
+
 /// A row of the turn side table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TurnRecord {
@@ -495,14 +512,14 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
             .await
     }
     /// Records the outcome of a running turn, with its final answer (the
-    /// text later turns get as history): true. A turn that is no longer
-    /// running (its lease expired and someone failed it) keeps its outcome:
-    /// false, and its caller must not report another one.
+    /// text and payload later turns get as history): true. A turn that is
+    /// no longer running (its lease expired and someone failed it) keeps
+    /// its outcome: false, and its caller must not report another one.
     async fn finish_turn(
         &self,
         key: &TurnKey,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool>;
     /// A turn's last events and its outcome: [`Store::append_encoded`], then
     /// [`Store::finish_turn`] once the events are stored; when the events
@@ -515,7 +532,7 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         key: &TurnKey,
         events: Vec<EncodedEvent>,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         self.append_encoded(key, events).await?;
         self.finish_turn(key, outcome, answer).await

@@ -286,7 +286,8 @@ impl PostgresStore {
             Vec::with_capacity(m),
             Vec::with_capacity(m),
         );
-        let (mut message, mut answer, mut at) = (
+        let (mut message, mut answer, mut payload, mut at) = (
+            Vec::with_capacity(m),
             Vec::with_capacity(m),
             Vec::with_capacity(m),
             Vec::with_capacity(m),
@@ -298,6 +299,7 @@ impl PostgresStore {
             code.push(o.code);
             message.push(o.message.as_str());
             answer.push(o.answer.as_deref());
+            payload.push(o.answer_payload.as_deref());
             at.push(o.at);
         }
         // The insert runs whole before the update's rows are visible to
@@ -307,9 +309,9 @@ impl PostgresStore {
         let recorded: Vec<(String, String)> = sqlx::query_as(&format!(
             "WITH stored AS ({INSERT}) \
              UPDATE turns t SET state = o.state, status_code = o.code, status_message = o.message, \
-             answer = o.answer, updated_at = o.at \
-             FROM UNNEST($6::text[], $7::text[], $8::text[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
-             AS o(session_id, request_id, state, code, message, answer, at) \
+             answer = o.answer, answer_payload = o.payload, updated_at = o.at \
+             FROM UNNEST($6::text[], $7::text[], $8::text[], $9::int8[], $10::text[], $11::text[], $12::text[], $13::int8[]) \
+             AS o(session_id, request_id, state, code, message, answer, payload, at) \
              WHERE t.session_id = o.session_id AND t.request_id = o.request_id AND t.state = 'running' \
              RETURNING t.session_id, t.request_id"
         ))
@@ -324,6 +326,7 @@ impl PostgresStore {
         .bind(&code)
         .bind(&message)
         .bind(&answer)
+        .bind(&payload)
         .bind(&at)
         .fetch_all(pool)
         .await?;
@@ -432,12 +435,14 @@ impl PostgresStore {
     ) -> Result<Vec<sqlx::postgres::PgRow>, sqlx::Error> {
         sqlx::query(
             "SELECT q.ord, t.request_id IS NOT NULL AS turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
-             h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer \
+             h.request_id AS h_request_id, h.agent AS h_agent, h.user_text AS h_user_text, h.answer AS h_answer, \
+             h.answer_payload AS h_answer_payload \
              FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
              JOIN sessions s ON s.id = q.id \
              LEFT JOIN turns t ON t.session_id = q.id AND t.request_id = q.turn \
              LEFT JOIN LATERAL ( \
-               SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
+               SELECT request_id, agent, user_text, COALESCE(answer, '') AS answer, \
+               COALESCE(answer_payload, '') AS answer_payload, created_at FROM turns \
                WHERE session_id = q.id AND state <> 'running' \
                ORDER BY created_at DESC, request_id DESC LIMIT q.lim \
              ) h ON true \
@@ -481,8 +486,10 @@ impl PostgresStore {
             };
             read.history.push(crate::agent::PriorTurn {
                 request_id,
+                agent: r.try_get("h_agent").map_err(super::sql::db_err)?,
                 user_text: r.try_get("h_user_text").map_err(super::sql::db_err)?,
                 answer: r.try_get("h_answer").map_err(super::sql::db_err)?,
+                answer_payload: r.try_get("h_answer_payload").map_err(super::sql::db_err)?,
             });
         }
         Ok(found)

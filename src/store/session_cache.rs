@@ -89,12 +89,27 @@ struct Entry {
     /// The request ids of those dropped turns, hashed ([`rid_hash`]): the
     /// cache still knows which turns are stored.
     dropped: HashSet<u64>,
-    /// Turns claimed and not yet ended: request id → (claim time, text).
-    running: HashMap<String, (i64, String)>,
+    /// Turns claimed and not yet ended: request id → what the claim
+    /// stored of it.
+    running: HashMap<String, Claimed>,
     /// Taken from a database read: when its turns ended is not known, so
     /// any prune forgets it.
     from_read: bool,
     bytes: usize,
+}
+
+/// A turn claimed and not yet ended.
+struct Claimed {
+    /// When it was claimed, in microseconds.
+    at: i64,
+    user_text: String,
+    agent: String,
+}
+
+impl Claimed {
+    fn bytes(&self, rid: &str) -> usize {
+        rid.len() + self.user_text.len() + self.agent.len()
+    }
 }
 
 struct Ended {
@@ -107,7 +122,7 @@ struct Ended {
 
 impl Ended {
     fn bytes(&self) -> usize {
-        self.turn.request_id.len() + self.turn.user_text.len() + self.turn.answer.len()
+        self.turn.request_id.len() + self.turn.agent.len() + self.turn.bytes()
     }
 }
 
@@ -136,10 +151,10 @@ impl SessionCache {
         inner.evict();
     }
 
-    /// A claim stored turn `rid` of session `sid` at `at` (microseconds);
-    /// the claim also marks the session updated then. Called in the order
-    /// the claims were written.
-    pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str) {
+    /// A claim stored turn `rid` of session `sid` at `at` (microseconds),
+    /// for `agent`; the claim also marks the session updated then. Called
+    /// in the order the claims were written.
+    pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str, agent: &str) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         inner.changed(sid);
@@ -147,11 +162,13 @@ impl SessionCache {
             return;
         };
         e.session.updated_at = from_micros(at);
-        let added = rid.len() + user_text.len();
-        if e.running
-            .insert(rid.to_owned(), (at, user_text.to_owned()))
-            .is_some()
-        {
+        let claimed = Claimed {
+            at,
+            user_text: user_text.to_owned(),
+            agent: agent.to_owned(),
+        };
+        let added = claimed.bytes(rid);
+        if e.running.insert(rid.to_owned(), claimed).is_some() {
             // A turn claimed twice cannot be: the cache is wrong somewhere.
             inner.forget(sid);
             return;
@@ -162,30 +179,41 @@ impl SessionCache {
     }
 
     /// Turn `rid` of session `sid` ended at `ended_at` (microseconds; its
-    /// outcome is stored), with its final answer if it gave one.
-    pub fn ended(&self, sid: &str, rid: &str, answer: Option<&str>, ended_at: i64) {
+    /// outcome is stored), with its final answer and that answer's payload
+    /// if it gave them.
+    pub fn ended(
+        &self,
+        sid: &str,
+        rid: &str,
+        answer: Option<&str>,
+        payload: Option<&str>,
+        ended_at: i64,
+    ) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         inner.changed(sid);
         let Some(e) = inner.entries.get_mut(sid) else {
             return;
         };
-        let Some((at, user_text)) = e.running.remove(rid) else {
+        let Some(claimed) = e.running.remove(rid) else {
             // Claimed before the cache knew the session, or ended before:
             // what its history is now, the database knows.
             inner.forget(sid);
             return;
         };
+        let mut delta = -(claimed.bytes(rid) as isize);
         let ended = Ended {
-            at,
+            at: claimed.at,
             ended_at,
             turn: PriorTurn {
                 request_id: rid.to_owned(),
-                user_text,
+                agent: claimed.agent,
+                user_text: claimed.user_text,
                 answer: answer.unwrap_or_default().to_owned(),
+                answer_payload: payload.unwrap_or_default().to_owned(),
             },
         };
-        let mut delta = ended.bytes() as isize - (rid.len() + ended.turn.user_text.len()) as isize;
+        delta += ended.bytes() as isize;
         let key = (ended.at, ended.turn.request_id.as_str());
         let pos = e
             .history
@@ -428,16 +456,16 @@ mod tests {
         let sid = s.id.to_string();
         c.created(&s);
         assert_eq!(c.get(s.id, 20).unwrap().1, vec![]);
-        c.claimed(&sid, "r1", 10, "q1");
-        c.claimed(&sid, "r2", 20, "q2");
-        c.claimed(&sid, "r3", 20, "q3");
+        c.claimed(&sid, "r1", 10, "q1", "x");
+        c.claimed(&sid, "r2", 20, "q2", "x");
+        c.claimed(&sid, "r3", 20, "q3", "y");
         assert!(
             c.get(s.id, 20).unwrap().1.is_empty(),
             "running turns are no history"
         );
-        c.ended(&sid, "r3", Some("a3"), 100);
-        c.ended(&sid, "r1", None, 100);
-        c.ended(&sid, "r2", Some("a2"), 100);
+        c.ended(&sid, "r3", Some("a3"), Some("{}"), 100);
+        c.ended(&sid, "r1", None, None, 100);
+        c.ended(&sid, "r2", Some("a2"), None, 100);
         let (got, history) = c.get(s.id, 20).unwrap();
         assert_eq!(ids(&history), ["r1", "r2", "r3"]);
         assert_eq!(history[0].answer, "", "a turn without an answer");
@@ -445,6 +473,23 @@ mod tests {
             (history[2].user_text.as_str(), history[2].answer.as_str()),
             ("q3", "a3")
         );
+        assert_eq!(
+            (
+                history[2].agent.as_str(),
+                history[2].answer_payload.as_str()
+            ),
+            ("y", "{}")
+        );
+        assert_eq!(
+            (
+                history[1].agent.as_str(),
+                history[1].answer_payload.as_str()
+            ),
+            ("x", "")
+        );
+        // Each held turn counts its request id, agent, question, answer and
+        // payload.
+        assert_eq!(c.held(), (1, (2 + 1 + 2) * 3 + 2 + 2 + 2));
         assert_eq!(
             got.updated_at,
             from_micros(20),
@@ -460,10 +505,10 @@ mod tests {
         let s = session();
         let sid = s.id.to_string();
         c.created(&s);
-        c.ended(&sid, "unknown", Some("a"), 100);
+        c.ended(&sid, "unknown", Some("a"), None, 100);
         assert!(c.get(s.id, 5).is_none(), "a turn it never saw claimed");
         // Not held again once forgotten, not even by a claim.
-        c.claimed(&sid, "r1", 1, "q");
+        c.claimed(&sid, "r1", 1, "q", "");
         assert!(c.get(s.id, 5).is_none());
         let other = session();
         assert!(
@@ -471,7 +516,7 @@ mod tests {
             "a session it never saw created"
         );
         c.created(&other);
-        c.claimed(&other.id.to_string(), "r1", 1, "q");
+        c.claimed(&other.id.to_string(), "r1", 1, "q", "");
         c.clear();
         assert!(c.get(other.id, 5).is_none());
         assert_eq!(c.held(), (0, 0));
@@ -486,8 +531,8 @@ mod tests {
         let n = HISTORY_CAP + 6;
         for i in 0..n {
             let rid = format!("r{i:03}");
-            c.claimed(&sid, &rid, i as i64, "q");
-            c.ended(&sid, &rid, Some("a"), 100);
+            c.claimed(&sid, &rid, i as i64, "q", "");
+            c.ended(&sid, &rid, Some("a"), None, 100);
         }
         let (_, last) = c.get(s.id, 3).unwrap();
         assert_eq!(ids(&last), ["r067", "r068", "r069"]);
@@ -495,8 +540,8 @@ mod tests {
         assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
         // A turn claimed before the oldest held, ending now, is among the
         // dropped ones.
-        c.claimed(&sid, "r000x", 0, "q");
-        c.ended(&sid, "r000x", Some("a"), 100);
+        c.claimed(&sid, "r000x", 0, "q", "");
+        c.ended(&sid, "r000x", Some("a"), None, 100);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r006");
         let per_turn = "r000".len() + 2;
         // The 7 dropped are counted by their hashed ids.
@@ -511,11 +556,11 @@ mod tests {
         c.created(&s);
         // Claimed in order; r1 ends last.
         for (rid, at) in [("r1", 1), ("r2", 2), ("r3", 3)] {
-            c.claimed(&sid, rid, at, "q");
+            c.claimed(&sid, rid, at, "q", "");
         }
-        c.ended(&sid, "r2", Some("a"), 20);
-        c.ended(&sid, "r3", Some("a"), 30);
-        c.ended(&sid, "r1", Some("a"), 40);
+        c.ended(&sid, "r2", Some("a"), None, 20);
+        c.ended(&sid, "r3", Some("a"), None, 30);
+        c.ended(&sid, "r1", Some("a"), None, 40);
         c.pruned(30);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r3"]);
         assert_eq!(c.held(), (1, 2 * ("r1".len() + 2)));
@@ -529,8 +574,8 @@ mod tests {
         c.created(&long);
         for i in 0..HISTORY_CAP + 1 {
             let rid = format!("r{i:03}");
-            c.claimed(&lid, &rid, i as i64, "q");
-            c.ended(&lid, &rid, Some("a"), 100 + i as i64);
+            c.claimed(&lid, &rid, i as i64, "q", "");
+            c.ended(&lid, &rid, Some("a"), None, 100 + i as i64);
         }
         c.pruned(101);
         assert!(c.get(long.id, 5).is_some(), "nothing held was pruned");
@@ -543,6 +588,7 @@ mod tests {
             request_id: rid.into(),
             user_text: "q".into(),
             answer: "a".into(),
+            ..PriorTurn::default()
         }
     }
 
@@ -557,11 +603,11 @@ mod tests {
         c.offer(mark, &s, &read);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2"]);
         // A turn claimed from now on comes after them.
-        c.claimed(&sid, "r3", 5, "q");
-        c.ended(&sid, "r3", Some("a"), 6);
+        c.claimed(&sid, "r3", 5, "q", "");
+        c.ended(&sid, "r3", Some("a"), None, 6);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2", "r3"]);
         // A turn that was running at the read ends: unknown, forgotten.
-        c.ended(&sid, "r0", Some("a"), 7);
+        c.ended(&sid, "r0", Some("a"), None, 7);
         assert!(c.get(s.id, 5).is_none());
 
         // Any change to the session between the mark and the offer, or to
@@ -569,8 +615,8 @@ mod tests {
         for change in 0..4 {
             let mark = c.mark(&sid);
             match change {
-                0 => c.claimed(&sid, "r9", 9, "q"),
-                1 => c.ended(&sid, "r9", None, 9),
+                0 => c.claimed(&sid, "r9", 9, "q", ""),
+                1 => c.ended(&sid, "r9", None, None, 9),
                 2 => c.pruned(9),
                 _ => c.forget(&sid),
             }
@@ -601,7 +647,7 @@ mod tests {
         assert_eq!(c.stored(s.id, "r000"), Some(false));
         // Past the cap, in order and out of it: the dropped are still known.
         for i in 0..HISTORY_CAP + 3 {
-            c.claimed(&sid, &format!("r{i:03}"), i as i64, "q");
+            c.claimed(&sid, &format!("r{i:03}"), i as i64, "q", "");
         }
         for i in (1..HISTORY_CAP + 3).chain([0]) {
             assert_eq!(
@@ -609,7 +655,7 @@ mod tests {
                 Some(true),
                 "r{i:03} running"
             );
-            c.ended(&sid, &format!("r{i:03}"), Some("a"), 100);
+            c.ended(&sid, &format!("r{i:03}"), Some("a"), None, 100);
         }
         assert!(
             c.get(s.id, HISTORY_CAP + 1).is_none(),
@@ -642,9 +688,9 @@ mod tests {
         c.created(&old);
         c.created(&new);
         let big = "x".repeat(BYTES_CAP / 2 + 1);
-        c.claimed(&old.id.to_string(), "r1", 1, &big);
+        c.claimed(&old.id.to_string(), "r1", 1, &big, "");
         assert!(c.get(old.id, 1).is_some());
-        c.claimed(&new.id.to_string(), "r1", 2, &big);
+        c.claimed(&new.id.to_string(), "r1", 2, &big, "");
         assert!(c.get(old.id, 1).is_none(), "the older session is dropped");
         assert!(c.get(new.id, 1).is_some());
         assert_eq!(c.held(), (1, big.len() + 2));

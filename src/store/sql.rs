@@ -267,17 +267,23 @@ pub(super) struct PendingOutcome {
     pub code: i64,
     pub message: String,
     pub answer: Option<String>,
+    /// The final answer's payload; `None` (NULL) for none.
+    pub answer_payload: Option<String>,
     /// When it was recorded, in microseconds (`updated_at`).
     pub at: i64,
 }
 
 impl PendingOutcome {
-    pub fn new(outcome: &super::TurnOutcome, answer: Option<&str>) -> Self {
+    pub fn new(outcome: &super::TurnOutcome, answer: Option<super::FinalAnswer<'_>>) -> Self {
         Self {
             state: outcome.state.as_str(),
             code: outcome.code as i64,
             message: outcome.message.clone(),
-            answer: answer.map(str::to_owned),
+            answer: answer.map(|a| a.text.to_owned()),
+            answer_payload: answer
+                .map(|a| a.payload)
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned),
             at: super::to_micros(std::time::SystemTime::now()),
         }
     }
@@ -728,7 +734,7 @@ macro_rules! sql_store {
                         // Known to the cache before the claimant can run
                         // (and end) the turn.
                         if let (true, Some(cache)) = (stored, &sessions) {
-                            cache.claimed(&c.sid, &c.rid, c.at, &c.user_text);
+                            cache.claimed(&c.sid, &c.rid, c.at, &c.user_text, &c.agent);
                         }
                         let $crate::store::sql::PendingClaim { sid, rid, owner, at, done, .. } = c;
                         if done.send(r).is_err() && stored {
@@ -829,7 +835,7 @@ macro_rules! sql_store {
                     let answer = |p: PendingBatch, r: Result<bool, Failed>| {
                         if let (Some(cache), Some(o)) = (&sessions, &p.outcome) {
                             match r {
-                                Ok(true) => cache.ended(&p.sid, &p.rid, o.answer.as_deref(), o.at),
+                                Ok(true) => cache.ended(&p.sid, &p.rid, o.answer.as_deref(), o.answer_payload.as_deref(), o.at),
                                 _ => cache.forget(&p.sid),
                             }
                         }
@@ -965,7 +971,7 @@ macro_rules! sql_store {
                 self.commit(key, events, None).await.map(drop)
             }
 
-            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<&str>) -> StoreResult<bool> {
+            async fn finish_turn(&self, key: &TurnKey, outcome: &TurnOutcome, answer: Option<FinalAnswer<'_>>) -> StoreResult<bool> {
                 self.append_and_finish(key, Vec::new(), outcome, answer).await
             }
 
@@ -974,7 +980,7 @@ macro_rules! sql_store {
                 key: &TurnKey,
                 events: Vec<EncodedEvent>,
                 outcome: &TurnOutcome,
-                answer: Option<&str>,
+                answer: Option<FinalAnswer<'_>>,
             ) -> StoreResult<bool> {
                 self.commit(key, events, Some($crate::store::sql::PendingOutcome::new(outcome, answer))).await
             }
@@ -1014,7 +1020,8 @@ macro_rules! sql_store {
 
             async fn history(&self, session: SessionId, limit: usize) -> StoreResult<Vec<PriorTurn>> {
                 let rows = sqlx::query(
-                    "SELECT request_id, user_text, COALESCE(answer, '') AS answer \
+                    "SELECT request_id, agent, user_text, COALESCE(answer, '') AS answer, \
+                     COALESCE(answer_payload, '') AS answer_payload \
                      FROM turns WHERE session_id = $1 AND state <> 'running' \
                      ORDER BY created_at DESC, request_id DESC LIMIT $2",
                 )
@@ -1028,8 +1035,10 @@ macro_rules! sql_store {
                     .map(|r| {
                         Ok(PriorTurn {
                             request_id: r.try_get("request_id").map_err(db_err)?,
+                            agent: r.try_get("agent").map_err(db_err)?,
                             user_text: r.try_get("user_text").map_err(db_err)?,
                             answer: r.try_get("answer").map_err(db_err)?,
+                            answer_payload: r.try_get("answer_payload").map_err(db_err)?,
                         })
                     })
                     .collect::<StoreResult<Vec<_>>>()?;
@@ -1426,10 +1435,12 @@ macro_rules! sql_store {
                 // all when there is no such session.
                 let rows = sqlx::query(
                     "SELECT s.id, s.user_id, s.created_at, s.updated_at, \
-                     h.request_id AS h_request_id, h.user_text AS h_user_text, h.answer AS h_answer, \
+                     h.request_id AS h_request_id, h.agent AS h_agent, h.user_text AS h_user_text, h.answer AS h_answer, \
+                     h.answer_payload AS h_answer_payload, \
                      EXISTS (SELECT 1 FROM turns t WHERE t.session_id = $1 AND t.request_id = $3) AS turn_stored \
                      FROM sessions s LEFT JOIN ( \
-                       SELECT request_id, user_text, COALESCE(answer, '') AS answer, created_at FROM turns \
+                       SELECT request_id, agent, user_text, COALESCE(answer, '') AS answer, \
+                       COALESCE(answer_payload, '') AS answer_payload, created_at FROM turns \
                        WHERE session_id = $1 AND state <> 'running' \
                        ORDER BY created_at DESC, request_id DESC LIMIT $2 \
                      ) h ON true \
@@ -1454,8 +1465,10 @@ macro_rules! sql_store {
                     };
                     history.push(PriorTurn {
                         request_id,
+                        agent: r.try_get("h_agent").map_err(db_err)?,
                         user_text: r.try_get("h_user_text").map_err(db_err)?,
                         answer: r.try_get("h_answer").map_err(db_err)?,
+                        answer_payload: r.try_get("h_answer_payload").map_err(db_err)?,
                     });
                 }
                 Ok(Some(RunRead { session, history, turn_stored }))

@@ -391,7 +391,7 @@ fn update_outcomes<'q>(
 ) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
     let mut q = sqlx::QueryBuilder::new(
         "UPDATE turns SET state = v.column3, status_code = v.column4, status_message = v.column5, \
-         answer = v.column6, updated_at = v.column7 FROM (",
+         answer = v.column6, answer_payload = v.column7, updated_at = v.column8 FROM (",
     );
     q.push_values(turns, |mut b, (p, o)| {
         b.push_bind(p.sid.as_str())
@@ -400,6 +400,7 @@ fn update_outcomes<'q>(
             .push_bind(o.code)
             .push_bind(o.message.as_str())
             .push_bind(o.answer.as_deref())
+            .push_bind(o.answer_payload.as_deref())
             .push_bind(o.at);
     });
     q.push(
@@ -848,7 +849,7 @@ mod tests {
             message: String::new(),
         };
         store
-            .finish_turn(&key, &done, Some("cached"))
+            .finish_turn(&key, &done, Some("cached".into()))
             .await
             .unwrap();
         let other = SqlitePool::connect(&url).await.unwrap();
@@ -1031,7 +1032,10 @@ mod tests {
         let pruned = turn_with_events(&store, "r2", 3).await;
         let running = turn_with_events(&store, "r3", 3).await;
         for k in [&deleted, &pruned] {
-            store.finish_turn(k, &done, Some("ok")).await.unwrap();
+            store
+                .finish_turn(k, &done, Some("ok".into()))
+                .await
+                .unwrap();
         }
         let batches = "SELECT COUNT(*) FROM ev.event_log";
         assert_eq!(count(&store.read, batches).await, 3);
@@ -1534,8 +1538,18 @@ mod tests {
             code: 0,
             message: String::new(),
         };
-        assert!(store.finish_turn(&big, &done, Some("a")).await.unwrap());
-        assert!(store.finish_turn(&second, &done, Some("b")).await.unwrap());
+        assert!(
+            store
+                .finish_turn(&big, &done, Some("a".into()))
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .finish_turn(&second, &done, Some("b".into()))
+                .await
+                .unwrap()
+        );
 
         let mut delete = Box::pin(store.delete_session(big.session_id));
         assert!(futures::poll!(delete.as_mut()).is_pending());
@@ -1577,7 +1591,12 @@ mod tests {
             code: 0,
             message: String::new(),
         };
-        assert!(store.finish_turn(&big, &done, Some("a")).await.unwrap());
+        assert!(
+            store
+                .finish_turn(&big, &done, Some("a".into()))
+                .await
+                .unwrap()
+        );
         let no = count(
             &store.write,
             &format!(

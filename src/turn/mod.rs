@@ -82,8 +82,8 @@ pub struct TurnConfig {
     pub replica_id: String,
     /// How many earlier turns an agent gets as conversation memory.
     pub history_turns: usize,
-    /// The most bytes of questions and answers in that memory; the oldest
-    /// turns go first.
+    /// The most bytes of questions, answers and answers' payloads in that
+    /// memory; the oldest turns go first.
     pub history_bytes: usize,
     /// Start no agent before its turn is claimed, even one that could start
     /// beside the claim ([`crate::agent::Agent::starts_before_claim`]).
@@ -126,15 +126,15 @@ impl Default for TurnConfig {
     }
 }
 
-/// The newest turns of `history` (oldest first) whose questions and answers
-/// fit in `budget` bytes together, oldest first.
+/// The newest turns of `history` (oldest first) whose questions, answers
+/// and answers' payloads fit in `budget` bytes together, oldest first.
 fn newest_within(mut history: Vec<PriorTurn>, budget: usize) -> Vec<PriorTurn> {
     let mut used = 0usize;
     let keep = history
         .iter()
         .rev()
         .take_while(|t| {
-            used = used.saturating_add(t.user_text.len() + t.answer.len());
+            used = used.saturating_add(t.bytes());
             used <= budget
         })
         .count();
@@ -859,6 +859,7 @@ mod tests {
             request_id: id.into(),
             user_text: "q".repeat(question),
             answer: "a".repeat(answer),
+            ..PriorTurn::default()
         }
     }
 
@@ -880,5 +881,17 @@ mod tests {
         assert_eq!(ids(&newest_within(history.clone(), 199)), ["r2", "r3"]);
         assert_eq!(ids(&newest_within(history.clone(), 50)), ["r3"]);
         assert!(newest_within(history, 49).is_empty());
+    }
+
+    #[test]
+    fn an_answers_payload_counts_against_the_history_budget() {
+        let with_payload = PriorTurn {
+            answer_payload: "p".repeat(100),
+            ..turn("r2", 10, 40)
+        };
+        let history = vec![turn("r1", 10, 40), with_payload];
+        assert_eq!(ids(&newest_within(history.clone(), 200)), ["r1", "r2"]);
+        assert_eq!(ids(&newest_within(history.clone(), 199)), ["r2"]);
+        assert!(newest_within(history, 149).is_empty());
     }
 }

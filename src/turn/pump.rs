@@ -14,7 +14,7 @@ use super::{Deadline, Failure, Progress, RunStream, SlowConsumer, Turns};
 use crate::domain::{OnDisconnect, RunInput, TurnKey};
 use crate::grpc::{convert, status};
 use crate::pb;
-use crate::store::{EncodedEvent, Store, StoreError, TurnOutcome};
+use crate::store::{EncodedEvent, FinalAnswer, Store, StoreError, TurnOutcome};
 
 /// Queue between the pump and the writer: a full batch can wait while the
 /// one before it commits, so a store commit in flight does not stall the
@@ -51,7 +51,54 @@ enum ToWriter {
 }
 
 /// How a turn ended, and its final answer if it gave one.
-type Finish = (TurnOutcome, Option<String>);
+type Finish = (TurnOutcome, Option<Answer>);
+
+/// A turn's final answer as it is kept beside the turn, for later turns'
+/// history: its text and payload (see [`Answer::of`]).
+struct Answer {
+    text: String,
+    /// Empty for none.
+    payload: String,
+}
+
+impl Answer {
+    /// What is kept of final answer `event`: its text and payload, each in
+    /// a text column that on PostgreSQL cannot hold U+0000 (U+FFFD in its
+    /// place; the event log keeps them as sent), the payload only within
+    /// [`MAX_ANSWER_PAYLOAD_BYTES`](crate::agent::MAX_ANSWER_PAYLOAD_BYTES).
+    fn of(event: &crate::agent::Event) -> Self {
+        let kept = |s: &str| {
+            if s.contains('\0') {
+                s.replace('\0', "\u{FFFD}")
+            } else {
+                s.to_owned()
+            }
+        };
+        let payload = &event.payload_json;
+        let payload = if payload.len() > crate::agent::MAX_ANSWER_PAYLOAD_BYTES {
+            tracing::warn!(
+                agent = %event.author,
+                bytes = payload.len(),
+                limit = crate::agent::MAX_ANSWER_PAYLOAD_BYTES,
+                "a final answer's payload is over the limit kept for later turns; not kept"
+            );
+            String::new()
+        } else {
+            kept(payload)
+        };
+        Self {
+            text: kept(&event.text),
+            payload,
+        }
+    }
+
+    fn as_stored(&self) -> FinalAnswer<'_> {
+        FinalAnswer {
+            text: &self.text,
+            payload: &self.payload,
+        }
+    }
+}
 
 /// An agent's run, made before the pump that drives it: `events` may have
 /// been polled already, up to its first event (held), while the turn was
@@ -166,8 +213,8 @@ struct Pump {
     kinds: crate::store::KindEncoding,
     /// Where the turn's outcome is read back from ([`Pump::as_stored`]).
     store: Arc<dyn Store>,
-    /// The text of the final answer, once there is one.
-    answer: Option<String>,
+    /// The final answer, once there is one.
+    answer: Option<Answer>,
     /// Why this call could not deliver the final event, which the writer
     /// had already taken: the call ends so, the turn is recorded OK.
     undelivered: Option<Failure>,
@@ -352,13 +399,8 @@ impl Pump {
             };
             let is_final = event.is_final();
             if event.kind == crate::agent::EventKind::FinalAnswer {
-                // Kept as the session's history, in a text column that on
-                // PostgreSQL cannot hold U+0000 (the event log keeps it).
-                self.answer = Some(if event.text.contains('\0') {
-                    event.text.replace('\0', "\u{FFFD}")
-                } else {
-                    event.text.clone()
-                });
+                // Kept beside the turn as the session's history.
+                self.answer = Some(Answer::of(&event));
             }
             // Encoded for the store here, while the event is in cache; the
             // client's message then takes the event's strings over.
@@ -649,7 +691,7 @@ impl Writer {
                             &self.key,
                             std::mem::take(&mut events),
                             &outcome,
-                            answer.as_deref(),
+                            answer.as_ref().map(Answer::as_stored),
                         )
                         .await
                     {
@@ -689,7 +731,7 @@ impl Writer {
             };
         self.finishing.cancel();
         let written = self
-            .write_outcome(&*store, &outcome, answer.as_deref())
+            .write_outcome(&*store, &outcome, answer.as_ref().map(Answer::as_stored))
             .await;
         if let Err(e) = &written {
             tracing::error!(turn = %self.key, error = %format!("{e:#}"), "could not record the outcome of a turn; it ends when its lease does (replica stopped)");
@@ -713,7 +755,7 @@ impl Writer {
         &self,
         store: &dyn Store,
         outcome: &TurnOutcome,
-        answer: Option<&str>,
+        answer: Option<FinalAnswer<'_>>,
     ) -> crate::store::StoreResult<bool> {
         let give_up = Instant::now() + self.turns.cfg.lease;
         let mut backoff = Duration::from_millis(50);

@@ -228,7 +228,10 @@ mod tests {
             };
             store.claim_turn(&turn).await.unwrap();
             if r != "running" {
-                store.finish_turn(&key(r), &done, Some("a")).await.unwrap();
+                store
+                    .finish_turn(&key(r), &done, Some("a".into()))
+                    .await
+                    .unwrap();
             }
         }
         let later = SystemTime::now() + Duration::from_secs(1);

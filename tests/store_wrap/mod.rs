@@ -9,8 +9,8 @@ use agentd::agent::PriorTurn;
 use agentd::domain::{SessionId, TurnKey, UserId};
 use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
 use agentd::store::{
-    Claim, Deletion, EncodedEvent, NewTurn, PageCursor, SeqEvent, Session, SessionPage, Store,
-    StoreResult, TurnCursor, TurnOutcome, TurnRecord,
+    Claim, Deletion, EncodedEvent, FinalAnswer, NewTurn, PageCursor, SeqEvent, Session,
+    SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
 };
 
 /// What a test changes; each defaults to the inner store's own.
@@ -29,7 +29,7 @@ pub trait Hooks: Send + Sync + 'static {
         inner: &dyn Store,
         k: &TurnKey,
         o: &TurnOutcome,
-        a: Option<&str>,
+        a: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         inner.finish_turn(k, o, a).await
     }
@@ -39,7 +39,7 @@ pub trait Hooks: Send + Sync + 'static {
         k: &TurnKey,
         e: Vec<EncodedEvent>,
         o: &TurnOutcome,
-        a: Option<&str>,
+        a: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         inner.append_and_finish(k, e, o, a).await
     }
@@ -91,7 +91,7 @@ impl Store for Wrapped {
         &self,
         k: &TurnKey,
         o: &TurnOutcome,
-        a: Option<&str>,
+        a: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         self.hooks.finish_turn(&*self.inner, k, o, a).await
     }
@@ -100,7 +100,7 @@ impl Store for Wrapped {
         k: &TurnKey,
         e: Vec<EncodedEvent>,
         o: &TurnOutcome,
-        a: Option<&str>,
+        a: Option<FinalAnswer<'_>>,
     ) -> StoreResult<bool> {
         self.hooks.append_and_finish(&*self.inner, k, e, o, a).await
     }

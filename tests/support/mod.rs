@@ -289,6 +289,46 @@ impl Agent for NulAnswer {
     }
 }
 
+/// `notes`: answers with what it finds in its history, one turn a line
+/// (`request_id agent payload`, a payload over 64 bytes as `<N bytes>`),
+/// and gives its final answer the payload
+/// `{"note": TEXT}` (TEXT its message), as an agent keeping state for its
+/// next turn does; a message `big` gets a payload over what is kept
+/// ([`agentd::agent::MAX_ANSWER_PAYLOAD_BYTES`]).
+pub struct Notes;
+
+impl Agent for Notes {
+    fn name(&self) -> &str {
+        "notes"
+    }
+    fn description(&self) -> &str {
+        "Answers with the agents and payloads of its history."
+    }
+    fn run(&self, ctx: agentd::agent::RunContext, input: String) -> agentd::agent::EventStream {
+        let seen: Vec<String> = ctx
+            .history
+            .iter()
+            .map(|t| {
+                let payload = match t.answer_payload.len() {
+                    n if n > 64 => format!("<{n} bytes>"),
+                    _ => t.answer_payload.clone(),
+                };
+                format!("{} {} {payload}", t.request_id, t.agent)
+            })
+            .collect();
+        let note = if input == "big" {
+            "x".repeat(agentd::agent::MAX_ANSWER_PAYLOAD_BYTES)
+        } else {
+            input
+        };
+        let answer = agentd::agent::Event {
+            payload_json: serde_json::json!({ "note": note }).to_string(),
+            ..agentd::agent::Event::final_answer("notes", seen.join("\n"))
+        };
+        Box::pin(futures::stream::once(async { Ok(answer) }))
+    }
+}
+
 /// `panics`: one partial event, then a panic, as a bug in an agent would.
 pub struct Panics;
 
@@ -331,6 +371,7 @@ impl Server {
             Arc::new(synthetic::Streamer),
             Arc::new(NulAnswer),
             Arc::new(Panics),
+            Arc::new(Notes),
         ];
         let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
         let cfg = TurnConfig {
