@@ -14,6 +14,7 @@ pub mod config;
 pub mod domain;
 pub mod grpc;
 pub mod server;
+pub mod sse;
 pub mod store;
 pub mod telemetry;
 pub mod turn;

@@ -483,12 +483,558 @@ async fn a_message_larger_than_grpc_receives_ends_the_call_without_cancelling_th
         panic!("{err}")
     };
     assert!(err.to_string().contains("left running"), "{err}");
-    // The task goes on to its end (read over JSON-RPC, which has no such
-    // limit).
+    // The task goes on to its end (read over JSON-RPC, whose limit is far
+    // larger: 129 MiB outside a call).
     let jsonrpc = A2aClient::connect(&server.base_url(), None).await.unwrap();
     assert_eq!(
         remote_state(&jsonrpc, task_id, TaskState::Completed).await,
         TaskState::Completed
     );
     server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// The JSON-RPC transport against a peer scripted byte by byte: what it reads
+// is bounded (an event that never ends, an answer too large), and it reads
+// streams as the SDK's transport did.
+// ---------------------------------------------------------------------------
+
+mod raw_peer {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// How the peer answers one request.
+    #[derive(Clone)]
+    pub enum Body {
+        /// This content type (none if `None`), then these chunks; the
+        /// connection then closes (the end of the body).
+        Chunks(Option<&'static str>, Vec<Vec<u8>>),
+        /// An SSE body that never ends its last event: `start`, then `x`s,
+        /// 16 KiB a write, until `cap` bytes were written or the client goes
+        /// away.
+        Endless { start: Vec<u8>, cap: usize },
+        /// JSON, with its content-length.
+        Json(String),
+    }
+
+    /// A JSON-RPC peer on 127.0.0.1: `script` answers each request, given
+    /// its method; a GET is answered with an agent card that lists the peer
+    /// itself as a JSON-RPC interface.
+    pub struct RawPeer {
+        pub url: String,
+        methods: Arc<Mutex<Vec<String>>>,
+        /// What an endless body wrote, and whether the client went away.
+        pub written: Arc<AtomicUsize>,
+        pub cut_off: Arc<AtomicBool>,
+    }
+
+    impl RawPeer {
+        pub async fn start(script: impl Fn(&str) -> Body + Send + Sync + 'static) -> Self {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}/", listener.local_addr().unwrap());
+            let peer = Self {
+                url: url.clone(),
+                methods: Arc::default(),
+                written: Arc::default(),
+                cut_off: Arc::default(),
+            };
+            let (methods, written, cut_off) = (
+                peer.methods.clone(),
+                peer.written.clone(),
+                peer.cut_off.clone(),
+            );
+            let script = Arc::new(script);
+            tokio::spawn(async move {
+                while let Ok((socket, _)) = listener.accept().await {
+                    let (script, methods, written, cut_off, url) = (
+                        script.clone(),
+                        methods.clone(),
+                        written.clone(),
+                        cut_off.clone(),
+                        url.clone(),
+                    );
+                    tokio::spawn(async move {
+                        serve(socket, &*script, &methods, &written, &cut_off, &url).await
+                    });
+                }
+            });
+            peer
+        }
+
+        /// The methods called so far, in order.
+        pub fn methods(&self) -> Vec<String> {
+            self.methods.lock().unwrap().clone()
+        }
+    }
+
+    async fn serve(
+        mut socket: TcpStream,
+        script: &(dyn Fn(&str) -> Body + Send + Sync),
+        methods: &Mutex<Vec<String>>,
+        written: &AtomicUsize,
+        cut_off: &AtomicBool,
+        url: &str,
+    ) {
+        let Some((head, body)) = read_request(&mut socket).await else {
+            return;
+        };
+        if head.starts_with("GET ") {
+            let card = serde_json::json!({
+                "name": "raw", "description": "raw", "version": "1",
+                "supportedInterfaces": [{"url": url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}],
+                "capabilities": {"streaming": true},
+                "defaultInputModes": ["text"], "defaultOutputModes": ["text"], "skills": [],
+            })
+            .to_string();
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{card}",
+                card.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+            return;
+        }
+        let request: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let method = request["method"].as_str().unwrap().to_owned();
+        methods.lock().unwrap().push(method.clone());
+        let (content_type, endless) = match script(&method) {
+            Body::Chunks(ct, chunks) => (ct, Err(chunks)),
+            Body::Endless { start, cap } => (Some("text/event-stream"), Ok((start, cap))),
+            Body::Json(json) => {
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{json}",
+                    json.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+                return;
+            }
+        };
+        let ct = content_type.map_or(String::new(), |c| format!("content-type: {c}\r\n"));
+        let head = format!("HTTP/1.1 200 OK\r\n{ct}connection: close\r\n\r\n");
+        if socket.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        match endless {
+            Err(chunks) => {
+                for c in chunks {
+                    if socket.write_all(&c).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = socket.shutdown().await;
+            }
+            Ok((start, cap)) => {
+                let _ = socket.write_all(&start).await;
+                let block = vec![b'x'; 16 * 1024];
+                let mut n = start.len();
+                while n < cap {
+                    if socket.write_all(&block).await.is_err() {
+                        cut_off.store(true, Ordering::SeqCst);
+                        break;
+                    }
+                    n += block.len();
+                    written.store(n, Ordering::SeqCst);
+                    // Paced a little (16 MB/s at most), so that what is in
+                    // flight when the client goes away stays small.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+
+    /// An HTTP/1.1 request: its head, and its body (by content-length).
+    async fn read_request(socket: &mut TcpStream) -> Option<(String, Vec<u8>)> {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let header_end = loop {
+            let n = socket.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break p + 4;
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..header_end]).into_owned();
+        let length = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse::<usize>().ok())?
+            })
+            .unwrap_or(0);
+        while buf.len() < header_end + length {
+            let n = socket.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        Some((head, buf[header_end..header_end + length].to_vec()))
+    }
+}
+
+use raw_peer::{Body, RawPeer};
+
+/// `result` (a StreamResponse or a Task) in a JSON-RPC response, as JSON.
+fn envelope<T: a2a_pb::protojson_conv::ProtoJsonPayload>(result: &T) -> String {
+    serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": "1",
+        "result": a2a_pb::protojson_conv::to_value(result).unwrap(),
+    })
+    .to_string()
+}
+
+/// Task t in `state`, its status's message holding `text`.
+fn task_t(state: TaskState, text: &str) -> a2a::Task {
+    a2a::Task {
+        id: "t".into(),
+        context_id: "c".into(),
+        status: a2a::TaskStatus {
+            state,
+            message: (!text.is_empty())
+                .then(|| a2a::Message::new(a2a::Role::Agent, vec![a2a::Part::text(text)])),
+            timestamp: None,
+        },
+        artifacts: None,
+        history: None,
+        metadata: None,
+    }
+}
+
+/// An SSE event of task t as it is in `state`.
+fn task_event(state: TaskState) -> Vec<u8> {
+    format!(
+        "data: {}\n\n",
+        envelope(&StreamResponse::Task(task_t(state, "")))
+    )
+    .into_bytes()
+}
+
+/// A JSON-RPC error response (not an event), of `code`.
+fn error_envelope(code: i32, data: serde_json::Value) -> String {
+    serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": "1",
+        "error": {"code": code, "message": "no such task", "data": data},
+    })
+    .to_string()
+}
+
+/// Small limits: what a call that buffers 1 KiB of artifacts reads.
+fn small() -> CallOptions {
+    CallOptions {
+        max_artifact_bytes: 1024,
+        ..opts()
+    }
+}
+
+/// A peer that never ends an event (it would send 24 MiB of one) has the
+/// call end at the bound with an error that says so, as a gRPC message past
+/// its limit: at once, not retried (no GetTask, no SubscribeToTask), and
+/// the task left running (no CancelTask). The client stops reading there:
+/// the peer finds the connection closed long before it has sent it all.
+/// Both ways of connecting (a card, a JSON-RPC URL) use the bounded
+/// transport.
+#[tokio::test]
+async fn an_event_that_never_ends_stops_the_call_at_the_bound() {
+    const CAP: usize = 24 << 20;
+    let limit = agentd::client::a2a::jsonrpc::Limits::for_artifacts(1024).max_event_bytes;
+    for via_card in [false, true] {
+        let peer = RawPeer::start(|method| match method {
+            "SendStreamingMessage" => {
+                let mut start = task_event(TaskState::Working);
+                start.extend_from_slice(b"data: {\"jsonrpc\":\"2.0\",\"id\":\"1\",\"result\":\"");
+                Body::Endless { start, cap: CAP }
+            }
+            _ => Body::Chunks(None, vec![]),
+        })
+        .await;
+        let client = if via_card {
+            A2aClient::connect(&peer.url, None).await.unwrap()
+        } else {
+            A2aClient::jsonrpc(&peer.url, None).unwrap()
+        };
+        let err = tokio::time::timeout(
+            Duration::from_secs(20),
+            client.send_text("go", None, &small(), None),
+        )
+        .await
+        .expect("the call did not end")
+        .unwrap_err();
+        let CallError::MessageTooLarge {
+            task_id: Some(task_id),
+            last_state: Some(TaskState::Working),
+            cause,
+            ..
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(task_id, "t");
+        assert!(
+            cause.contains(&format!("limit of {limit} bytes")),
+            "{cause}"
+        );
+        assert!(err.to_string().contains("left running"), "{err}");
+        assert_eq!(peer.methods(), ["SendStreamingMessage"], "card: {via_card}");
+        // The peer finds the connection closed (bounded: it would stop by
+        // itself at CAP).
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !peer.cut_off.load(std::sync::atomic::Ordering::SeqCst)
+            && tokio::time::Instant::now() < until
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let written = peer.written.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            peer.cut_off.load(std::sync::atomic::Ordering::SeqCst),
+            "the client read on: {written} bytes"
+        );
+        // The bound (1 MiB), and what the sockets' buffers took.
+        assert!(
+            written < CAP / 2,
+            "{written} bytes were sent before the client stopped"
+        );
+    }
+}
+
+/// An event exactly as large as the bound arrives whole, in however many
+/// chunks; one byte more ends the call at once with the limit's error.
+#[tokio::test]
+async fn an_event_at_the_bound_arrives_whole_and_one_byte_more_is_refused() {
+    let limit = agentd::client::a2a::jsonrpc::Limits::for_artifacts(1024).max_event_bytes;
+    // The line `data: <envelope>` whose status message holds `n` bytes.
+    let line = |n: usize| {
+        let event = StreamResponse::StatusUpdate(a2a::TaskStatusUpdateEvent {
+            task_id: "t".into(),
+            context_id: "c".into(),
+            status: task_t(TaskState::Completed, &"a".repeat(n)).status,
+            metadata: None,
+        });
+        format!("data: {}", envelope(&event))
+    };
+    let fits = limit - (line(1).len() - 1);
+    assert_eq!(line(fits).len(), limit);
+    for (n, whole) in [(fits, true), (fits + 1, false)] {
+        let body: Vec<Vec<u8>> = format!("{}\n\n", line(n))
+            .into_bytes()
+            .chunks(8 * 1024)
+            .map(<[u8]>::to_vec)
+            .collect();
+        let peer =
+            RawPeer::start(move |_| Body::Chunks(Some("text/event-stream"), body.clone())).await;
+        let client = A2aClient::jsonrpc(&peer.url, None).unwrap();
+        let out = client.send_text("go", None, &small(), None).await;
+        if whole {
+            let Ok(Outcome::Completed {
+                message: Some(m), ..
+            }) = &out
+            else {
+                panic!("{:?}", out.map_err(|e| e.to_string()).map(|_| ()))
+            };
+            assert_eq!(parts_text(&m.parts).len(), n);
+        } else {
+            let Err(CallError::MessageTooLarge {
+                task_id: None,
+                cause,
+                ..
+            }) = &out
+            else {
+                panic!("{:?}", out.map_err(|e| e.to_string()).map(|_| ()))
+            };
+            assert!(
+                cause.contains(&format!("limit of {limit} bytes")),
+                "{cause}"
+            );
+        }
+        assert_eq!(peer.methods(), ["SendStreamingMessage"]);
+    }
+}
+
+/// A GetTask answer past the bound (recovering a dropped stream) ends the
+/// call at once with the limit's error, the task left running (no
+/// SubscribeToTask, no CancelTask): whether the answer says its length
+/// first or not. Outside a call, GetTask reads with the default limits
+/// (64 MiB of artifacts: 129 MiB), and the answer passes.
+#[tokio::test]
+async fn a_get_task_answer_past_the_bound_ends_the_call_without_a_cancel() {
+    let limit = agentd::client::a2a::jsonrpc::Limits::for_artifacts(1024).max_body_bytes;
+    let big = envelope(&task_t(TaskState::Working, &"b".repeat(limit)));
+    for with_length in [true, false] {
+        let big = big.clone();
+        let peer = RawPeer::start(move |method| match method {
+            // The stream ends before the task does: a drop.
+            "SendStreamingMessage" => Body::Chunks(
+                Some("text/event-stream"),
+                vec![task_event(TaskState::Working)],
+            ),
+            "GetTask" if with_length => Body::Json(big.clone()),
+            "GetTask" => Body::Chunks(
+                Some("application/json"),
+                big.as_bytes()
+                    .chunks(16 * 1024)
+                    .map(<[u8]>::to_vec)
+                    .collect(),
+            ),
+            _ => Body::Chunks(None, vec![]),
+        })
+        .await;
+        let client = A2aClient::jsonrpc(&peer.url, None).unwrap();
+        let err = client
+            .send_text("go", None, &small(), None)
+            .await
+            .unwrap_err();
+        let CallError::MessageTooLarge {
+            task_id: Some(task_id),
+            cause,
+            ..
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(task_id, "t");
+        assert!(cause.contains("an answer"), "{cause}");
+        assert!(
+            cause.contains(&format!("limit of {limit} bytes")),
+            "{cause}"
+        );
+        assert_eq!(
+            peer.methods(),
+            ["SendStreamingMessage", "GetTask"],
+            "length: {with_length}"
+        );
+        let task = client.get_task("t").await.unwrap();
+        assert_eq!(answer_text(&task).len(), limit);
+    }
+}
+
+fn answer_text(task: &a2a::Task) -> String {
+    task.status
+        .message
+        .as_ref()
+        .map(|m| parts_text(&m.parts))
+        .unwrap_or_default()
+}
+
+/// The transport reads a stream as the SDK's did: a JSON-RPC error in a
+/// JSON body (with or without a content type, or with an event stream's),
+/// or in an event, is that error (its code mapped as the SDK maps it); an
+/// event cut off, or bytes that are no event, at the end are an error,
+/// never a clean end; an event the stream ends inside is still read;
+/// whitespace at the end is a clean end; events end at `\n\n`, `\r\r` or
+/// `\r\n\r\n`, and `data` may take several lines.
+#[tokio::test]
+async fn the_json_rpc_transport_reads_streams_as_the_sdks_did() {
+    use a2a::error_code::{INTERNAL_ERROR, TASK_NOT_FOUND};
+    use futures::StreamExt;
+    // INTERNAL_ERROR, with an ErrorInfo of the A2A domain that says
+    // TASK_NOT_FOUND: TASK_NOT_FOUND.
+    let not_found = error_envelope(
+        INTERNAL_ERROR,
+        serde_json::json!([{
+            "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+            "reason": "TASK_NOT_FOUND",
+            "domain": "a2a-protocol.org",
+        }]),
+    );
+    let working = String::from_utf8(task_event(TaskState::Working)).unwrap();
+    let completed = envelope(&StreamResponse::Task(task_t(TaskState::Completed, "")));
+    // The same event, its data on two lines (JSON does not mind the line
+    // end between them).
+    let (a, b) = completed.split_at(completed.find(',').unwrap() + 1);
+    let two_lines = format!("data: {a}\ndata: {b}\n\n");
+    // What a call yields: each event's state or error code, or the error
+    // code the call itself failed with.
+    type Seen = Result<Vec<Result<TaskState, i32>>, i32>;
+    let w = Ok(TaskState::Working);
+    let c = Ok(TaskState::Completed);
+    let cases: Vec<(&str, Option<&'static str>, String, Seen)> = vec![
+        (
+            "an error in a JSON body",
+            Some("application/json"),
+            not_found.clone(),
+            Err(TASK_NOT_FOUND),
+        ),
+        (
+            "an error in a body without a content type",
+            None,
+            not_found.clone(),
+            Ok(vec![Err(TASK_NOT_FOUND)]),
+        ),
+        (
+            "an error in an event stream's body, not in an event",
+            Some("text/event-stream"),
+            format!("{not_found}\n"),
+            Ok(vec![Err(TASK_NOT_FOUND)]),
+        ),
+        (
+            "an error in an event",
+            Some("text/event-stream"),
+            format!("{working}data: {not_found}\n\n"),
+            Ok(vec![w.clone(), Err(TASK_NOT_FOUND)]),
+        ),
+        (
+            "an event cut off",
+            Some("text/event-stream"),
+            format!("{working}data: {{\"jsonrpc\":\"2.0\",\"res"),
+            Ok(vec![w.clone(), Err(INTERNAL_ERROR)]),
+        ),
+        (
+            "bytes that are no event at the end",
+            Some("text/event-stream"),
+            format!("{working}id: 4\n"),
+            Ok(vec![w.clone(), Err(INTERNAL_ERROR)]),
+        ),
+        (
+            "an event the stream ends inside",
+            Some("text/event-stream"),
+            format!("{working}data: {completed}"),
+            Ok(vec![w.clone(), c.clone()]),
+        ),
+        (
+            "whitespace at the end",
+            Some("text/event-stream"),
+            format!("{working} \r\n\n\t "),
+            Ok(vec![w.clone()]),
+        ),
+        (
+            "\\r\\r, \\r\\n\\r\\n, and data on two lines",
+            Some("text/event-stream"),
+            format!("data: {completed}\r\rdata: {completed}\r\n\r\n{two_lines}"),
+            Ok(vec![c.clone(), c.clone(), c.clone()]),
+        ),
+    ];
+    for (case, content_type, body, want) in cases {
+        // In small chunks, so that events and lines are split between them.
+        let chunks: Vec<Vec<u8>> = body.as_bytes().chunks(7).map(<[u8]>::to_vec).collect();
+        let peer = RawPeer::start(move |_| Body::Chunks(content_type, chunks.clone())).await;
+        let client = A2aClient::jsonrpc(&peer.url, None).unwrap();
+        let req = a2a::SendMessageRequest {
+            message: a2a::Message::new(a2a::Role::User, vec![a2a::Part::text("go")]),
+            configuration: None,
+            metadata: None,
+            tenant: None,
+        };
+        let seen: Seen = match client.raw().send_streaming_message(&req).await {
+            Err(e) => Err(e.code),
+            Ok(stream) => Ok(stream
+                .map(|item| {
+                    item.map(|ev| match ev {
+                        StreamResponse::Task(t) => t.status.state,
+                        other => panic!("{case}: {other:?}"),
+                    })
+                    .map_err(|e| e.code)
+                })
+                .collect()
+                .await),
+        };
+        assert_eq!(seen, want, "{case}");
+    }
 }

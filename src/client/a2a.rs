@@ -29,8 +29,9 @@
 //!   task followed by GetTask alone, with backoff, to its end or the
 //!   deadline.
 //! - A message larger than the binding receives (gRPC: 4 MiB, which its
-//!   client cannot raise) ends the call at once, the task left running:
-//!   every retry would bring it again.
+//!   client cannot raise; JSON-RPC: one event or answer past twice
+//!   `max_artifact_bytes` plus 1 MiB, see [`jsonrpc::Limits`]) ends the
+//!   call at once, the task left running: every retry would bring it again.
 //! - In a reply turn (a message into a task that waited), the artifacts the
 //!   task had before it (the Task its stream begins with; else a GetTask
 //!   before sending) are remembered, so that a snapshot brings back only
@@ -59,6 +60,8 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use thiserror::Error;
 use tokio::time::Instant;
+
+pub mod jsonrpc;
 
 type Stream = BoxStream<'static, Result<StreamResponse, A2AError>>;
 
@@ -122,7 +125,9 @@ pub struct CallOptions {
     /// The most a call buffers of artifacts: their content (text, data,
     /// file bytes) and everything kept with it (ids, names, metadata, and
     /// each part's and artifact's own size); past it the call ends with
-    /// [`CallError::TooLarge`] and the remote task is cancelled.
+    /// [`CallError::TooLarge`] and the remote task is cancelled. Over
+    /// JSON-RPC it bounds what one event or answer may be too, with room to
+    /// spare ([`jsonrpc::Limits::for_artifacts`]).
     pub max_artifact_bytes: usize,
 }
 
@@ -573,7 +578,8 @@ pub enum CallError {
     Refused(A2AError),
     /// A message from the remote agent (an update, or the task as a
     /// snapshot brings it) is larger than the transport receives (the gRPC
-    /// binding: 4 MiB a message). Retrying would bring it again, so the call
+    /// binding: 4 MiB a message; JSON-RPC: an event or an answer past
+    /// [`jsonrpc::Limits`]). Retrying would bring it again, so the call
     /// ends at once; the task was left running (cancel it with
     /// [`A2aClient::cancel`]).
     #[error(
@@ -996,9 +1002,7 @@ impl A2aClient {
             .no_defaults()
             .preferred_bindings(preferred);
         if jsonrpc {
-            factory = factory.register(Arc::new(
-                a2a_client::jsonrpc::JsonRpcTransportFactory::new(Some(http)),
-            ));
+            factory = factory.register(Arc::new(jsonrpc::JsonRpcTransportFactory::new(http)));
         }
         if grpc {
             factory = factory.register(Arc::new(a2a_grpc::GrpcTransportFactory::new()));
@@ -1026,10 +1030,8 @@ impl A2aClient {
         ca_pem: Option<&[u8]>,
     ) -> anyhow::Result<Self> {
         let http = crate::agent::openai::client::http_client_trusting(ca_pem)?;
-        let transport: Box<dyn Transport> = Box::new(a2a_client::jsonrpc::JsonRpcTransport::new(
-            http,
-            url.to_owned(),
-        ));
+        let transport: Box<dyn Transport> =
+            Box::new(jsonrpc::JsonRpcTransport::new(http, url.to_owned()));
         let client = A2AClient::new(transport).with_interceptors(interceptors(token));
         Ok(Self {
             inner: Arc::new(client),
@@ -1116,8 +1118,21 @@ impl A2aClient {
         self.send(message, opts, listener).await
     }
 
-    /// Sends `message` and follows the task to its end.
+    /// Sends `message` and follows the task to its end. Over JSON-RPC, its
+    /// requests read at most [`jsonrpc::Limits::for_artifacts`] of
+    /// `opts.max_artifact_bytes`.
     pub async fn send(
+        &self,
+        message: Message,
+        opts: &CallOptions,
+        listener: Option<&mut dyn Listener>,
+    ) -> Result<Outcome, CallError> {
+        jsonrpc::Limits::for_artifacts(opts.max_artifact_bytes)
+            .scope(self.send_within_limits(message, opts, listener))
+            .await
+    }
+
+    async fn send_within_limits(
         &self,
         message: Message,
         opts: &CallOptions,
@@ -1152,6 +1167,7 @@ impl A2aClient {
         };
         let mut stream = match tokio::time::timeout_at(deadline, self.send_streaming(&req)).await {
             Ok(Ok(s)) => Some(s),
+            Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
             Ok(Err(e)) => return Err(CallError::Refused(e)),
             Err(_) => {
                 return Err(CallError::Deadline {
@@ -1261,6 +1277,7 @@ impl A2aClient {
                     stream = Some(s);
                     st.lead = Lead::Resubscribed;
                 }
+                Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     // One more look decides. The task may have ended or come
                     // to wait for input since the snapshot (A2A refuses to
@@ -1595,10 +1612,11 @@ fn listen(
 /// Whether `e` says a message from the remote was larger than the
 /// transport receives: tonic's decode limit (4 MiB a message, which the
 /// gRPC binding's client keeps: it offers no way to raise it), reported as
-/// INTERNAL_ERROR with tonic's own message. The same update, or the task
+/// INTERNAL_ERROR with tonic's own message; or an event or answer past the
+/// JSON-RPC transport's [`jsonrpc::Limits`]. The same update, or the task
 /// holding it, would come again on every retry.
 fn unreceivable(e: &A2AError) -> bool {
-    e.message.contains("decoded message length too large")
+    e.message.contains("decoded message length too large") || jsonrpc::is_too_large(e)
 }
 
 /// The end of a call that met a message larger than the transport
@@ -2637,6 +2655,77 @@ mod tests {
         assert!(matches!(&err, CallError::MessageTooLarge { .. }), "{err:?}");
         assert_eq!(remote.count(&remote.got), 1, "retried");
         assert_eq!(remote.count(&remote.cancelled), 0);
+    }
+
+    /// Over JSON-RPC, an event or an answer past the transport's limits
+    /// ends the call as a gRPC message too large does, wherever it comes: on
+    /// the stream, in a recovery's GetTask, at SubscribeToTask, at the first
+    /// request; not retried, the task not cancelled. It is told by the
+    /// error's detail, not its text: masking the endpoint's credentials in
+    /// the message does not hide it.
+    #[tokio::test]
+    async fn a_json_rpc_answer_past_its_limit_ends_the_call_at_once_without_a_cancel() {
+        let over = || jsonrpc::too_large("an answer", 10);
+        // The endpoint's password is a word of the error's message.
+        let client = |remote: &Arc<Remote>| A2aClient {
+            inner: Arc::new(A2AClient::new(
+                Box::new(Scripted(remote.clone())) as Box<dyn Transport>
+            )),
+            secrets: Arc::new(Secrets::of("http://agent:limit@h/")),
+        };
+        let cases: Vec<(&str, Remote, bool)> = vec![
+            (
+                "on the stream",
+                Remote {
+                    send: Box::new(move |_| {
+                        Ok(Box::pin(futures::stream::iter([
+                            Ok(status(TaskState::Working)),
+                            Err(over()),
+                        ])))
+                    }),
+                    ..Remote::new()
+                },
+                true,
+            ),
+            (
+                "in GetTask",
+                Remote {
+                    get: Box::new(move |_| Err(over())),
+                    ..dropped(Box::new(|_| unreachable!()))
+                },
+                true,
+            ),
+            (
+                "at SubscribeToTask",
+                dropped(Box::new(move |_| Err(over()))),
+                true,
+            ),
+            (
+                "at SendStreamingMessage",
+                Remote {
+                    send: Box::new(move |_| Err(over())),
+                    ..Remote::new()
+                },
+                false,
+            ),
+        ];
+        for (case, remote, started) in cases {
+            let remote = Arc::new(remote);
+            let err = client(&remote)
+                .send_text("go", None, &opts(), None)
+                .await
+                .unwrap_err();
+            let CallError::MessageTooLarge { task_id, cause, .. } = &err else {
+                panic!("{case}: {err:?}")
+            };
+            assert_eq!(task_id.is_some(), started, "{case}");
+            assert!(!cause.contains("limit"), "{case}: not masked: {cause}");
+            assert_eq!(remote.count(&remote.cancelled), 0, "{case}");
+            assert!(
+                remote.count(&remote.got) <= 1 && remote.count(&remote.subscribed) <= 1,
+                "{case}: retried"
+            );
+        }
     }
 
     #[test]

@@ -9,7 +9,6 @@
 //! object, or llama-server's `error:` line) maps the same way.
 
 use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use eventsource_stream::{EventStreamError, Eventsource};
@@ -20,6 +19,7 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_A
 use super::accumulate::{Accumulator, Completion, Output, StreamError, server_error_line};
 use super::wire::{ChatRequest, ToolCall};
 use crate::agent::AgentError;
+use crate::sse::{BodyError, BoundedSse};
 
 /// Most bytes of an error body kept for the log.
 const ERROR_BODY_LOG_BYTES: usize = 4096;
@@ -276,159 +276,6 @@ impl ChatClient {
 /// SSE parser holds a line, and an event's data lines, whole until they
 /// end, with no bound of its own.
 pub const MAX_SSE_EVENT_BYTES: usize = 4 << 20;
-
-/// The most bytes of an `error:` line's value kept (to classify it and for
-/// the log); the line itself is bounded as any other.
-const MAX_ERROR_LINE_BYTES: usize = 64 * 1024;
-
-/// A model stream's body failed, sent an event past the bound, or reported
-/// an error in an `error:` line.
-#[derive(Debug, thiserror::Error)]
-pub enum BodyError {
-    #[error(transparent)]
-    Http(#[from] reqwest::Error),
-    #[error("a server-sent event passed the size bound")]
-    TooLarge,
-    /// The value of an `error:` line (at most [`MAX_ERROR_LINE_BYTES`]);
-    /// it can echo the prompt: for the log only.
-    #[error("the model server sent an error line")]
-    Server(Vec<u8>),
-}
-
-/// A model stream's body, checked line by line as the SSE parser will read
-/// it:
-///
-/// - refused once a line or an event (lines up to a blank one) grows past
-///   `max` bytes;
-/// - failed at an `error:` line. Some llama-server builds report a failure
-///   met mid-answer (the context filling up) as an event whose field is
-///   `error`, then `data: [DONE]`; the SSE parser drops fields other than
-///   `data`, `event`, `id` and `retry`, so the answer would end with
-///   `[DONE]` alone, as if complete. The bytes before the line go on first.
-///
-/// Lines end as the SSE parser ends them: at `\r\n`, `\n` or a lone `\r`;
-/// line endings are not counted.
-struct BoundedSse<S> {
-    body: Pin<Box<S>>,
-    scan: SseScan,
-    /// An item to return after the one just returned.
-    held: Option<Result<bytes::Bytes, BodyError>>,
-    /// The body failed or ended: nothing more comes.
-    ended: bool,
-}
-
-impl<S> BoundedSse<S> {
-    fn new(body: S, max: usize) -> Self {
-        Self {
-            body: Box::pin(body),
-            scan: SseScan {
-                max,
-                ..SseScan::default()
-            },
-            held: None,
-            ended: false,
-        }
-    }
-}
-
-impl<S> Stream for BoundedSse<S>
-where
-    S: Stream<Item = Result<bytes::Bytes, reqwest::Error>>,
-{
-    type Item = Result<bytes::Bytes, BodyError>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        // Every field is Unpin (the body is boxed).
-        let this = self.get_mut();
-        if let Some(item) = this.held.take() {
-            return Poll::Ready(Some(item));
-        }
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        let item = match std::task::ready!(this.body.as_mut().poll_next(cx)) {
-            Some(Ok(chunk)) => match this.scan.chunk(chunk) {
-                (Some(before), Err(e)) => {
-                    this.held = Some(Err(e));
-                    Ok(before)
-                }
-                (None, Err(e)) => Err(e),
-                (_, Ok(chunk)) => return Poll::Ready(Some(Ok(chunk))),
-            },
-            Some(Err(e)) => Err(BodyError::Http(e)),
-            // An `error:` line the body ended in, without its line end.
-            None => match this.scan.error.take() {
-                Some(v) => Err(BodyError::Server(v)),
-                None => return Poll::Ready(None),
-            },
-        };
-        this.ended = true;
-        Poll::Ready(Some(item))
-    }
-}
-
-/// Where [`BoundedSse`] is in the body.
-#[derive(Default)]
-struct SseScan {
-    max: usize,
-    /// Bytes of the current line so far.
-    line: usize,
-    /// Bytes of the current event's earlier lines.
-    event: usize,
-    after_cr: bool,
-    /// The first bytes of the current line, to tell an `error:` line.
-    head: [u8; 6],
-    /// The value of the `error:` line in progress, if the line is one.
-    error: Option<Vec<u8>>,
-}
-
-impl SseScan {
-    /// Scans `chunk`: the chunk to pass on, or the bytes before an error
-    /// (if any) and the error.
-    fn chunk(
-        &mut self,
-        chunk: bytes::Bytes,
-    ) -> (Option<bytes::Bytes>, Result<bytes::Bytes, BodyError>) {
-        for (i, &b) in chunk.iter().enumerate() {
-            let ends_line = match b {
-                // The `\n` of a `\r\n`: that line ended at the `\r`.
-                b'\n' if self.after_cr => false,
-                b'\n' | b'\r' => true,
-                _ => {
-                    self.line += 1;
-                    if self.line <= self.head.len() {
-                        self.head[self.line - 1] = b;
-                        if self.line == self.head.len() && self.head == *b"error:" {
-                            self.error = Some(Vec::new());
-                        }
-                    } else if let Some(v) = &mut self.error
-                        && v.len() < MAX_ERROR_LINE_BYTES
-                    {
-                        v.push(b);
-                    }
-                    false
-                }
-            };
-            self.after_cr = b == b'\r';
-            if ends_line {
-                if let Some(v) = self.error.take() {
-                    let before = (i > 0).then(|| chunk.slice(..i));
-                    return (before, Err(BodyError::Server(v)));
-                }
-                if self.line == 0 {
-                    self.event = 0;
-                } else {
-                    self.event += self.line;
-                    self.line = 0;
-                }
-            }
-        }
-        if self.event + self.line > self.max {
-            return (None, Err(BodyError::TooLarge));
-        }
-        (None, Ok(chunk))
-    }
-}
 
 /// The longest pushback a model server's `Retry-After` is passed on with.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
