@@ -1038,3 +1038,70 @@ async fn the_json_rpc_transport_reads_streams_as_the_sdks_did() {
         assert_eq!(seen, want, "{case}");
     }
 }
+
+/// A card larger than the client reads (a body that goes on, with no
+/// length) fails the connect with the limit named; the client stops
+/// reading there, long before the peer would stop by itself. A card with
+/// a content-length past the limit is refused before its body is read.
+#[tokio::test]
+async fn a_card_past_the_limit_fails_the_connect_without_being_read_whole() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const CAP: usize = 16 << 20;
+    let limit = agentd::client::a2a::MAX_CARD_BYTES;
+    for with_length in [false, true] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", listener.local_addr().unwrap());
+        let written = Arc::new(AtomicUsize::new(0));
+        let w = written.clone();
+        let peer = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 4096];
+            let _ = socket.read(&mut head).await;
+            let length = if with_length {
+                format!("content-length: {CAP}\r\n")
+            } else {
+                String::new()
+            };
+            let start = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{length}connection: close\r\n\r\n{{\"name\":\""
+            );
+            if socket.write_all(start.as_bytes()).await.is_err() {
+                return;
+            }
+            let block = vec![b'x'; 16 * 1024];
+            let mut n = 0;
+            while n < CAP {
+                if socket.write_all(&block).await.is_err() {
+                    return;
+                }
+                n += block.len();
+                w.store(n, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        let err = tokio::time::timeout(Duration::from_secs(20), A2aClient::connect(&url, None))
+            .await
+            .expect("the connect did not end")
+            .err()
+            .expect("a card past the limit was read");
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains("cannot read the agent card")
+                && msg.contains(&format!("limit of {limit} bytes")),
+            "{msg}"
+        );
+        // The client went away: the peer's writes fail well before CAP.
+        tokio::time::timeout(Duration::from_secs(10), peer)
+            .await
+            .expect("the peer wrote on")
+            .unwrap();
+        let sent = written.load(Ordering::SeqCst);
+        assert!(
+            sent < CAP / 2,
+            "{sent} bytes were sent before the client stopped"
+        );
+    }
+}

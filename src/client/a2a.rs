@@ -848,6 +848,51 @@ impl Secrets {
     }
 }
 
+/// The largest agent card this client reads. A card names the agent, its
+/// interfaces and its skills: a few KiB, rarely more than a few hundred
+/// (hundreds of skills with their examples); a peer that sends more, or a
+/// body that never ends, is refused here rather than buffered.
+pub const MAX_CARD_BYTES: usize = 1 << 20;
+
+/// The agent card at `base_url` (its `/.well-known/agent-card.json`), read
+/// within [`MAX_CARD_BYTES`]. The SDK's resolver read the body whole, however
+/// large.
+async fn fetch_card(http: &reqwest::Client, base_url: &str) -> Result<a2a::AgentCard, String> {
+    let url = format!(
+        "{}{}",
+        base_url.trim_end_matches('/'),
+        a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH
+    );
+    let too_large =
+        || format!("the card is larger than this client's limit of {MAX_CARD_BYTES} bytes");
+    let mut resp = http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("failed to fetch agent card: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!("agent card fetch returned HTTP {}", resp.status()));
+    }
+    if resp
+        .content_length()
+        .is_some_and(|n| n > MAX_CARD_BYTES as u64)
+    {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| format!("failed to fetch agent card: {e}"))?
+    {
+        if body.len() + chunk.len() > MAX_CARD_BYTES {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    serde_json::from_slice(&body).map_err(|e| format!("failed to parse agent card: {e}"))
+}
+
 /// A client of one remote A2A agent; clones share the connection.
 #[derive(Clone)]
 pub struct A2aClient {
@@ -911,12 +956,9 @@ impl A2aClient {
             .trim_end_matches('/')
             .trim_end_matches(a2a_server::agent_card::WELL_KNOWN_AGENT_CARD_PATH);
         let http = crate::agent::openai::client::http_client_trusting(ca_pem)?;
-        let card = a2a_client::agent_card::AgentCardResolver::new(Some(http.clone()))
-            .resolve(base_url)
+        let card = fetch_card(&http, base_url)
             .await
-            .map_err(|e| {
-                anyhow::anyhow!("cannot read the agent card at {base_url}: {}", e.message)
-            })?;
+            .map_err(|e| anyhow::anyhow!("cannot read the agent card at {base_url}: {e}"))?;
         // The bindings this client may use here: the one asked for, else
         // JSON-RPC and gRPC; gRPC is plaintext only, so an https:// agent
         // is not called over it unless asked.
