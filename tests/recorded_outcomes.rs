@@ -112,6 +112,15 @@ model = "test-model"
         first.metadata().get("grpc-retry-pushback-ms").is_none(),
         "a pushback invites a resend, which would only replay it: {first:?}"
     );
+    // When a new turn may do better is still said, in a trailer of its own.
+    assert_eq!(
+        first
+            .metadata()
+            .get(agentd::grpc::status::RETRY_AFTER_HEADER)
+            .map(|v| v.to_str().unwrap()),
+        Some("3000"),
+        "{first:?}"
+    );
 
     // What the pushback invited: the same request, later. The stored
     // outcome again, and the model is not asked.
@@ -123,6 +132,13 @@ model = "test-model"
     );
     assert!(again.metadata().get(TURN_OUTCOME_HEADER).is_some());
     assert!(again.metadata().get("grpc-retry-pushback-ms").is_none());
+    // The replay does not know how long ago the model server said it.
+    assert!(
+        again
+            .metadata()
+            .get(agentd::grpc::status::RETRY_AFTER_HEADER)
+            .is_none()
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 
     // No request_id: the server makes one up, and a resend is a new turn,
@@ -137,6 +153,12 @@ model = "test-model"
             .map(|v| v.to_str().unwrap()),
         Some("3000"),
         "{made_up:?}"
+    );
+    assert!(
+        made_up
+            .metadata()
+            .get(agentd::grpc::status::RETRY_AFTER_HEADER)
+            .is_none()
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     // A new request_id runs the turn again.

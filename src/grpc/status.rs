@@ -255,6 +255,13 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
 /// same request_id gets the same answer, so clients do not retry it.
 pub const TURN_OUTCOME_HEADER: &str = "agentd-turn-outcome";
 
+/// Trailer on a recorded outcome whose agent said when to try again (a
+/// model server's `Retry-After`), where the standard pushback is left out
+/// because a resend with the same request_id would only replay it: the
+/// milliseconds after which a new turn (a new request_id) may succeed.
+/// Sent on the call that ran the turn only, not on its replays.
+pub const RETRY_AFTER_HEADER: &str = "agentd-retry-after-ms";
+
 /// The status that ends a stream that failed with `f`. `resend_runs_again`:
 /// the same request sent again is a new turn (its request_id was made up
 /// by the server), not a replay of this one.
@@ -287,10 +294,15 @@ pub fn failure(f: Failure, resend_runs_again: bool) -> Status {
     // request, so the same request_id) only replays it, however long the
     // caller waited (the `recorded` trailer says so); unless the server
     // made the request_id up, when a resend is a new turn.
-    if let Some(after) = retry_after.filter(|_| !recorded || resend_runs_again)
+    if let Some(after) = retry_after
         && let Ok(v) = after.as_millis().to_string().parse()
     {
-        status.metadata_mut().insert("grpc-retry-pushback-ms", v);
+        let key = if !recorded || resend_runs_again {
+            "grpc-retry-pushback-ms"
+        } else {
+            RETRY_AFTER_HEADER
+        };
+        status.metadata_mut().insert(key, v);
     }
     status
 }
