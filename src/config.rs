@@ -264,6 +264,14 @@ pub struct ServeArgs {
     #[arg(long, env = "AGENTD_AUTH_TOKENS")]
     pub auth_tokens: Option<std::path::PathBuf>,
 
+    /// How often the TLS files (--tls-cert, --tls-key, --tls-client-ca) and
+    /// --auth-tokens are read again, as Kubernetes updates mounted Secrets
+    /// in place; changed files are checked as at start-up and, if they
+    /// pass, serve new handshakes and calls (a bad one changes nothing and
+    /// is logged). SIGHUP reloads too (0s: only SIGHUP).
+    #[arg(long, env = "AGENTD_RELOAD_INTERVAL", value_parser = duration, default_value = "30s")]
+    pub reload_interval: Duration,
+
     /// Services callable without credentials when authentication is on
     /// (comma-separated; empty: none). Only grpc.health.v1.Health and
     /// grpc.reflection.v1.ServerReflection may be named: any other service
@@ -620,6 +628,8 @@ impl ServeArgs {
             max_input_bytes: self.max_input_bytes,
             drain_delay: self.drain_delay,
             shutdown_grace: self.shutdown_grace,
+            reload_interval: nonzero(self.reload_interval),
+            reload_on_sighup: true,
             a2a_conformance: self.a2a_conformance.then_some(self.a2a_conformance_wait),
             ..Default::default()
         }
@@ -1049,6 +1059,18 @@ mod tests {
                 .retain_sessions,
             None
         );
+    }
+
+    #[test]
+    fn files_are_reloaded_every_30s_and_on_sighup_unless_0s() {
+        let opts = serve(&[]).server_options();
+        assert_eq!(opts.reload_interval, Some(Duration::from_secs(30)));
+        assert!(opts.reload_on_sighup);
+        let opts = serve(&["--reload-interval", "200ms"]).server_options();
+        assert_eq!(opts.reload_interval, Some(Duration::from_millis(200)));
+        let opts = serve(&["--reload-interval", "0s"]).server_options();
+        assert_eq!(opts.reload_interval, None);
+        assert!(opts.reload_on_sighup, "0s leaves SIGHUP");
     }
 
     #[test]

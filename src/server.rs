@@ -12,7 +12,7 @@ use tonic::transport::server::{Connected, TcpIncoming};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::auth::tls::TlsFiles;
+use crate::auth::tls::{LiveTls, TLS_HANDSHAKE_TIMEOUT, TlsFiles};
 use crate::auth::{AuthLayer, Authenticator};
 use crate::grpc::agents::{AgentServiceServer, AgentsService, Limits};
 use crate::telemetry::admin::Readiness;
@@ -42,6 +42,12 @@ pub struct ServerOptions {
     pub shutdown_grace: Duration,
     /// TLS and authentication of the port.
     pub security: Security,
+    /// How often the TLS and token files are read again (changed ones are
+    /// served once they pass the start-up checks); `None`: never.
+    pub reload_interval: Option<Duration>,
+    /// Also read them again on SIGHUP (the binary; not in-process servers,
+    /// which would take the signal from the process they run in).
+    pub reload_on_sighup: bool,
     /// Mirrors the health entries for the admin port's `/readyz`.
     pub readiness: Readiness,
     /// Serve A2A's conformance agent, with this resubscription wait.
@@ -52,8 +58,11 @@ pub struct ServerOptions {
 #[derive(Debug, Clone, Default)]
 pub struct Security {
     /// Serve TLS (and mTLS with a client CA); `None` serves plaintext h2c.
+    /// Files read by [`TlsFiles::load`] are reloaded while serving (see
+    /// [`crate::auth::reload`]).
     pub tls: Option<TlsFiles>,
-    /// Check credentials on every call; `None` lets every call in.
+    /// Check credentials on every call; `None` lets every call in. Its
+    /// tokens file, if any, is reloaded while serving.
     pub auth: Option<Arc<Authenticator>>,
 }
 
@@ -70,6 +79,8 @@ impl Default for ServerOptions {
             drain_delay: Duration::from_secs(5),
             shutdown_grace: Duration::from_secs(130),
             security: Security::default(),
+            reload_interval: Some(Duration::from_secs(30)),
+            reload_on_sighup: false,
             readiness: Readiness::default(),
             a2a_conformance: None,
         }
@@ -241,9 +252,23 @@ where
         .http2_keepalive_timeout(Some(opts.keepalive_timeout))
         .max_concurrent_streams(Some(opts.max_concurrent_streams))
         .tcp_nodelay(true);
-    if let Some(tls) = &opts.security.tls {
-        builder = builder.tls_config(tls.server_config()?)?;
-    }
+    // TLS is ours (see `tls_handshakes`), not tonic's, whose configuration
+    // cannot change once serving.
+    let live_tls = match &opts.security.tls {
+        Some(tls) => Some(Arc::new(LiveTls::new(tls.server_config()?))),
+        None => None,
+    };
+    let reloader = crate::auth::reload::Reloader::new(
+        opts.security.tls.as_ref().zip(live_tls.clone()),
+        opts.security.auth.clone(),
+    );
+    let _reloading = (reloader.is_some() || opts.reload_on_sighup).then(|| {
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(crate::auth::reload::watch(
+            reloader,
+            opts.reload_interval,
+            opts.reload_on_sighup,
+        )))
+    });
     let max_connection_age = opts.max_connection_age.map(jittered_age);
     if let Some(age) = max_connection_age {
         // Without max_connection_age_grace: with it, tonic closes the
@@ -277,9 +302,15 @@ where
 
     let incoming = capped(incoming, opts.max_connections);
     let (stop_accepting, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut serving = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
+    let stopped = async {
         let _ = stop_rx.await;
-    }));
+    };
+    let mut serving = match live_tls {
+        Some(tls) => tokio::spawn(
+            router.serve_with_incoming_shutdown(tls_handshakes(incoming, tls), stopped),
+        ),
+        None => tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped)),
+    };
     let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
     let mut a2a_serving = a2a_http.map(|h| {
         let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.secured());
@@ -545,6 +576,71 @@ where
                 Err(e) => {
                     let e: Box<dyn std::error::Error + Send + Sync> = e.into();
                     errors.failed(&e).await;
+                }
+            }
+        }
+    }
+}
+
+/// What [`tls_handshakes`] waits for: a connection, or a handshake's end
+/// (the stream, `None` when it failed).
+enum Handshaking<IO, IE> {
+    Accepted(Option<Result<IO, IE>>),
+    Done(Result<Option<Box<tokio_rustls::server::TlsStream<IO>>>, tokio::task::JoinError>),
+}
+
+/// `incoming` (TCP connections under [`capped`]'s limit) after their TLS
+/// handshake, with the configuration `tls` serves when each starts (a
+/// reload replaces it for the handshakes after). Each handshake is a task
+/// of its own, so a slow or silent client holds up no other's; it has
+/// [`TLS_HANDSHAKE_TIMEOUT`] to finish, and holds its connection's slot
+/// meanwhile, so half-open handshakes are bounded by `--max-connections`.
+/// A failed handshake is the client's doing: logged at debug, not as an
+/// accept error. The streams yielded are tokio-rustls's, whose connect info
+/// (tonic's `TlsConnectInfo`) carries the client certificate to the
+/// authentication layer.
+fn tls_handshakes<IO, IE>(
+    incoming: impl Stream<Item = Result<IO, IE>> + Send + 'static,
+    tls: Arc<LiveTls>,
+) -> impl Stream<Item = Result<tokio_rustls::server::TlsStream<IO>, IE>> + Send + 'static
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    IE: Send + 'static,
+{
+    use tokio_stream::StreamExt as _;
+    async_stream::stream! {
+        let mut incoming = std::pin::pin!(incoming);
+        let mut handshakes = tokio::task::JoinSet::new();
+        let mut accepting = true;
+        loop {
+            let next = tokio::select! {
+                accepted = incoming.next(), if accepting => Handshaking::Accepted(accepted),
+                Some(done) = handshakes.join_next() => Handshaking::Done(done),
+                else => break,
+            };
+            match next {
+                Handshaking::Accepted(Some(Ok(io))) => {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+                    handshakes.spawn(async move {
+                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
+                            Ok(Ok(stream)) => Some(Box::new(stream)),
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, "TLS handshake failed");
+                                None
+                            }
+                            Err(_) => {
+                                tracing::debug!(timeout = ?TLS_HANDSHAKE_TIMEOUT, "TLS handshake not completed in time; connection closed");
+                                None
+                            }
+                        }
+                    });
+                }
+                Handshaking::Accepted(Some(Err(e))) => yield Err(e),
+                Handshaking::Accepted(None) => accepting = false,
+                Handshaking::Done(Ok(Some(stream))) => yield Ok(*stream),
+                Handshaking::Done(Ok(None)) => {}
+                Handshaking::Done(Err(e)) => {
+                    tracing::debug!(error = %e, "TLS handshake task failed");
                 }
             }
         }

@@ -9,14 +9,17 @@
 //!
 //! Tokens are kept as SHA-256 digests, compared in constant time (the
 //! comparison shows neither where nor whether the lengths differ), and never
-//! logged or displayed.
+//! logged or displayed. The table of tokens and clients is replaced when
+//! the tokens file changes ([`reload`]); each call is checked against the
+//! table of the moment.
 
 mod layer;
+pub mod reload;
 pub mod tls;
 
 use std::collections::HashSet;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use anyhow::Context as _;
 use serde::Deserialize;
@@ -168,17 +171,49 @@ impl std::fmt::Debug for TokenEntry {
     }
 }
 
-/// The credentials a server accepts.
-#[derive(Debug)]
+/// The credentials a server accepts. Shared by the gRPC and A2A faces;
+/// its table follows the tokens file ([`Authenticator::replace_tokens`]).
+/// Debug shows the callers, never a token or a digest.
 pub struct Authenticator {
-    tokens: Vec<TokenEntry>,
-    /// Certificate name → scope, from the tokens file's `clients`.
-    clients: Vec<Caller>,
-    /// With mTLS and no `clients` list, every certificate the CA signed is
-    /// a trusted caller.
+    /// The tokens file's table of the moment.
+    table: RwLock<Arc<Table>>,
+    /// The tokens file and the digest of its contents as loaded at
+    /// start-up; `None` without one.
+    tokens_file: Option<(PathBuf, FileDigest)>,
+    /// With mTLS and no tokens file, every certificate the CA signed is a
+    /// trusted caller.
     trust_any_certificate: bool,
     /// Full service names reachable without credentials.
     open_services: HashSet<String>,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authenticator")
+            .field("table", &self.table())
+            .field("tokens_file", &self.tokens_file.as_ref().map(|(p, _)| p))
+            .field("trust_any_certificate", &self.trust_any_certificate)
+            .field("open_services", &self.open_services)
+            .finish()
+    }
+}
+
+/// What one version of the tokens file says.
+#[derive(Debug, Default)]
+struct Table {
+    tokens: Vec<TokenEntry>,
+    /// Certificate name → scope, from the tokens file's `clients`.
+    clients: Vec<Caller>,
+}
+
+/// The SHA-256 digest of a file's contents: how a reload tells that it
+/// changed, without keeping the contents.
+pub type FileDigest = [u8; 32];
+
+/// The [`FileDigest`] of `contents`.
+pub fn file_digest(contents: &[u8]) -> FileDigest {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(contents).into()
 }
 
 /// The `--auth-tokens` file (JSON).
@@ -219,17 +254,19 @@ impl Authenticator {
         open_services: &[String],
     ) -> anyhow::Result<Self> {
         check_open_services(open_services).map_err(anyhow::Error::msg)?;
-        let (tokens, clients, _listed_clients) = match tokens_file {
-            None => (Vec::new(), Vec::new(), false),
+        let (table, loaded) = match tokens_file {
+            None => (Table::default(), None),
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("cannot read --auth-tokens {}", path.display()))?;
-                Self::parse(&text).with_context(|| format!("--auth-tokens {}", path.display()))?
+                let table = Self::parse_table(&text)
+                    .with_context(|| format!("--auth-tokens {}", path.display()))?;
+                (table, Some((path.to_owned(), file_digest(text.as_bytes()))))
             }
         };
         Ok(Self {
-            tokens,
-            clients,
+            table: RwLock::new(Arc::new(table)),
+            tokens_file: loaded,
             // Every certificate the CA signed acts for any user only when
             // no tokens file says who may: with one, only its `clients` are
             // trusted (none if it lists none), as README promises.
@@ -240,6 +277,31 @@ impl Authenticator {
                 .filter(|s| !s.is_empty())
                 .collect(),
         })
+    }
+
+    /// The tokens file, with the digest of what start-up read of it.
+    pub fn tokens_file(&self) -> Option<(&Path, FileDigest)> {
+        self.tokens_file.as_ref().map(|(p, d)| (p.as_path(), *d))
+    }
+
+    /// Checks `text` as start-up checks the tokens file and, if it passes,
+    /// makes it the table every call from now on is checked against; the
+    /// number of tokens and of clients it lists. On error the table stays.
+    pub fn replace_tokens(&self, text: &str) -> anyhow::Result<(usize, usize)> {
+        let table = Self::parse_table(text)?;
+        let counts = (table.tokens.len(), table.clients.len());
+        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        Ok(counts)
+    }
+
+    /// The table of the moment.
+    fn table(&self) -> Arc<Table> {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn parse_table(text: &str) -> anyhow::Result<Table> {
+        let (tokens, clients, _listed) = Self::parse(text)?;
+        Ok(Table { tokens, clients })
     }
 
     #[allow(clippy::type_complexity)]
@@ -312,15 +374,16 @@ impl Authenticator {
     /// compared with every entry's, each in constant time (digests all have
     /// one length, so neither the position of a difference nor a stored
     /// token's length shows), whichever matches.
-    pub fn by_token(&self, token: &[u8]) -> Option<&Caller> {
+    pub fn by_token(&self, token: &[u8]) -> Option<Caller> {
         let presented = token_digest(token);
+        let table = self.table();
         let mut found = None;
-        for e in &self.tokens {
+        for e in &table.tokens {
             if bool::from(e.digest.as_slice().ct_eq(presented.as_slice())) {
                 found = Some(&e.caller);
             }
         }
-        found
+        found.cloned()
     }
 
     /// The caller a verified client certificate named `name` is.
@@ -331,7 +394,11 @@ impl Authenticator {
                 scope: Scope::AnyUser,
             });
         }
-        self.clients.iter().find(|c| &*c.name == name).cloned()
+        self.table()
+            .clients
+            .iter()
+            .find(|c| &*c.name == name)
+            .cloned()
     }
 
     /// Who sent a request: its bearer token if it has one, else its client
@@ -347,10 +414,7 @@ impl Authenticator {
                 Some((scheme, token)) if scheme.eq_ignore_ascii_case(b"Bearer ") => token,
                 _ => return Err(Unauthenticated::Malformed),
             };
-            return self
-                .by_token(token)
-                .cloned()
-                .ok_or(Unauthenticated::BadToken);
+            return self.by_token(token).ok_or(Unauthenticated::BadToken);
         }
         match certificate_name {
             Some(name) => self
@@ -372,14 +436,17 @@ mod tests {
         ]
     }"#;
 
-    fn auth() -> Authenticator {
-        let (tokens, clients, listed) = Authenticator::parse(FILE).unwrap();
+    fn authenticator(text: &str, trust_any_certificate: bool) -> Authenticator {
         Authenticator {
-            tokens,
-            clients,
-            trust_any_certificate: !listed,
+            table: RwLock::new(Arc::new(Authenticator::parse_table(text).unwrap())),
+            tokens_file: None,
+            trust_any_certificate,
             open_services: HashSet::new(),
         }
+    }
+
+    fn auth() -> Authenticator {
+        authenticator(FILE, true)
     }
 
     #[test]
@@ -460,8 +527,8 @@ mod tests {
     fn tokens_match_only_in_full_and_are_kept_as_fixed_size_digests() {
         let a = auth();
         assert_eq!(
-            a.by_token(b"tok-web-0123456789abc").map(|c| &*c.name),
-            Some("web")
+            a.by_token(b"tok-web-0123456789abc").map(|c| c.name),
+            Some("web".into())
         );
         for other in [
             &b"tok-web-0123456789abX"[..], // same length, last byte differs
@@ -474,7 +541,7 @@ mod tests {
         }
         // What is compared is a digest of one length whatever the token's,
         // so the comparison cannot end early on a length difference.
-        for e in &a.tokens {
+        for e in &a.table().tokens {
             let digest: &TokenDigest = &e.digest;
             assert_eq!(digest.len(), 32);
             assert_ne!(digest.as_slice(), b"tok-web-0123456789abc".as_slice());
@@ -552,15 +619,36 @@ mod tests {
     }
 
     #[test]
+    fn a_replaced_table_serves_the_next_calls_and_a_bad_one_changes_nothing() {
+        let a = auth();
+        let next = r#"{"tokens": [{"token": "tok-new-0123456789abc", "caller": "new", "user_ids": ["*"]}],
+                       "clients": [{"name": "batch.internal", "user_ids": ["*"]}]}"#;
+        assert_eq!(a.replace_tokens(next).unwrap(), (1, 1));
+        assert_eq!(
+            &*a.authenticate(Some(b"Bearer tok-new-0123456789abc"), None)
+                .unwrap()
+                .name,
+            "new"
+        );
+        assert_eq!(
+            a.authenticate(Some(b"Bearer tok-web-0123456789abc"), None),
+            Err(Unauthenticated::BadToken)
+        );
+        // A file that start-up would refuse leaves the table as it was,
+        // and its error quotes no token.
+        let short = r#"{"tokens": [{"token": "short-secret", "caller": "x", "user_ids": ["*"]}]}"#;
+        let err = format!("{:#}", a.replace_tokens(short).unwrap_err());
+        assert!(!err.contains("short-secret"), "{err}");
+        assert!(
+            a.authenticate(Some(b"Bearer tok-new-0123456789abc"), None)
+                .is_ok()
+        );
+    }
+
+    #[test]
     fn listed_clients_restrict_certificates() {
         let text = r#"{"clients": [{"name": "web.internal", "user_ids": ["alice"]}]}"#;
-        let (tokens, clients, listed) = Authenticator::parse(text).unwrap();
-        let a = Authenticator {
-            tokens,
-            clients,
-            trust_any_certificate: !listed,
-            open_services: HashSet::new(),
-        };
+        let a = authenticator(text, false);
         assert_eq!(
             &*a.authenticate(None, Some("web.internal")).unwrap().name,
             "web.internal"
