@@ -75,6 +75,13 @@ impl AgentService for Raw {
         Err(unimplemented())
     }
 
+    async fn cancel_turn(
+        &self,
+        _: Request<pb::CancelTurnRequest>,
+    ) -> Result<Response<pb::CancelTurnResponse>, Status> {
+        Err(unimplemented())
+    }
+
     type AttachStream = Self::RunStream;
 
     async fn attach(

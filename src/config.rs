@@ -54,6 +54,10 @@ pub enum Command {
     /// Print a turn's events after --after-seq, then follow it live until it
     /// ends (resume after a dropped stream). Never runs the agent.
     Attach(AttachArgs),
+    /// Stop a running turn (e.g. one left by `run --on-disconnect continue`)
+    /// and print its state after the call; a turn that had ended is left as
+    /// it is.
+    Cancel(CancelArgs),
     /// Load a server with Run streams and report events/s, latency and memory
     /// (see BENCHMARKS.md; `bench/run.sh` runs the whole comparison).
     Bench(Box<crate::bench::BenchArgs>),
@@ -786,6 +790,24 @@ pub struct AttachArgs {
     #[arg(long, value_parser = duration, default_value = "120s")]
     pub deadline: Duration,
     /// Print each event as a JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The session's owner.
+    #[arg(long)]
+    pub user: String,
+    #[arg(long)]
+    pub session: String,
+    /// The turn's request id.
+    #[arg(long)]
+    pub request_id: String,
+    /// Print the turn as a JSON object (as `session get` does) instead of
+    /// text.
     #[arg(long)]
     pub json: bool,
 }

@@ -10,7 +10,7 @@ use clap::Parser;
 use agentd::agent::{Agent, AgentRegistry, demo, synthetic};
 use agentd::client::AgentClient;
 use agentd::config::{
-    A2aArgs, AttachArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs,
+    A2aArgs, AttachArgs, CancelArgs, Cli, Command, HealthArgs, OnDisconnectArg, RunArgs, ServeArgs,
     SessionCommand,
 };
 use agentd::pb;
@@ -128,6 +128,7 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Attach(args) => attach(args).await,
+            Command::Cancel(args) => cancel(args).await,
             Command::Run(args) => run(args).await,
             Command::Health(args) => health(args).await,
             Command::Bench(args) => agentd::bench::run(*args).await,
@@ -423,20 +424,25 @@ fn with_timeout<T>(c: &AgentClient, msg: T) -> tonic::Request<T> {
     c.request(msg, SESSION_DEADLINE)
 }
 
+fn turn_state(t: &pb::TurnInfo) -> String {
+    t.state()
+        .as_str_name()
+        .trim_start_matches("TURN_STATE_")
+        .to_lowercase()
+}
+
+fn turn_json(t: &pb::TurnInfo) -> serde_json::Value {
+    serde_json::json!({
+        "request_id": t.request_id,
+        "state": turn_state(t),
+        "status_code": t.status_code.map(|c| format!("{:?}", tonic::Code::from(c))),
+        "status_message": t.status_message, "agent": t.agent, "owner": t.owner,
+        "created_unix_micros": t.created_unix_micros, "updated_unix_micros": t.updated_unix_micros,
+    })
+}
+
 fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
-    let turns: Vec<serde_json::Value> = s
-        .turns
-        .iter()
-        .map(|t| {
-            serde_json::json!({
-                "request_id": t.request_id,
-                "state": t.state().as_str_name().trim_start_matches("TURN_STATE_").to_lowercase(),
-                "status_code": t.status_code.map(|c| format!("{:?}", tonic::Code::from(c))),
-                "status_message": t.status_message, "agent": t.agent, "owner": t.owner,
-                "created_unix_micros": t.created_unix_micros, "updated_unix_micros": t.updated_unix_micros,
-            })
-        })
-        .collect();
+    let turns: Vec<serde_json::Value> = s.turns.iter().map(turn_json).collect();
     serde_json::json!({
         "session_id": s.session_id, "user_id": s.user_id,
         "created_unix_micros": s.created_unix_micros, "updated_unix_micros": s.updated_unix_micros, "turns": turns,
@@ -495,6 +501,36 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             Err(s) => return Err(status_error(s)),
         }
     }
+}
+
+/// CancelTurn, and the turn's state after it: `REQUEST_ID STATE CODE[:
+/// MESSAGE]` (or, with --json, the turn as `session get` shows it, and
+/// `cancelled_now`). A turn that had ended is said so on stderr.
+async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
+    let mut c = args.client.connect_within(SESSION_DEADLINE).await?;
+    let r = c
+        .cancel_turn(&args.user, &args.session, &args.request_id)
+        .await
+        .map_err(status_error)?;
+    let t = r.turn.unwrap_or_default();
+    if args.json {
+        let mut v = turn_json(&t);
+        v["cancelled_now"] = r.cancelled_now.into();
+        out!("{v}");
+    } else {
+        let code = t
+            .status_code
+            .map(|c| format!("{:?}", tonic::Code::from(c)))
+            .unwrap_or_default();
+        match t.status_message.as_str() {
+            "" => out!("{} {} {code}", t.request_id, turn_state(&t)),
+            m => out!("{} {} {code}: {m}", t.request_id, turn_state(&t)),
+        }
+    }
+    if !r.cancelled_now {
+        eprintln!("the turn had ended already; nothing was changed");
+    }
+    Ok(())
 }
 
 /// Output that cannot be written: a closed pipe (`| head`) ends the command

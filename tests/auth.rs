@@ -261,6 +261,17 @@ async fn every_method_checks_the_user_id_against_the_token() {
         ))
         .await;
     assert_eq!(delete.unwrap_err().code(), Code::PermissionDenied);
+    let cancel = raw
+        .cancel_turn(web.request(
+            pb::CancelTurnRequest {
+                user_id: "bob".into(),
+                session_id: bobs.clone(),
+                request_id: "r1".into(),
+            },
+            t,
+        ))
+        .await;
+    assert_eq!(cancel.unwrap_err().code(), Code::PermissionDenied);
     assert!(
         server.turn_exists(&bobs, "r1").await.is_some(),
         "the refused delete removed the session"

@@ -162,3 +162,71 @@ async fn a_server_stopped_by_sigterm_leaves_its_sqlite_files_without_wals() {
     assert_eq!(turns.len(), 1);
     assert_eq!(turns[0].state, agentd::store::TurnState::Completed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_with_on_disconnect_continue_is_stopped_with_cancel() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let server = Child::serve(&["--store", &db.url, "--tool-delay", "60s"]).await;
+    let addr = server.addr;
+    let (ok, sid, _) = cli(&addr, &["session", "create", "--user", "alice"]).await;
+    assert!(ok);
+    let sid = sid.trim().to_owned();
+
+    // A run whose client goes away while its tool runs (for a minute).
+    let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
+        .args(["run", "--user", "alice", "--session", &sid])
+        .args(["--request-id", "r1", "--on-disconnect", "continue"])
+        .arg("Where is order 1187?")
+        .env("AGENTD_SERVER", format!("http://{addr}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(run.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(first.starts_with("[0] tool_call lookup_order"), "{first}");
+    run.kill().await.unwrap();
+
+    let turn = ["--user", "alice", "--session", &sid, "--request-id", "r1"];
+    let (ok, out, err) = cli(&addr, &[&["cancel"], &turn[..]].concat()).await;
+    assert!(ok, "{err}");
+    assert_eq!(out, "r1 cancelled Cancelled: cancelled by CancelTurn\n");
+    assert_eq!(err, "");
+
+    // Again, as JSON: the turn as it was left, unchanged.
+    let (ok, out, err) = cli(&addr, &[&["cancel", "--json"], &turn[..]].concat()).await;
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["request_id"], "r1");
+    assert_eq!(v["state"], "cancelled");
+    assert_eq!(v["status_code"], "Cancelled");
+    assert_eq!(v["status_message"], "cancelled by CancelTurn");
+    assert_eq!(v["cancelled_now"], false);
+    assert!(err.contains("had ended already"), "{err}");
+
+    let (ok, _, err) = cli(&addr, &[&["attach"], &turn[..]].concat()).await;
+    assert!(!ok);
+    assert!(err.contains("Cancelled: cancelled by CancelTurn"), "{err}");
+
+    let (ok, _, err) = cli(
+        &addr,
+        &[
+            "cancel",
+            "--user",
+            "alice",
+            "--session",
+            &sid,
+            "--request-id",
+            "r2",
+        ],
+    )
+    .await;
+    assert!(!ok);
+    assert!(err.contains("NotFound"), "{err}");
+    server.kill9().await;
+}

@@ -625,6 +625,7 @@ pub(crate) fn updates(
                             TaskState::Canceled
                         }
                         Failure::Stored(o) if o.state == TurnState::Cancelled => TaskState::Canceled,
+                        Failure::CancelledByRequest => TaskState::Canceled,
                         _ => TaskState::Failed,
                     };
                     let why = status::failure(f, true).message().to_owned();

@@ -411,6 +411,29 @@ impl AgentClient {
         Ok(status.status())
     }
 
+    /// Stops a running turn (CancelTurn); a turn that had ended is
+    /// answered as it ended, unchanged. Resent on UNAVAILABLE, within the
+    /// configured deadline and the retry policy: a cancel is idempotent.
+    pub async fn cancel_turn(
+        &mut self,
+        user_id: &str,
+        session_id: &str,
+        request_id: &str,
+    ) -> Result<pb::CancelTurnResponse, Status> {
+        let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
+        let msg = pb::CancelTurnRequest {
+            user_id: user_id.to_owned(),
+            session_id: session_id.to_owned(),
+            request_id: request_id.to_owned(),
+        };
+        self.unary(retry::is_unavailable, move |req_timeout| {
+            let mut agents = agents.clone();
+            let req = cfg.request(msg.clone(), req_timeout);
+            async move { agents.cancel_turn(req).await.map(|r| r.into_inner()) }
+        })
+        .await
+    }
+
     /// One unary call under the configured deadline, resent while
     /// `retryable` says so and the policy allows.
     async fn unary<T, F, Fut>(

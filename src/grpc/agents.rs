@@ -286,6 +286,33 @@ impl pb::agent_service_server::AgentService for AgentsService {
         Ok(stream_response(started, false))
     }
 
+    async fn cancel_turn(
+        &self,
+        req: Request<pb::CancelTurnRequest>,
+    ) -> Result<Response<pb::CancelTurnResponse>, Status> {
+        let caller = req.extensions().get::<crate::auth::Caller>().cloned();
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
+        let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
+        let key = TurnKey {
+            session_id,
+            request_id,
+        };
+        let (turn, cancelled_now) = self
+            .turns
+            .cancel_turn(&user_id, &key)
+            .await
+            .map_err(|e| status::run_error(e, self.turns.agents()))?;
+        tracing::info!(method = "CancelTurn", session = %key.session_id, request_id = %key.request_id,
+            state = turn.state.as_str(), cancelled_now, "cancel answered");
+        Ok(Response::new(pb::CancelTurnResponse {
+            turn: Some(turn_to_wire(&turn)),
+            cancelled_now,
+        }))
+    }
+
     async fn run(&self, req: Request<pb::RunRequest>) -> Result<Response<Self::RunStream>, Status> {
         // Who asked, for the refusal's log line (bounded: not yet checked).
         let r = req.get_ref();

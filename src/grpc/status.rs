@@ -111,6 +111,16 @@ pub fn claim_abandoned() -> TurnOutcome {
     }
 }
 
+/// The outcome of a running turn that CancelTurn stopped: recorded by the
+/// replica that served the cancel, whichever runs the turn.
+pub fn cancelled_by_request() -> TurnOutcome {
+    TurnOutcome {
+        state: TurnState::Cancelled,
+        code: Code::Cancelled as i32,
+        message: "cancelled by CancelTurn".into(),
+    }
+}
+
 /// A `page_token` that this server did not hand out.
 pub fn bad_page_token() -> Status {
     Status::invalid_argument(
@@ -227,6 +237,7 @@ fn failure_outcome(f: &Failure) -> TurnOutcome {
             "the agent ended without a final answer".into(),
         ),
         Failure::LeaseLost => return replica_stopped(),
+        Failure::CancelledByRequest => return cancelled_by_request(),
         Failure::Removed => (
             TurnState::Failed,
             Code::NotFound,

@@ -10,7 +10,7 @@
 //! | `grpc_server_handling_seconds` | `grpc_service`, `grpc_method`, `grpc_code` | histogram: call start to the end of its response stream |
 //! | `agentd_runs_in_flight` | | agent runs executing now |
 //! | `agentd_run_events` | `mode` | histogram: events sent per Run (`new`, `replay`, `attach`) |
-//! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown` |
+//! | `agentd_run_cancellations_total` | `cause` | agent runs cancelled: `client`, `deadline`, `shutdown`, `cancel_turn` |
 //! | `agentd_slow_consumer_terminations_total` | | Runs ended with RESOURCE_EXHAUSTED because the client stopped reading |
 //! | `agentd_dedup_total` | `mode` | repeated request ids served without running: `replay`, `attach` |
 //! | `agentd_a2a_requests_total` | `method`, `outcome` | A2A requests over either binding, by method (`SendStreamingMessage`, `GetTask`, …) and outcome: `OK`, the A2A error's reason (`TASK_NOT_FOUND`, …), `CANCELLED` for a stream the client dropped, or `UNAUTHENTICATED` (method `unknown`) for a JSON-RPC request refused for its credentials; a JSON-RPC request refused before it reaches a method also counts as `unknown`, with its error's reason (`PARSE_ERROR`, `METHOD_NOT_FOUND`, …) |
@@ -196,6 +196,7 @@ pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) 
         Failure::ClientGone => "client",
         Failure::Deadline { .. } => "deadline",
         Failure::Shutdown => "shutdown",
+        Failure::CancelledByRequest => "cancel_turn",
         Failure::SlowConsumer => {
             metrics::counter!(SLOW_CONSUMER).increment(1);
             return;

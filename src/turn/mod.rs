@@ -238,6 +238,10 @@ pub enum Failure {
     /// that nothing runs on for a turn whose callers were told it ended.
     #[error("the turn's lease was lost")]
     LeaseLost,
+    /// CancelTurn ended the turn (its outcome is in the store already):
+    /// served here, or on another replica and seen at the lease renewal.
+    #[error("the turn was cancelled by CancelTurn")]
+    CancelledByRequest,
     /// The turn a follower streamed was removed meanwhile (its session
     /// deleted, or pruned past the retention): nothing more can be told.
     #[error("the turn was removed while it was followed")]
@@ -325,6 +329,25 @@ struct Progress {
     outcome_failed: bool,
 }
 
+/// A turn whose pump runs in this process.
+struct LiveTurn {
+    /// Its writer's progress, for followers here.
+    progress: watch::Receiver<Progress>,
+    /// Stops its run, for CancelTurn.
+    cancel: pump::CancelHandle,
+}
+
+/// The turns running in this process, and the ones CancelTurn ended here
+/// between their claim and their pump's start.
+#[derive(Default)]
+struct LiveTurns {
+    runs: HashMap<TurnKey, LiveTurn>,
+    /// Turns claimed by this replica that CancelTurn ended before their
+    /// pump was in `runs`: the pump, once started, stops at once. One whose
+    /// pump never comes (it had ended already) is dropped after a lease.
+    cancelled_early: HashMap<TurnKey, tokio::time::Instant>,
+}
+
 /// The turn engine one server owns.
 pub struct Turns {
     store: Arc<dyn Store>,
@@ -336,8 +359,9 @@ pub struct Turns {
     user_runs: Arc<UserRuns>,
     /// One permit per follower ([`TurnConfig::max_followers`]).
     followers: Arc<Semaphore>,
-    /// Turns running in this process, so a repeated request id attaches live.
-    live: Mutex<HashMap<TurnKey, watch::Receiver<Progress>>>,
+    /// Turns running in this process, so a repeated request id attaches
+    /// live and CancelTurn stops the run at once.
+    live: Mutex<LiveTurns>,
     /// Turns a Run of this process is claiming: a repeat sent meanwhile
     /// waits for the claim instead of calling the model beside it.
     claiming: Mutex<HashSet<TurnKey>>,
@@ -614,6 +638,42 @@ impl Turns {
         }
     }
 
+    /// Cancels turn `key` of a session `user_id` owns (CancelTurn): a
+    /// running turn is recorded CANCELLED in the store (the store decides
+    /// a race with the turn's own end: whichever is recorded first stands),
+    /// and its run stops, here at once, elsewhere at its replica's next
+    /// lease renewal ([`pump`]'s lease keeper). A turn that had ended is
+    /// left as it is. Returns the turn as stored after the call, and
+    /// whether this call ended it.
+    pub async fn cancel_turn(
+        &self,
+        user_id: &UserId,
+        key: &TurnKey,
+    ) -> Result<(TurnRecord, bool), RunError> {
+        self.check_store()?;
+        self.owned_session(key.session_id, user_id).await?;
+        let turn = self
+            .store
+            .get_turn(key)
+            .await?
+            .ok_or(RunError::TurnNotFound)?;
+        if turn.state.is_terminal() {
+            return Ok((turn, false));
+        }
+        let outcome = crate::grpc::status::cancelled_by_request();
+        let ended = self.store.finish_turn(key, &outcome, None).await?;
+        if ended {
+            self.stop_cancelled(key, &turn.owner);
+        }
+        // As stored: the cancel's outcome, or the end that came first.
+        let turn = self
+            .store
+            .get_turn(key)
+            .await?
+            .ok_or(RunError::TurnNotFound)?;
+        Ok((turn, ended))
+    }
+
     /// Deletes a session the caller owns, unless one of its turns runs.
     pub async fn delete_session(&self, id: SessionId, user_id: &UserId) -> Result<(), RunError> {
         self.check_store()?;
@@ -806,8 +866,32 @@ impl Turns {
         self.live
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .runs
             .get(key)
-            .cloned()
+            .map(|t| t.progress.clone())
+    }
+
+    /// Stops the run of `key`, which CancelTurn has just recorded
+    /// cancelled, if it runs here (`owner` is the replica the store names):
+    /// at once, or as soon as its pump starts. A run on another replica
+    /// stops at its next lease renewal, which finds the turn ended.
+    fn stop_cancelled(&self, key: &TurnKey, owner: &str) {
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(run) = live.runs.get(key) {
+            run.cancel.fire();
+            tracing::info!(turn = %key, "turn cancelled (CancelTurn); its run here is stopped");
+        } else if owner == self.cfg.replica_id {
+            // Claimed here, its pump not started yet (or ended already,
+            // its outcome's write under way).
+            let now = tokio::time::Instant::now();
+            let lease = self.cfg.lease;
+            live.cancelled_early
+                .retain(|_, at| now.duration_since(*at) < lease);
+            live.cancelled_early.insert(key.clone(), now);
+            tracing::info!(turn = %key, "turn cancelled (CancelTurn); its run here stops as it starts");
+        } else {
+            tracing::info!(turn = %key, owner, "turn cancelled (CancelTurn); the replica running it stops it at its next lease renewal");
+        }
     }
 }
 
@@ -881,6 +965,48 @@ mod tests {
         assert_eq!(ids(&newest_within(history.clone(), 199)), ["r2", "r3"]);
         assert_eq!(ids(&newest_within(history.clone(), 50)), ["r3"]);
         assert!(newest_within(history, 49).is_empty());
+    }
+
+    /// CancelTurn found the turn claimed by this replica, its pump not
+    /// started yet (the moment between the claim's commit and the pump's
+    /// start): the pump stops as it starts, before its agent is polled.
+    #[tokio::test]
+    async fn a_turn_cancelled_before_its_pump_started_stops_before_its_agent_runs() {
+        use crate::domain::{OnDisconnect, UserText};
+        let store: Arc<dyn Store> = Arc::new(crate::store::memory::MemoryStore::new());
+        let helper = crate::agent::demo::OrderHelper::new(Duration::from_secs(60));
+        let tool = helper.stats();
+        let agents = AgentRegistry::new(vec![Arc::new(helper)], crate::agent::demo::NAME).unwrap();
+        let turns = Turns::new(store.clone(), agents, TurnConfig::default());
+        let user_id = UserId::parse("alice").unwrap();
+        let session = store.create_session(&user_id).await.unwrap();
+        let key = TurnKey {
+            session_id: session.id,
+            request_id: RequestId::parse("r1").unwrap(),
+        };
+        turns.stop_cancelled(&key, &turns.cfg.replica_id);
+        let input = RunInput {
+            user_id,
+            key: key.clone(),
+            generated_request_id: false,
+            text: UserText::parse("Where is order 1187?".into(), 1024).unwrap(),
+            agent: None,
+            on_disconnect: OnDisconnect::Cancel,
+        };
+        let started = turns.start(input, None).await.unwrap();
+        assert_eq!(started.mode, Mode::New);
+        let ended =
+            tokio::time::timeout(Duration::from_secs(5), started.stream.collect::<Vec<_>>())
+                .await
+                .expect("the run stops at once");
+        assert!(
+            matches!(ended.as_slice(), [Err(Failure::CancelledByRequest)]),
+            "no event, then CANCELLED: {ended:?}"
+        );
+        assert_eq!(tool.started(), 0, "the tool never ran");
+        let t = store.get_turn(&key).await.unwrap().unwrap();
+        assert_eq!(t.outcome, Some(crate::grpc::status::cancelled_by_request()));
+        assert!(turns.live.lock().unwrap().cancelled_early.is_empty());
     }
 
     #[test]

@@ -125,28 +125,48 @@ pub(super) fn spawn(
     let (writer_tx, writer_rx) = mpsc::channel(WRITER_QUEUE);
     let (finish_tx, finish_rx) = tokio::sync::oneshot::channel();
     let key = input.key.clone();
-    turns
-        .live
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key.clone(), progress_rx.clone());
 
     let span = run.span;
     let renewing = CancellationToken::new();
     let finishing = CancellationToken::new();
     let lease_lost = CancellationToken::new();
-    // What stops the run from outside: the shutdown's cut, or a lost lease
-    // (which also sets `lease_lost`, to tell the two apart). One token, so
-    // the pump watches one thing per event.
+    let cancelled = CancellationToken::new();
+    // What stops the run from outside: the shutdown's cut, a lost lease or
+    // CancelTurn (which also set `lease_lost` or `cancelled`, to tell them
+    // apart). One token, so the pump watches one thing per event.
     let stop = turns.cut.child_token();
+    let cancel = CancelHandle {
+        cancelled: cancelled.clone(),
+        stop: stop.clone(),
+        run: run.cancel.clone(),
+    };
+    {
+        let mut live = turns.live.lock().unwrap_or_else(|e| e.into_inner());
+        // CancelTurn ended the turn between its claim and now: the run
+        // stops before its agent is polled (no tool runs).
+        if live.cancelled_early.remove(&key).is_some() {
+            tracing::info!(parent: &span, turn = %key, "the turn was cancelled (CancelTurn) before its run started; stopping it");
+            cancel.fire();
+        }
+        live.runs.insert(
+            key.clone(),
+            super::LiveTurn {
+                progress: progress_rx.clone(),
+                cancel: cancel.clone(),
+            },
+        );
+    }
     turns.tracker.spawn(
         keep_lease(
             turns.clone(),
             key.clone(),
             renewing.clone(),
             finishing.clone(),
-            lease_lost.clone(),
-            stop.clone(),
+            Stops {
+                lost: lease_lost.clone(),
+                cancelled: cancelled.clone(),
+                stop: stop.clone(),
+            },
         )
         .instrument(span.clone()),
     );
@@ -182,6 +202,7 @@ pub(super) fn spawn(
         stall_timeout: turns.cfg.stall_timeout,
         cut: stop,
         lease_lost,
+        cancelled,
         _permit: permit,
     };
     turns.tracker.spawn(pump.run().instrument(span));
@@ -226,6 +247,8 @@ struct Pump {
     cut: CancellationToken,
     /// Set when the turn's lease was lost.
     lease_lost: CancellationToken,
+    /// Set when CancelTurn ended the turn.
+    cancelled: CancellationToken,
     /// Held for the life of the run: the concurrency caps.
     _permit: super::RunSlot,
 }
@@ -301,11 +324,12 @@ impl Pump {
             // shutdown's cut: not read, the end is the store's failure.
             r if superseded => {
                 let read = as_stored(self.store.clone(), self.key.clone(), r);
-                // The shutdown's cut, not a lost lease (which fires the
-                // same token, and whose outcome is the one to read).
+                // The shutdown's cut, not a lost lease or a CancelTurn
+                // (which fire the same token, and whose outcome is the one
+                // to read).
                 let shutdown = async {
                     self.cut.cancelled().await;
-                    if self.lease_lost.is_cancelled() {
+                    if self.lease_lost.is_cancelled() || self.cancelled.is_cancelled() {
                         std::future::pending::<()>().await;
                     }
                 };
@@ -324,8 +348,9 @@ impl Pump {
                 StoreError::Unavailable(anyhow::anyhow!("events of the turn could not be stored")),
             )),
             // A lost lease is recorded already: the turn was failed
-            // (replica stopped) by whoever took it for dead.
-            r @ Err(Failure::LeaseLost) => r,
+            // (replica stopped) by whoever took it for dead. So is a
+            // CancelTurn, by the replica that served it.
+            r @ Err(Failure::LeaseLost | Failure::CancelledByRequest) => r,
             // Its end, whatever it is, is not in the store yet: not the
             // turn's recorded outcome, so no `recorded` trailer. Retrying
             // with the same request id replays it once it is (or its
@@ -364,9 +389,11 @@ impl Pump {
         }
     }
 
-    /// Why `cut` fired: a lost lease, or the shutdown's cut.
+    /// Why `cut` fired: CancelTurn, a lost lease, or the shutdown's cut.
     fn stopped(&self) -> Failure {
-        if self.lease_lost.is_cancelled() {
+        if self.cancelled.is_cancelled() {
+            Failure::CancelledByRequest
+        } else if self.lease_lost.is_cancelled() {
             Failure::LeaseLost
         } else {
             Failure::Shutdown
@@ -565,6 +592,11 @@ async fn as_stored(
             tracing::info!(turn = %key, "the turn's outcome was stored by an earlier write of this run, which had been reported failed");
             result
         }
+        // CancelTurn ended it, here or on another replica.
+        Some(o) if o.state == crate::store::TurnState::Cancelled => {
+            tracing::info!(turn = %key, status_message = %o.message, "the turn was cancelled before this write of its outcome; it ends as recorded");
+            Err(Failure::Stored(o))
+        }
         Some(o) => {
             tracing::warn!(turn = %key, code = ?tonic::Code::from(o.code), message = %o.message, "the turn had ended before this write of its outcome (its lease ran out, or an earlier write landed late); it ends as recorded");
             Err(Failure::Stored(o))
@@ -599,20 +631,53 @@ struct Writer {
     finish_late: tokio::sync::oneshot::Receiver<Box<Finish>>,
 }
 
+/// Stops a run from outside its pump, for CancelTurn served here.
+#[derive(Clone)]
+pub(super) struct CancelHandle {
+    /// Tells the pump why it stopped ([`Pump::stopped`]).
+    cancelled: CancellationToken,
+    /// The pump's stop token ([`Pump::cut`]).
+    stop: CancellationToken,
+    /// The run context's token: tools running on tasks of their own see
+    /// it at once, before the pump drops the agent's stream.
+    run: CancellationToken,
+}
+
+impl CancelHandle {
+    /// Stops the run: the pump drops the agent's stream the next time it
+    /// looks (before it polls the agent again), and its outcome's write
+    /// finds the turn ended CANCELLED.
+    pub(super) fn fire(&self) {
+        self.cancelled.cancel();
+        self.stop.cancel();
+        self.run.cancel();
+    }
+}
+
+/// What [`keep_lease`] fires when its renewal finds the turn ended under
+/// the run: `stop`, with `cancelled` (CancelTurn recorded it) or `lost`
+/// (it was failed as its lease ran out) to say why.
+struct Stops {
+    lost: CancellationToken,
+    cancelled: CancellationToken,
+    stop: CancellationToken,
+}
+
 /// Renews the turn's lease every third of it until `renewing` is
-/// cancelled, so no replica takes the turn for dead. If the lease was lost
-/// anyway (the turn was marked failed: a store stall or a clock jump longer
-/// than two thirds of the lease), fires `lost`, which stops the run. Not
-/// once the outcome is being written (`finishing`): a renewal then finds
-/// the turn ended by that write, which tells itself whether the turn had
-/// been failed under it.
+/// cancelled, so no replica takes the turn for dead. If the turn ended
+/// under the run, the renewal fails, and the run is stopped: the turn was
+/// cancelled by a CancelTurn another replica served (which recorded it
+/// CANCELLED in the store), or the lease was lost anyway (the turn was
+/// marked failed: a store stall or a clock jump longer than two thirds of
+/// the lease). Not once the outcome is being written (`finishing`): a
+/// renewal then finds the turn ended by that write, which tells itself
+/// whether the turn had been ended under it.
 async fn keep_lease(
     turns: Arc<Turns>,
     key: TurnKey,
     renewing: CancellationToken,
     finishing: CancellationToken,
-    lost: CancellationToken,
-    stop: CancellationToken,
+    stops: Stops,
 ) {
     let lease = turns.cfg.lease;
     let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
@@ -631,10 +696,21 @@ async fn keep_lease(
             Ok(true) => {}
             // The turn ended meanwhile: its outcome is stored, or being so.
             Ok(false) if renewing.is_cancelled() || finishing.is_cancelled() => return,
+            // A CancelTurn served here stopped the run already.
+            Ok(false) if stops.cancelled.is_cancelled() => return,
             Ok(false) => {
-                tracing::warn!(turn = %key, "the turn's lease was lost (it was marked failed); stopping its run");
-                lost.cancel();
-                stop.cancel();
+                let cancelled = matches!(
+                    turns.store.get_turn(&key).await,
+                    Ok(Some(t)) if t.state == crate::store::TurnState::Cancelled
+                );
+                if cancelled {
+                    tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
+                    stops.cancelled.cancel();
+                } else {
+                    tracing::warn!(turn = %key, "the turn's lease was lost (it was marked failed); stopping its run");
+                    stops.lost.cancel();
+                }
+                stops.stop.cancel();
                 return;
             }
             Err(e) => {
@@ -782,6 +858,7 @@ impl Writer {
             .live
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .runs
             .remove(&self.key);
     }
 
