@@ -598,7 +598,7 @@ async fn as_stored(
             Err(Failure::Stored(o))
         }
         Some(o) => {
-            tracing::warn!(turn = %key, code = ?tonic::Code::from(o.code), message = %o.message, "the turn had ended before this write of its outcome (its lease ran out, or an earlier write landed late); it ends as recorded");
+            tracing::warn!(turn = %key, code = ?tonic::Code::from(o.code), status_message = %o.message, "the turn had ended before this write of its outcome (its lease ran out, or an earlier write landed late); it ends as recorded");
             Err(Failure::Stored(o))
         }
         None => Err(Failure::Store(StoreError::Unavailable(anyhow::anyhow!(
