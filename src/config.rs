@@ -770,8 +770,9 @@ pub enum SessionCommand {
     },
 }
 
+/// The turn a command acts on, and the server it asks.
 #[derive(Debug, Args)]
-pub struct AttachArgs {
+pub struct TurnArgs {
     #[command(flatten)]
     pub client: ClientArgs,
     /// The session's owner.
@@ -782,6 +783,12 @@ pub struct AttachArgs {
     /// The turn's request id.
     #[arg(long)]
     pub request_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct AttachArgs {
+    #[command(flatten)]
+    pub turn: TurnArgs,
     /// The last seq already received; events after it are printed (default:
     /// all of them).
     #[arg(long)]
@@ -797,15 +804,7 @@ pub struct AttachArgs {
 #[derive(Debug, Args)]
 pub struct CancelArgs {
     #[command(flatten)]
-    pub client: ClientArgs,
-    /// The session's owner.
-    #[arg(long)]
-    pub user: String,
-    #[arg(long)]
-    pub session: String,
-    /// The turn's request id.
-    #[arg(long)]
-    pub request_id: String,
+    pub turn: TurnArgs,
     /// Print the turn as a JSON object (as `session get` does) instead of
     /// text.
     #[arg(long)]

@@ -480,12 +480,12 @@ async fn list_sessions(client: &agentd::config::ClientArgs, user: String) -> any
 }
 
 async fn attach(args: AttachArgs) -> anyhow::Result<()> {
-    let client = args.client.connect().await?;
+    let client = args.turn.client.connect().await?;
     let mut c = client.raw();
     let msg = pb::AttachRequest {
-        user_id: args.user,
-        session_id: args.session,
-        request_id: args.request_id,
+        user_id: args.turn.user,
+        session_id: args.turn.session,
+        request_id: args.turn.request_id,
         after_seq: args.after_seq,
     };
     let req = client.request(msg, args.deadline);
@@ -507,9 +507,10 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
 /// MESSAGE]` (or, with --json, the turn as `session get` shows it, and
 /// `cancelled_now`). A turn that had ended is said so on stderr.
 async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
-    let mut c = args.client.connect_within(SESSION_DEADLINE).await?;
+    let t = &args.turn;
+    let mut c = t.client.connect_within(SESSION_DEADLINE).await?;
     let r = c
-        .cancel_turn(&args.user, &args.session, &args.request_id)
+        .cancel_turn(&t.user, &t.session, &t.request_id)
         .await
         .map_err(status_error)?;
     let t = r.turn.unwrap_or_default();

@@ -105,6 +105,23 @@ fn state_to_wire(s: TurnState) -> pb::TurnState {
     }
 }
 
+/// The turn a request names, checked in the order every turn RPC checks:
+/// the user id, the caller's right to act for it, then the ids.
+fn turn_of(
+    caller: Option<crate::auth::Caller>,
+    user_id: String,
+    session_id: &str,
+    request_id: String,
+) -> Result<(UserId, TurnKey), Status> {
+    let user_id = UserId::parse(user_id).map_err(status::invalid)?;
+    crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
+    let key = TurnKey {
+        session_id: SessionId::parse(session_id).map_err(status::invalid)?,
+        request_id: RequestId::parse(request_id).map_err(status::invalid)?,
+    };
+    Ok((user_id, key))
+}
+
 fn turn_to_wire(t: &TurnRecord) -> pb::TurnInfo {
     pb::TurnInfo {
         request_id: t.key.request_id.to_string(),
@@ -258,10 +275,7 @@ impl pb::agent_service_server::AgentService for AgentsService {
         let timeout = deadline::from_metadata(req.metadata()).map_err(Status::invalid_argument)?;
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
-        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
-        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
-        let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
-        let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
+        let (user_id, key) = turn_of(caller, req.user_id, &req.session_id, req.request_id)?;
         // Stores number events with signed 64-bit integers.
         if req.after_seq.is_some_and(|a| a > i64::MAX as u64) {
             return Err(Status::invalid_argument(format!(
@@ -269,10 +283,6 @@ impl pb::agent_service_server::AgentService for AgentsService {
                 i64::MAX
             )));
         }
-        let key = TurnKey {
-            session_id,
-            request_id,
-        };
         let started = self.turns.attach(&user_id, key, req.after_seq, timeout).await.map_err(|e| {
             let s = status::run_error(e, self.turns.agents());
             // The store known to be down: logged once, by its health check.
@@ -292,14 +302,7 @@ impl pb::agent_service_server::AgentService for AgentsService {
     ) -> Result<Response<pb::CancelTurnResponse>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
         let req = req.into_inner();
-        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
-        crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
-        let session_id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
-        let request_id = RequestId::parse(req.request_id).map_err(status::invalid)?;
-        let key = TurnKey {
-            session_id,
-            request_id,
-        };
+        let (user_id, key) = turn_of(caller, req.user_id, &req.session_id, req.request_id)?;
         let (turn, cancelled_now) = self
             .turns
             .cancel_turn(&user_id, &key)
