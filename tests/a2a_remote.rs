@@ -19,7 +19,7 @@ use a2a::TaskState;
 use a2a_support::{A2aServer, PyAgent, python};
 use agentd::client::a2a::A2aClient;
 use agentd::pb;
-use support::{Child, collect};
+use support::{Child, collect, session_on};
 use tonic::Code;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -378,6 +378,28 @@ async fn turn(
     (events, payload["a2a"].clone())
 }
 
+/// The next turn (r2) of `session` on `child`, after a first that asked the
+/// remote (another agentd) about order 2301 in the remote context
+/// `context`: sent in that context, it is answered about that order, and
+/// the remote holds the two turns' tasks, both in that context.
+async fn assert_the_conversation_goes_on(
+    child: &Child,
+    session: &str,
+    context: &str,
+    remote: &A2aServer,
+) {
+    let (events, second) = turn(child, session, "r2", "orders", "and when will it arrive?").await;
+    assert_eq!(second["context_id"], context, "{second}");
+    let answer = &events.last().unwrap().text;
+    assert!(
+        answer.contains("2301"),
+        "the remote's session goes on: {answer}"
+    );
+    let tasks = remote_tasks(remote).await;
+    assert_eq!(tasks.len(), 2, "{tasks:?}");
+    assert!(tasks.iter().all(|t| t.context_id == context), "{tasks:?}");
+}
+
 /// The remote conversation is kept with the session, in the store: an
 /// agentd restarted on its SQLite file continues it, its next turn sent in
 /// the remote context of the first (the remote, another agentd, then
@@ -390,29 +412,14 @@ async fn a_remote_conversation_continues_across_a_restart() {
     let url = remote.base_url();
     let serve = || serve_on(&dir, &store, "a", "orders", &url, Some("order_helper"));
     let child = serve().await;
-    let session = child
-        .client
-        .clone()
-        .create_session("alice")
-        .await
-        .unwrap()
-        .session_id;
+    let session = session_on(&child.client, "alice").await;
     let (_, first) = turn(&child, &session, "r1", "orders", "Where is order 2301?").await;
     assert_eq!(first["state"], "completed", "{first}");
     let context = first["context_id"].as_str().expect("a context").to_owned();
     child.kill9().await;
 
     let child = serve().await;
-    let (events, second) = turn(&child, &session, "r2", "orders", "and when will it arrive?").await;
-    assert_eq!(second["context_id"], context.as_str(), "{second}");
-    let answer = &events.last().unwrap().text;
-    assert!(
-        answer.contains("2301"),
-        "the remote's session goes on: {answer}"
-    );
-    let tasks = remote_tasks(&remote).await;
-    assert_eq!(tasks.len(), 2, "{tasks:?}");
-    assert!(tasks.iter().all(|t| t.context_id == context), "{tasks:?}");
+    assert_the_conversation_goes_on(&child, &session, &context, &remote).await;
     remote.stop().await;
 }
 
@@ -428,25 +435,10 @@ async fn a_remote_conversation_begun_on_one_replica_continues_on_another() {
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = serve_on(&dir_a, &db.url, "a", "orders", &url, Some("order_helper")).await;
     let b = serve_on(&dir_b, &db.url, "b", "orders", &url, Some("order_helper")).await;
-    let session = a
-        .client
-        .clone()
-        .create_session("alice")
-        .await
-        .unwrap()
-        .session_id;
+    let session = session_on(&a.client, "alice").await;
     let (_, first) = turn(&a, &session, "r1", "orders", "Where is order 2301?").await;
     let context = first["context_id"].as_str().expect("a context").to_owned();
-    let (events, second) = turn(&b, &session, "r2", "orders", "and when will it arrive?").await;
-    assert_eq!(second["context_id"], context.as_str(), "{second}");
-    let answer = &events.last().unwrap().text;
-    assert!(
-        answer.contains("2301"),
-        "the remote's session goes on: {answer}"
-    );
-    let tasks = remote_tasks(&remote).await;
-    assert_eq!(tasks.len(), 2, "{tasks:?}");
-    assert!(tasks.iter().all(|t| t.context_id == context), "{tasks:?}");
+    assert_the_conversation_goes_on(&b, &session, &context, &remote).await;
     remote.stop().await;
 }
 
@@ -465,13 +457,7 @@ async fn a_question_asked_on_one_replica_is_answered_by_the_next_turn_on_another
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = serve_on(&dir_a, &db.url, "a", "py", &peer.base_url, None).await;
     let b = serve_on(&dir_b, &db.url, "b", "py", &peer.base_url, None).await;
-    let session = a
-        .client
-        .clone()
-        .create_session("alice")
-        .await
-        .unwrap()
-        .session_id;
+    let session = session_on(&a.client, "alice").await;
 
     let (events, asked) = turn(&a, &session, "r1", "py", "input=1").await;
     assert_eq!(

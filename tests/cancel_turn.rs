@@ -12,14 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use agentd::agent::{Agent, AgentRegistry, Event, EventStream, RunContext, synthetic};
-use agentd::client::AgentClient;
 use agentd::grpc::status::TURN_OUTCOME_HEADER;
 use agentd::pb;
-use agentd::server::ServerOptions;
 use agentd::store::Store;
-use agentd::turn::{TurnConfig, Turns};
 use log_capture::Logs;
-use support::{ALICE, BOB, Backend, TestDb, collect, eventually, run_request};
+use support::{ALICE, BOB, Backend, Opts, TestDb, collect, eventually, run_request};
 use tonic::{Code, Request, Status};
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -102,12 +99,19 @@ impl Agent for ToolLoop {
 }
 
 /// An agentd in this process on 127.0.0.1:0: `tool_loop` (the default)
-/// and `echo`.
+/// and `echo`. Its [`support::Server`] (client, session and the rest) is
+/// reached through it.
 struct Replica {
-    client: AgentClient,
+    server: support::Server,
     counts: Arc<Counts>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    join: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl std::ops::Deref for Replica {
+    type Target = support::Server;
+
+    fn deref(&self) -> &support::Server {
+        &self.server
+    }
 }
 
 impl Replica {
@@ -120,53 +124,19 @@ impl Replica {
             Arc::new(synthetic::Echo),
         ];
         let registry = AgentRegistry::new(agents, "tool_loop").unwrap();
-        let cfg = TurnConfig {
+        let opts = Opts {
             replica_id: replica_id.into(),
             lease,
-            follow_poll: Duration::from_millis(20),
-            store_check: Duration::from_millis(100),
-            max_run_duration: Duration::from_secs(60),
-            ..TurnConfig::default()
+            ..Opts::default()
         };
-        let turns = Turns::new(store, registry, cfg);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let opts = ServerOptions {
-            drain_delay: Duration::ZERO,
-            shutdown_grace: Duration::from_secs(70),
-            ..ServerOptions::default()
-        };
-        let join = tokio::spawn(agentd::server::run(listener, turns, opts, async {
-            let _ = stopped.await;
-        }));
-        let client = AgentClient::connect(&format!("http://{addr}"))
-            .await
-            .unwrap();
         Replica {
-            client,
+            server: support::Server::with_agents(store, registry, opts).await,
             counts,
-            stop: Some(stop),
-            join: Some(join),
         }
     }
 
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(j) = self.join.take() {
-            j.await.unwrap().unwrap();
-        }
-    }
-
-    async fn session(&self, user: &str) -> String {
-        self.client
-            .clone()
-            .create_session(user)
-            .await
-            .unwrap()
-            .session_id
+    async fn stop(self) {
+        self.server.stop().await;
     }
 
     async fn cancel(

@@ -8,7 +8,6 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use secured::Ca;
 
@@ -28,40 +27,11 @@ struct Served {
 
 impl Served {
     fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(BIN)
-            // Not the default SQLite file: parallel tests would share it.
-            .env("AGENTD_STORE", "memory:")
-            .args([
-                "--log-format",
-                "json",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--a2a-listen",
-                "127.0.0.1:0",
-                "--drain-delay",
-                "0s",
-            ])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("server exited before listening")
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            if v["message"] == "agentd starting" {
-                assert_eq!(v["tls"], true, "{line}");
-                assert_eq!(v["auth"], true, "{line}");
-                break v["listen"].as_str().unwrap().to_owned();
-            }
-        };
+        let mut child = secured::serve_binary("127.0.0.1:0", args).spawn().unwrap();
+        let (starting, lines) = secured::started(&mut child);
+        assert_eq!(starting["tls"], true, "{starting}");
+        assert_eq!(starting["auth"], true, "{starting}");
+        let addr = starting["listen"].as_str().unwrap().to_owned();
         std::thread::spawn(move || for _ in lines {});
         Self { child, addr }
     }
@@ -69,14 +39,7 @@ impl Served {
 
 impl Drop for Served {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let until = Instant::now() + Duration::from_secs(20);
-        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
+        secured::stop_binary(&mut self.child);
     }
 }
 

@@ -28,30 +28,22 @@ async fn cli(server: &std::net::SocketAddr, args: &[&str]) -> (bool, String, Str
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown_by_session_get() {
-    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
-    let server = Child::serve(&["--store", &db.url, "--tool-delay", "700ms"]).await;
-    let addr = server.addr;
-    let (ok, sid, _) = cli(&addr, &["session", "create", "--user", "alice"]).await;
+/// A new session of alice's, made with `agentd session create`: its id.
+async fn cli_session(server: &std::net::SocketAddr) -> String {
+    let (ok, sid, _) = cli(server, &["session", "create", "--user", "alice"]).await;
     assert!(ok);
-    let sid = sid.trim().to_owned();
+    sid.trim().to_owned()
+}
 
-    // A run whose client goes away after the first event.
+/// `agentd run` of turn r1 of `sid` with `--on-disconnect continue`,
+/// killed once it has printed its first event (the demo agent's
+/// lookup_order tool call): the run goes on in the server without it.
+async fn run_left_running(server: &std::net::SocketAddr, sid: &str) {
     let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-        .args([
-            "run",
-            "--user",
-            "alice",
-            "--session",
-            &sid,
-            "--request-id",
-            "r1",
-            "--on-disconnect",
-            "continue",
-        ])
+        .args(["run", "--user", "alice", "--session", sid])
+        .args(["--request-id", "r1", "--on-disconnect", "continue"])
         .arg("Where is order 1187?")
-        .env("AGENTD_SERVER", format!("http://{addr}"))
+        .env("AGENTD_SERVER", format!("http://{server}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -65,6 +57,17 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
         .unwrap();
     assert!(first.starts_with("[0] tool_call lookup_order"), "{first}");
     run.kill().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown_by_session_get() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let server = Child::serve(&["--store", &db.url, "--tool-delay", "700ms"]).await;
+    let addr = server.addr;
+    let sid = cli_session(&addr).await;
+
+    // A run whose client goes away after the first event.
+    run_left_running(&addr, &sid).await;
 
     let (ok, out, err) = cli(
         &addr,
@@ -136,13 +139,7 @@ async fn a_server_stopped_by_sigterm_leaves_its_sqlite_files_without_wals() {
         std::path::PathBuf::from(name)
     };
     let server = Child::serve(&["--store", &db.url]).await;
-    let sid = server
-        .client
-        .clone()
-        .create_session("alice")
-        .await
-        .unwrap()
-        .session_id;
+    let sid = session_on(&server.client, "alice").await;
     let (events_seen, end) =
         run_on(&server.client, "alice", &sid, "r1", "Where is order 1187?").await;
     assert!(end.is_ok(), "{end:?}");
@@ -168,29 +165,10 @@ async fn a_run_left_with_on_disconnect_continue_is_stopped_with_cancel() {
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let server = Child::serve(&["--store", &db.url, "--tool-delay", "60s"]).await;
     let addr = server.addr;
-    let (ok, sid, _) = cli(&addr, &["session", "create", "--user", "alice"]).await;
-    assert!(ok);
-    let sid = sid.trim().to_owned();
+    let sid = cli_session(&addr).await;
 
     // A run whose client goes away while its tool runs (for a minute).
-    let mut run = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentd"))
-        .args(["run", "--user", "alice", "--session", &sid])
-        .args(["--request-id", "r1", "--on-disconnect", "continue"])
-        .arg("Where is order 1187?")
-        .env("AGENTD_SERVER", format!("http://{addr}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(run.stdout.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(first.starts_with("[0] tool_call lookup_order"), "{first}");
-    run.kill().await.unwrap();
+    run_left_running(&addr, &sid).await;
 
     let turn = ["--user", "alice", "--session", &sid, "--request-id", "r1"];
     let (ok, out, err) = cli(&addr, &[&["cancel"], &turn[..]].concat()).await;

@@ -7,10 +7,9 @@ mod common;
 mod secured;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,7 +20,6 @@ use rustls::pki_types::pem::PemObject as _;
 use secured::{Ca, Pem, Secure, SecureServer};
 use tonic::Code;
 
-const BIN: &str = env!("CARGO_BIN_EXE_agentd");
 /// The longest any wait here lasts.
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -87,41 +85,13 @@ struct Agentd {
 
 impl Agentd {
     fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(BIN)
-            .env("AGENTD_STORE", "memory:")
+        let mut child = secured::serve_binary("off", args)
             .env("AGENTD_LOG", "info")
-            .args([
-                "--log-format",
-                "json",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "off",
-                "--a2a-listen",
-                "127.0.0.1:0",
-                "--drain-delay",
-                "0s",
-            ])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let (addr, a2a) = loop {
-            let line = lines
-                .next()
-                .expect("agentd exited before listening")
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            if v["message"] == "agentd starting" {
-                break (
-                    v["listen"].as_str().unwrap().parse().unwrap(),
-                    v["a2a_listen"].as_str().unwrap().parse().unwrap(),
-                );
-            }
-        };
+        let (starting, lines) = secured::started(&mut child);
+        let addr = starting["listen"].as_str().unwrap().parse().unwrap();
+        let a2a = starting["a2a_listen"].as_str().unwrap().parse().unwrap();
         let logs = Arc::new(Mutex::new(Vec::new()));
         let kept = logs.clone();
         std::thread::spawn(move || {
@@ -220,15 +190,7 @@ impl Agentd {
 
 impl Drop for Agentd {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let until = Instant::now() + Duration::from_secs(20);
-        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        secured::stop_binary(&mut self.child);
     }
 }
 
@@ -391,6 +353,38 @@ async fn a_renewed_certificate_serves_new_connections_and_open_ones_keep_theirs(
     server.stop().await;
 }
 
+/// `files` put in `secret`, which do not pass: one warning that names
+/// `file` and says `reason`, still the only one several reload intervals
+/// later, and the certificate `leaf` of `ca` still served. The log's mark
+/// from before the update.
+async fn refused_with_one_warning(
+    server: &Agentd,
+    secret: &mut SecretDir,
+    files: &[(&str, &str)],
+    file: &str,
+    reason: &str,
+    ca: &Ca,
+    leaf: &CertificateDer<'static>,
+) -> usize {
+    let mark = server.mark();
+    secret.update(files);
+    let warning = server
+        .wait_log(mark, &format!("warning of {file}"), is_warning)
+        .await;
+    let text = message(&warning);
+    assert!(text.contains(file) && text.contains(reason), "{warning}");
+    assert_eq!(served_leaf(server.addr, &[ca]).await.unwrap(), *leaf);
+    // Several intervals later: still one warning.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        server.since(mark, is_warning).len(),
+        1,
+        "{}",
+        server.all_logs()
+    );
+    mark
+}
+
 /// Replacement files that do not pass keep the old certificate serving,
 /// with one warning naming the file (not one per interval); the file
 /// fixed later is picked up.
@@ -406,48 +400,31 @@ async fn a_bad_replacement_keeps_the_old_certificate_with_one_warning_until_fixe
     let leaf_a = der(&a.cert);
 
     // Not PEM at all.
-    let mark = server.mark();
-    secret.update(&[("tls.crt", "garbage, not a certificate\n")]);
-    let warning = server
-        .wait_log(mark, "warning of the bad certificate", is_warning)
-        .await;
-    let text = message(&warning);
-    assert!(
-        text.contains(&format!("--tls-cert {}", paths[0])) && text.contains("no PEM certificate"),
-        "{warning}"
-    );
-    assert_eq!(served_leaf(server.addr, &[&ca]).await.unwrap(), leaf_a);
-    // Several intervals later: still one warning.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(
-        server.since(mark, is_warning).len(),
-        1,
-        "{}",
-        server.all_logs()
-    );
+    let mark = refused_with_one_warning(
+        &server,
+        &mut secret,
+        &[("tls.crt", "garbage, not a certificate\n")],
+        &format!("--tls-cert {}", paths[0]),
+        "no PEM certificate",
+        &ca,
+        &leaf_a,
+    )
+    .await;
     assert!(server.since(mark, tls_reloaded).is_empty());
     let mut c = tls_client(&server, &ca, None).await.unwrap();
     serves(&mut c, "alice").await.unwrap();
 
     // A certificate with a key that is not its own.
-    let mark = server.mark();
-    secret.update(&[("tls.crt", &b.cert), ("tls.key", &a.key)]);
-    let warning = server
-        .wait_log(mark, "warning of the mismatched key", is_warning)
-        .await;
-    let text = message(&warning);
-    assert!(
-        text.contains(&format!("--tls-key {}", paths[1])) && text.contains("does not match"),
-        "{warning}"
-    );
-    assert_eq!(served_leaf(server.addr, &[&ca]).await.unwrap(), leaf_a);
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(
-        server.since(mark, is_warning).len(),
-        1,
-        "{}",
-        server.all_logs()
-    );
+    refused_with_one_warning(
+        &server,
+        &mut secret,
+        &[("tls.crt", &b.cert), ("tls.key", &a.key)],
+        &format!("--tls-key {}", paths[1]),
+        "does not match",
+        &ca,
+        &leaf_a,
+    )
+    .await;
 
     // Fixed: picked up.
     let mark = server.mark();
@@ -483,21 +460,11 @@ async fn a_new_client_ca_is_trusted_after_a_reload() {
         ("tls.key", &server_pem.key),
         ("ca.crt", &old_clients.pem),
     ]);
-    let (cert, key, client_ca) = (
-        secret.path("tls.crt"),
-        secret.path("tls.key"),
-        secret.path("ca.crt"),
-    );
-    let server = Agentd::start(&[
-        "--tls-cert",
-        &cert,
-        "--tls-key",
-        &key,
-        "--tls-client-ca",
-        &client_ca,
-        "--reload-interval",
-        "200ms",
-    ]);
+    let paths = [secret.path("tls.crt"), secret.path("tls.key")];
+    let client_ca = secret.path("ca.crt");
+    let mut args = tls_args(&paths);
+    args.extend(["--tls-client-ca", &client_ca, "--reload-interval", "200ms"]);
+    let server = Agentd::start(&args);
 
     let mut old = tls_client(&server, &ca, Some(&old_client)).await.unwrap();
     serves(&mut old, "alice").await.unwrap();
@@ -557,12 +524,6 @@ fn tokens_json(tokens: &[(&str, &str)]) -> String {
 /// A JSON-RPC call on the A2A HTTP port with `token`: its HTTP status.
 async fn a2a_status(addr: SocketAddr, token: &str) -> u16 {
     use http_body_util::BodyExt as _;
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
     let body =
         r#"{"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "no-such-task"}}"#;
     let req = hyper::Request::post("/")
@@ -571,7 +532,7 @@ async fn a2a_status(addr: SocketAddr, token: &str) -> u16 {
         .header("authorization", format!("Bearer {token}"))
         .body(http_body_util::Full::new(bytes::Bytes::from(body)))
         .unwrap();
-    let resp = sender.send_request(req).await.unwrap();
+    let resp = secured::http_send(addr, req).await;
     let status = resp.status().as_u16();
     let _ = resp.into_body().collect().await;
     status

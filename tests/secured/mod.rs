@@ -1,8 +1,11 @@
 //! A real agentd on 127.0.0.1 with TLS (certificates made here with rcgen),
-//! optional mTLS and tokens, and its admin HTTP port.
+//! optional mTLS and tokens, and its admin HTTP port; and the binary,
+//! `agentd serve`, started with such files.
 #![allow(dead_code)]
 
+use std::io::{BufRead as _, BufReader};
 use std::net::SocketAddr;
+use std::process::{ChildStderr, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -265,19 +268,88 @@ impl SecureServer {
     }
 }
 
-/// A plain HTTP/1.1 GET through hyper.
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+/// `req` on a new HTTP/1.1 connection to `addr`, through hyper: the
+/// response.
+pub async fn http_send(
+    addr: SocketAddr,
+    req: hyper::Request<http_body_util::Full<bytes::Bytes>>,
+) -> hyper::Response<hyper::body::Incoming> {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .unwrap();
     tokio::spawn(conn);
+    sender.send_request(req).await.unwrap()
+}
+
+/// `agentd serve` (the binary) with `args`, for a test to set up further
+/// and spawn: the memory store, JSON logs, the gRPC and A2A ports on
+/// 127.0.0.1:0, the admin port on `admin` (an address, or `off`), no drain
+/// delay; stdout dropped, stderr piped for [`started`].
+pub fn serve_binary(admin: &str, args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"));
+    // Not the default SQLite file: parallel tests would share it.
+    cmd.env("AGENTD_STORE", "memory:")
+        .args([
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            admin,
+            "--a2a-listen",
+            "127.0.0.1:0",
+            "--drain-delay",
+            "0s",
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// The "agentd starting" log line of `child` (spawned from
+/// [`serve_binary`]), its stderr read up to it; and the lines after it,
+/// which the test must go on reading (or the child blocks on a full pipe).
+pub fn started(
+    child: &mut std::process::Child,
+) -> (serde_json::Value, std::io::Lines<BufReader<ChildStderr>>) {
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("agentd exited before listening")
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        if v["message"] == "agentd starting" {
+            return (v, lines);
+        }
+    }
+}
+
+/// Stops `child` (from [`serve_binary`]) as a test's server is dropped:
+/// SIGTERM, at most 20 s for it to exit, then SIGKILL, and it is reaped.
+pub fn stop_binary(child: &mut std::process::Child) {
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A plain HTTP/1.1 GET through hyper.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let req = hyper::Request::get(path)
         .header("host", addr.to_string())
-        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .body(http_body_util::Full::default())
         .unwrap();
-    let resp = sender.send_request(req).await.unwrap();
+    let resp = http_send(addr, req).await;
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     (status, String::from_utf8(body.to_vec()).unwrap())

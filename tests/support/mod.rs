@@ -374,6 +374,15 @@ impl Server {
             Arc::new(Notes),
         ];
         let registry = AgentRegistry::new(agents, agentd::agent::demo::NAME).unwrap();
+        let mut server = Server::with_agents(store, registry, opts).await;
+        server.stats = stats;
+        server
+    }
+
+    /// A server of `registry`'s agents, otherwise as [`Server::start`]
+    /// sets one up: `opts.tool_delay` is not used, and `stats` counts
+    /// nothing.
+    pub async fn with_agents(store: Arc<dyn Store>, registry: AgentRegistry, opts: Opts) -> Server {
         let cfg = TurnConfig {
             replica_id: opts.replica_id,
             lease: opts.lease,
@@ -407,7 +416,7 @@ impl Server {
         Server {
             addr,
             client,
-            stats,
+            stats: Arc::default(),
             turns,
             stop: Some(stop),
             join: Some(join),
@@ -429,12 +438,7 @@ impl Server {
     }
 
     pub async fn session(&self, user: &str) -> String {
-        self.client
-            .clone()
-            .create_session(user)
-            .await
-            .unwrap()
-            .session_id
+        session_on(&self.client, user).await
     }
 
     /// A Run collected to its end.
@@ -509,6 +513,16 @@ pub fn run_request(user: &str, session: &str, request_id: &str, text: &str) -> p
         request_id: request_id.into(),
         ..Default::default()
     }
+}
+
+/// A new session of `user`'s, through `client`: its id.
+pub async fn session_on(client: &AgentClient, user: &str) -> String {
+    client
+        .clone()
+        .create_session(user)
+        .await
+        .unwrap()
+        .session_id
 }
 
 pub async fn run_on(
