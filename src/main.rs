@@ -155,6 +155,15 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
+    // SIGHUP reloads the TLS and token files once the server serves (see
+    // agentd::auth::reload). Before that (the store opening, migrations
+    // that can take minutes) it must not stop the process, as its default
+    // action would: tokio's handler, once installed, stays for the
+    // process's life, and a SIGHUP it takes now is ignored.
+    #[cfg(unix)]
+    if let Err(e) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        tracing::warn!(error = %e, "cannot handle SIGHUP: it would stop the server");
+    }
     let open_file_limit = raise_open_file_limit(&args);
     let mut agents: Vec<Arc<dyn Agent>> = vec![
         Arc::new(demo::OrderHelper::new(args.tool_delay)),

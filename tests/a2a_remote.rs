@@ -423,6 +423,40 @@ async fn a_remote_conversation_continues_across_a_restart() {
     remote.stop().await;
 }
 
+/// The remote conversation outlives the history's byte budget: with
+/// `--history-bytes 1` every earlier turn is too large to be sent as
+/// history (as one large answer makes the turns before it), and the next
+/// turn still goes on in the first's remote context.
+#[tokio::test]
+async fn a_remote_conversation_continues_past_the_history_budget() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("agentd.db").display());
+    let agents = write_agents(
+        &dir,
+        &format!(
+            "[agents.orders]\nkind = \"remote_a2a\"\n[agents.orders.a2a]\ncard_url = \"{}\"\nagent = \"order_helper\"\n",
+            remote.base_url()
+        ),
+    );
+    let child = Child::serve(&[
+        "--agents",
+        &agents,
+        "--store",
+        &store,
+        "--history-bytes",
+        "1",
+        "--a2a-listen",
+        "off",
+    ])
+    .await;
+    let session = session_on(&child.client, "alice").await;
+    let (_, first) = turn(&child, &session, "r1", "orders", "Where is order 2301?").await;
+    let context = first["context_id"].as_str().expect("a context").to_owned();
+    assert_the_conversation_goes_on(&child, &session, &context, &remote).await;
+    remote.stop().await;
+}
+
 /// Two replicas on one PostgreSQL database: a session's turn on B goes on
 /// in the remote context its turn on A began.
 #[tokio::test]

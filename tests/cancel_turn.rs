@@ -5,6 +5,7 @@
 //! it ended, unchanged; bad, unknown or foreign turns are refused.
 
 mod log_capture;
+mod store_wrap;
 mod support;
 
 use std::sync::Arc;
@@ -365,6 +366,68 @@ async fn the_run_still_streaming_to_its_client_ends_cancelled_recorded() {
         "{status:?}"
     );
     assert_eq!((counts.started(), counts.stopped()), (1, 1));
+    server.stop().await;
+}
+
+/// A store that fails the turn reads made right after CancelTurn's write
+/// (while `armed`): the store blinking between the cancel and its answer.
+struct ReadsFailAfterCancel {
+    armed: std::sync::atomic::AtomicBool,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl store_wrap::Hooks for ReadsFailAfterCancel {
+    async fn finish_turn(
+        &self,
+        inner: &dyn Store,
+        k: &agentd::domain::TurnKey,
+        o: &agentd::store::TurnOutcome,
+        a: Option<agentd::store::FinalAnswer<'_>>,
+    ) -> agentd::store::StoreResult<bool> {
+        let done = inner.finish_turn(k, o, a).await;
+        if *o == agentd::grpc::status::cancelled_by_request() && self.armed.load(Ordering::SeqCst) {
+            self.failing.store(true, Ordering::SeqCst);
+        }
+        done
+    }
+    async fn get_turn(
+        &self,
+        inner: &dyn Store,
+        k: &agentd::domain::TurnKey,
+    ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
+        if self.failing.swap(false, Ordering::SeqCst) {
+            return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                "the test's store blinked"
+            )));
+        }
+        inner.get_turn(k).await
+    }
+}
+
+/// A cancel that the store recorded is answered as done, even when the
+/// store fails a read just after: UNAVAILABLE would tell the caller that
+/// nothing changed (its retry would then read "had ended already").
+#[tokio::test]
+async fn a_recorded_cancel_is_answered_done_whatever_the_store_does_next() {
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let hooks = Arc::new(ReadsFailAfterCancel {
+        armed: true.into(),
+        failing: false.into(),
+    });
+    let store = Arc::new(store_wrap::Wrapped {
+        inner: db.open().await,
+        hooks: hooks.clone(),
+    });
+    let server = Replica::start(store, "replica-a", Duration::from_secs(10)).await;
+    let s = server.session(ALICE).await;
+    server.left_running(&s, "r1").await;
+    let r = server.cancel(ALICE, &s, "r1").await.unwrap();
+    hooks.armed.store(false, Ordering::SeqCst);
+    hooks.failing.store(false, Ordering::SeqCst);
+    assert!(r.cancelled_now, "{r:?}");
+    assert_cancelled_turn(r.turn.as_ref().unwrap());
+    assert_cancelled_turn(&server.turn(ALICE, &s, "r1").await);
     server.stop().await;
 }
 

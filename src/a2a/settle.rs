@@ -42,7 +42,7 @@ use a2a::{Artifact, Message, Part, Role, Task, TaskState, TaskStatus};
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::domain::TurnKey;
-use crate::store::TurnState;
+use crate::store::{TurnOutcome, TurnState};
 use crate::store::a2a_tasks::{A2aTasks, named_session};
 use crate::turn::Turns;
 
@@ -337,6 +337,22 @@ async fn settle(turns: Arc<Turns>, task_id: String, context_id: Option<String>, 
     }
 }
 
+/// The end of a task whose turn ended with `outcome` (`None`: the turn is
+/// gone, never having ended), and the status message that says why.
+fn task_end(outcome: Option<&TurnOutcome>) -> (TaskState, Option<String>) {
+    match outcome {
+        Some(o) if o.code == tonic::Code::Ok as i32 => (TaskState::Completed, None),
+        // Stopped on purpose (agents.v1 CancelTurn), as a CancelTask would.
+        Some(o) if *o == crate::grpc::status::cancelled_by_request() => (TaskState::Canceled, None),
+        Some(o) if o.state == TurnState::Cancelled => (
+            TaskState::Failed,
+            Some("the task's updates could not be stored; its run was stopped".to_owned()),
+        ),
+        Some(o) => (TaskState::Failed, Some(o.message.clone())),
+        None => (TaskState::Failed, Some(RUN_GONE.to_owned())),
+    }
+}
+
 /// True when there is nothing left to do: the task ended, or is gone, or
 /// now has the end its turn had.
 async fn settle_once(
@@ -366,15 +382,7 @@ async fn settle_once(
         // Gone (its claim withdrawn, its session deleted): it never ended.
         None => None,
     };
-    let (state, why) = match &outcome {
-        Some(o) if o.code == tonic::Code::Ok as i32 => (TaskState::Completed, None),
-        Some(o) if o.state == TurnState::Cancelled => (
-            TaskState::Failed,
-            Some("the task's updates could not be stored; its run was stopped".to_owned()),
-        ),
-        Some(o) => (TaskState::Failed, Some(o.message.clone())),
-        None => (TaskState::Failed, Some(RUN_GONE.to_owned())),
-    };
+    let (state, why) = task_end(outcome.as_ref());
     if state == TaskState::Completed {
         // The answer as the turn stored it: the artifact may lack the
         // chunks whose updates were not stored.
@@ -433,6 +441,20 @@ mod tests {
             session_id: SessionId::generate(),
             request_id: RequestId::parse(rid).unwrap(),
         }
+    }
+
+    /// A turn stopped by CancelTurn ends its task CANCELED, as CancelTask
+    /// would; a turn cancelled otherwise (its updates not stored) FAILED.
+    #[test]
+    fn a_turn_cancelled_by_cancel_turn_ends_its_task_canceled() {
+        let by_request = crate::grpc::status::cancelled_by_request();
+        assert_eq!(task_end(Some(&by_request)), (TaskState::Canceled, None));
+        let other = TurnOutcome {
+            message: "the client went away".into(),
+            ..by_request
+        };
+        assert_eq!(task_end(Some(&other)).0, TaskState::Failed);
+        assert_eq!(task_end(None).0, TaskState::Failed);
     }
 
     #[test]

@@ -168,6 +168,12 @@ pub struct RunContext {
     pub deadline: tokio::time::Instant,
     /// Completed turns of this session, oldest first.
     pub history: Vec<PriorTurn>,
+    /// Every turn the history was read from (`--history-turns`), oldest
+    /// first, with its agent and answer payload only (texts empty): what
+    /// agents left for their later turns, whatever `--history-bytes` kept
+    /// of the texts in `history` (a large answer drops the turns before it
+    /// from `history`, not from here).
+    pub notes: Vec<PriorTurn>,
 }
 
 /// How an agent run fails. Messages must already be safe to show a caller:

@@ -24,7 +24,8 @@
 //! is kept with the session, in the store, so that any replica and any
 //! restart continues it: every final answer carries it as its payload,
 //! `{"a2a": {"context_id": …, "task_id": …, "state": …}}` ([`RemoteTurn`]),
-//! which later turns read back from their history ([`Conversation::of`]).
+//! which later turns read back from their history's notes
+//! ([`Conversation::of`], [`RunContext::notes`]).
 //! Nothing of it is held in this process.
 //!
 //! The remote's own texts (status messages of a failure, errors) go to the
@@ -639,7 +640,10 @@ impl Agent for RemoteA2aAgent {
             let left = ctx.deadline.saturating_duration_since(tokio::time::Instant::now());
             let turn_deadline = tokio::time::Instant::now() + shared.cfg.call_timeout.min(left);
             let client = shared.client(turn_deadline).await?.clone();
-            let conversation = Conversation::of(&agent, &ctx.history);
+            // From the notes, not the history: a large answer that pushed
+            // the turns before it out of the history's byte budget does not
+            // end the conversation.
+            let conversation = Conversation::of(&agent, &ctx.notes);
             let metadata = shared.cfg.remote_agent.as_ref().map(|a| {
                 [(crate::a2a::executor::AGENT_METADATA_KEY.to_owned(), serde_json::Value::String(a.clone()))]
                     .into_iter()

@@ -339,9 +339,17 @@ pub async fn watch(mut reloader: Option<Reloader>, interval: Option<Duration>, s
             (r, outcomes)
         })
         .await;
-        let Ok((r, outcomes)) = checked else {
-            // Cancelled (shutting down) or a panic, logged by the runtime.
-            return;
+        let (r, outcomes) = match checked {
+            Ok(done) => done,
+            Err(e) if e.is_panic() => {
+                tracing::error!(
+                    error = %e,
+                    "reading the TLS and token files failed unexpectedly; they are not reloaded again until the server restarts (the ones in use are kept)"
+                );
+                return;
+            }
+            // Cancelled: the server is stopping.
+            Err(_) => return,
         };
         if signalled
             && matches!(

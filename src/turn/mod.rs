@@ -507,6 +507,16 @@ impl Turns {
             request_id: key.request_id.clone(),
             cancel: cancel.clone(),
             deadline: deadline.at,
+            notes: read
+                .history
+                .iter()
+                .map(|t| PriorTurn {
+                    request_id: t.request_id.clone(),
+                    agent: t.agent.clone(),
+                    answer_payload: t.answer_payload.clone(),
+                    ..PriorTurn::default()
+                })
+                .collect(),
             history: newest_within(read.history, self.cfg.history_bytes),
         };
         // An agent that only calls its model before its first event starts
@@ -664,14 +674,22 @@ impl Turns {
         let ended = self.store.finish_turn(key, &outcome, None).await?;
         if ended {
             self.stop_cancelled(key, &turn.owner);
+            // As stored, without reading it back: a store that failed the
+            // read now would answer UNAVAILABLE ("retry") for a cancel that
+            // is done, and the retry would say the turn had ended already.
+            let mut turn = turn;
+            turn.state = outcome.state;
+            turn.outcome = Some(outcome);
+            turn.updated_at = std::time::SystemTime::now();
+            return Ok((turn, true));
         }
-        // As stored: the cancel's outcome, or the end that came first.
+        // The end that came first, as stored.
         let turn = self
             .store
             .get_turn(key)
             .await?
             .ok_or(RunError::TurnNotFound)?;
-        Ok((turn, ended))
+        Ok((turn, false))
     }
 
     /// Deletes a session the caller owns, unless one of its turns runs.

@@ -74,7 +74,8 @@ impl Answer {
                 s.to_owned()
             }
         };
-        let payload = &event.payload_json;
+        // Measured as kept: each NUL is kept as three bytes.
+        let payload = kept(&event.payload_json);
         let payload = if payload.len() > crate::agent::MAX_ANSWER_PAYLOAD_BYTES {
             tracing::warn!(
                 agent = %event.author,
@@ -84,7 +85,7 @@ impl Answer {
             );
             String::new()
         } else {
-            kept(payload)
+            payload
         };
         Self {
             text: kept(&event.text),
@@ -881,5 +882,34 @@ impl Writer {
                 self.progress.send_modify(|p| p.store_failed = true);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A payload is held to its limit as it is kept: a NUL, kept as
+    /// U+FFFD, weighs three bytes there.
+    #[test]
+    fn a_final_answers_payload_is_measured_as_kept() {
+        let limit = crate::agent::MAX_ANSWER_PAYLOAD_BYTES;
+        let answer = |payload: String| {
+            let event = crate::agent::Event {
+                payload_json: payload,
+                ..crate::agent::Event::final_answer("a", "done".into())
+            };
+            Answer::of(&event).payload
+        };
+        let fits = "\0".repeat(limit / 3);
+        assert_eq!(answer(fits.clone()), "\u{FFFD}".repeat(limit / 3));
+        assert_eq!(
+            answer(format!("{fits}\0\0")),
+            "",
+            "kept as {} bytes",
+            limit / 3 * 3 + 6
+        );
+        assert_eq!(answer("x".repeat(limit)).len(), limit);
+        assert_eq!(answer("x".repeat(limit + 1)), "");
     }
 }

@@ -57,6 +57,9 @@ pub trait Hooks: Send + Sync + 'static {
     async fn ping(&self, inner: &dyn Store) -> StoreResult<()> {
         inner.ping().await
     }
+    async fn get_turn(&self, inner: &dyn Store, k: &TurnKey) -> StoreResult<Option<TurnRecord>> {
+        inner.get_turn(k).await
+    }
 }
 
 pub struct Wrapped {
@@ -82,7 +85,7 @@ impl Store for Wrapped {
         self.inner.claim_turn(t).await
     }
     async fn get_turn(&self, k: &TurnKey) -> StoreResult<Option<TurnRecord>> {
-        self.inner.get_turn(k).await
+        self.hooks.get_turn(&*self.inner, k).await
     }
     async fn append_encoded(&self, k: &TurnKey, e: Vec<EncodedEvent>) -> StoreResult<()> {
         self.hooks.append_encoded(&*self.inner, k, e).await
