@@ -42,8 +42,8 @@ use a2a::{Artifact, Message, Part, Role, Task, TaskState, TaskStatus};
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::domain::TurnKey;
-use crate::store::{TurnOutcome, TurnState};
 use crate::store::a2a_tasks::{A2aTasks, named_session};
+use crate::store::{TurnOutcome, TurnState};
 use crate::turn::Turns;
 
 /// How long a task's end is retried for before it is left to the next
