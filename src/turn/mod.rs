@@ -674,13 +674,19 @@ impl Turns {
         let ended = self.store.finish_turn(key, &outcome, None).await?;
         if ended {
             self.stop_cancelled(key, &turn.owner);
-            // As stored, without reading it back: a store that failed the
-            // read now would answer UNAVAILABLE ("retry") for a cancel that
-            // is done, and the retry would say the turn had ended already.
-            let mut turn = turn;
-            turn.state = outcome.state;
-            turn.outcome = Some(outcome);
-            turn.updated_at = std::time::SystemTime::now();
+            // As stored; but a store that fails this read must not turn a
+            // cancel that is done into UNAVAILABLE ("retry"), whose retry
+            // would say the turn had ended already: then as it was written.
+            let turn = match self.store.get_turn(key).await {
+                Ok(Some(stored)) => stored,
+                _ => {
+                    let mut turn = turn;
+                    turn.state = outcome.state;
+                    turn.outcome = Some(outcome);
+                    turn.updated_at = std::time::SystemTime::now();
+                    turn
+                }
+            };
             return Ok((turn, true));
         }
         // The end that came first, as stored.
