@@ -5,6 +5,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod serve_cmd;
+
 const BIN: &str = env!("CARGO_BIN_EXE_agentd");
 
 struct Served {
@@ -21,18 +23,7 @@ impl Served {
 
     fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(BIN)
-            .args([
-                "--log-format",
-                "json",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--a2a-listen",
-                "127.0.0.1:0",
-            ])
+        let mut child = serve_cmd::agentd_serve("127.0.0.1:0", "127.0.0.1:0", &[])
             // No drain delay unless the test asks for one.
             .env("AGENTD_DRAIN_DELAY", "0s")
             .env(

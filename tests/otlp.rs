@@ -15,6 +15,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
+mod serve_cmd;
+
 const BIN: &str = env!("CARGO_BIN_EXE_agentd");
 
 #[derive(Clone, Default)]
@@ -75,22 +77,7 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
 
     let result = tokio::task::spawn_blocking(move || {
         let mut child = KillOnDrop(
-            Command::new(BIN)
-                // Not the default SQLite file: parallel tests would share it.
-                .env("AGENTD_STORE", "memory:")
-                .args([
-                    "--log-format",
-                    "json",
-                    "serve",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--admin-listen",
-                    "off",
-                    "--a2a-listen",
-                    "127.0.0.1:0",
-                    "--drain-delay",
-                    "0s",
-                ])
+            serve_cmd::agentd_serve("off", "127.0.0.1:0", &["--drain-delay", "0s"])
                 .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
                 .env_remove("OTEL_SERVICE_NAME")
                 .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")

@@ -27,6 +27,11 @@ use tokio::task::JoinHandle;
 
 #[path = "../prom/mod.rs"]
 mod prom;
+// Also loaded by `support`, in test binaries that use both: a copy each
+// of one function.
+#[allow(clippy::duplicate_mod)]
+#[path = "../serve_cmd/mod.rs"]
+mod serve_cmd;
 pub use prom::Metrics;
 
 /// A certificate authority made for one test.
@@ -288,25 +293,8 @@ pub async fn http_send(
 /// 127.0.0.1:0, the admin port on `admin` (an address, or `off`), no drain
 /// delay; stdout dropped, stderr piped for [`started`].
 pub fn serve_binary(admin: &str, args: &[&str]) -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"));
-    // Not the default SQLite file: parallel tests would share it.
-    cmd.env("AGENTD_STORE", "memory:")
-        .args([
-            "--log-format",
-            "json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            admin,
-            "--a2a-listen",
-            "127.0.0.1:0",
-            "--drain-delay",
-            "0s",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    let mut cmd = serve_cmd::agentd_serve(admin, "127.0.0.1:0", &["--drain-delay", "0s"]);
+    cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
     cmd
 }
 

@@ -4,6 +4,9 @@
 //! bounded waiting.
 #![allow(dead_code)]
 
+#[path = "../serve_cmd/mod.rs"]
+mod serve_cmd;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -788,22 +791,7 @@ impl Child {
 /// memory store, JSON logs, and the gRPC port alone, on 127.0.0.1:0 (the
 /// admin and A2A ports off).
 pub fn serve_grpc_alone(args: &[&str]) -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_agentd"));
-    // Not the default SQLite file: parallel tests would share it.
-    cmd.env("AGENTD_STORE", "memory:")
-        .args([
-            "--log-format",
-            "json",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "off",
-            "--a2a-listen",
-            "off",
-        ])
-        .args(args);
-    cmd
+    serve_cmd::agentd_serve("off", "off", args)
 }
 
 /// A health check over a new connection to `addr`, connecting and checking
