@@ -330,6 +330,19 @@ async fn serve_on(
     url: &str,
     remote_agent: Option<&str>,
 ) -> Child {
+    serve_on_with(dir, store, replica, agent, url, remote_agent, &[]).await
+}
+
+/// [`serve_on`], with `extra` flags for `agentd serve`.
+async fn serve_on_with(
+    dir: &tempfile::TempDir,
+    store: &str,
+    replica: &str,
+    agent: &str,
+    url: &str,
+    remote_agent: Option<&str>,
+    extra: &[&str],
+) -> Child {
     let pick = remote_agent.map_or(String::new(), |a| format!("agent = \"{a}\"\n"));
     let agents = write_agents(
         dir,
@@ -337,7 +350,7 @@ async fn serve_on(
             "[agents.{agent}]\nkind = \"remote_a2a\"\n[agents.{agent}.a2a]\ncard_url = \"{url}\"\n{pick}"
         ),
     );
-    Child::serve(&[
+    let mut args = vec![
         "--agents",
         &agents,
         "--store",
@@ -346,8 +359,9 @@ async fn serve_on(
         replica,
         "--a2a-listen",
         "off",
-    ])
-    .await
+    ];
+    args.extend_from_slice(extra);
+    Child::serve(&args).await
 }
 
 /// Turn `rid` of alice's `session`, run by `agent` on `child`: its events,
@@ -376,6 +390,14 @@ async fn turn(
     let payload: serde_json::Value = serde_json::from_str(&last.payload_json)
         .unwrap_or_else(|e| panic!("{rid}: payload {:?}: {e}", last.payload_json));
     (events, payload["a2a"].clone())
+}
+
+/// The first turn (r1) of `session` on `child`, which names an order: it
+/// completes, and the remote context it began is returned.
+async fn first_turn(child: &Child, session: &str) -> String {
+    let (_, first) = turn(child, session, "r1", "orders", "Where is order 2301?").await;
+    assert_eq!(first["state"], "completed", "{first}");
+    first["context_id"].as_str().expect("a context").to_owned()
 }
 
 /// The next turn (r2) of `session` on `child`, after a first that asked the
@@ -413,9 +435,7 @@ async fn a_remote_conversation_continues_across_a_restart() {
     let serve = || serve_on(&dir, &store, "a", "orders", &url, Some("order_helper"));
     let child = serve().await;
     let session = session_on(&child.client, "alice").await;
-    let (_, first) = turn(&child, &session, "r1", "orders", "Where is order 2301?").await;
-    assert_eq!(first["state"], "completed", "{first}");
-    let context = first["context_id"].as_str().expect("a context").to_owned();
+    let context = first_turn(&child, &session).await;
     child.kill9().await;
 
     let child = serve().await;
@@ -432,27 +452,19 @@ async fn a_remote_conversation_continues_past_the_history_budget() {
     let remote = A2aServer::start(Duration::ZERO).await;
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite://{}", dir.path().join("agentd.db").display());
-    let agents = write_agents(
+    let (url, budget) = (remote.base_url(), ["--history-bytes", "1"]);
+    let child = serve_on_with(
         &dir,
-        &format!(
-            "[agents.orders]\nkind = \"remote_a2a\"\n[agents.orders.a2a]\ncard_url = \"{}\"\nagent = \"order_helper\"\n",
-            remote.base_url()
-        ),
-    );
-    let child = Child::serve(&[
-        "--agents",
-        &agents,
-        "--store",
         &store,
-        "--history-bytes",
-        "1",
-        "--a2a-listen",
-        "off",
-    ])
+        "a",
+        "orders",
+        &url,
+        Some("order_helper"),
+        &budget,
+    )
     .await;
     let session = session_on(&child.client, "alice").await;
-    let (_, first) = turn(&child, &session, "r1", "orders", "Where is order 2301?").await;
-    let context = first["context_id"].as_str().expect("a context").to_owned();
+    let context = first_turn(&child, &session).await;
     assert_the_conversation_goes_on(&child, &session, &context, &remote).await;
     remote.stop().await;
 }
@@ -470,8 +482,7 @@ async fn a_remote_conversation_begun_on_one_replica_continues_on_another() {
     let a = serve_on(&dir_a, &db.url, "a", "orders", &url, Some("order_helper")).await;
     let b = serve_on(&dir_b, &db.url, "b", "orders", &url, Some("order_helper")).await;
     let session = session_on(&a.client, "alice").await;
-    let (_, first) = turn(&a, &session, "r1", "orders", "Where is order 2301?").await;
-    let context = first["context_id"].as_str().expect("a context").to_owned();
+    let context = first_turn(&a, &session).await;
     assert_the_conversation_goes_on(&b, &session, &context, &remote).await;
     remote.stop().await;
 }
