@@ -1,16 +1,26 @@
 //! The embedded default store: a SQLite file (`--store sqlite://agentd.db`)
 //! that a single replica's sessions survive restarts in, and its event log
-//! beside it (`agentd.db-events`, attached to every connection as `ev`). WAL
-//! mode lets readers run beside the writer; every write goes through one
-//! connection (one writer path, so writers never fight over the lock), with a
-//! busy timeout for the rare checkpoint contention.
+//! beside it (`agentd.db-events`, attached to every connection as `ev`). The
+//! database runs in WAL mode, so readers run beside the writer; every write
+//! goes through one connection (one writer path, so writers never fight over
+//! the lock), with a busy timeout for the rare contention.
 //!
-//! The event log has a file of its own for its page size. It is written in
-//! large appends, where 64 KiB pages cost a sixteenth of the WAL frames and
-//! checkpoint copies (each a system call or two) that 4 KiB pages do; the
-//! sessions and turns are small rows changed one at a time, where a large
-//! page would make every commit write 64 KiB. Statements name the table
-//! unqualified (`event_log` is found in `ev`).
+//! The event log has a file of its own for its page size and its journal.
+//! It is written in large appends, where 64 KiB pages cost a sixteenth of
+//! the system calls of 4 KiB pages; the sessions and turns are small rows
+//! changed one at a time, where a large page would make every commit write
+//! 64 KiB. Statements name the table unqualified (`event_log` is found in
+//! `ev`).
+//!
+//! The event log keeps a rollback journal (`PERSIST`), not a WAL: a commit
+//! that appends writes its new pages once, into the file, and journals only
+//! the few existing pages it changes (the last leaf and the pages above
+//! it). Under WAL every byte was written twice (the WAL, then the
+//! checkpoint's copy) and read once more by the checkpoint, and that was
+//! most of what the store cost the server's core ([`EVENT_LOG_JOURNAL`]).
+//! Each commit is synced to disk before it is acknowledged. Readers of the
+//! log (replays and resumes, not live streams) wait out a commit's write,
+//! a few milliseconds, under the busy timeout.
 //!
 //! The log is keyed by the turn's number (`turns.turn_no`, given in claim
 //! order), not by its session and request ids: the turns running at one
@@ -29,7 +39,7 @@ use sqlx::sqlite::{
 /// The most bytes of events one row of the event log holds: a little under
 /// an eighth of its 64 KiB page. A row of 32 to 64 KiB (a busy turn's share
 /// of one group commit) fits one to a page, and the rest of the page,
-/// empty, was written to the WAL and the file all the same: with commits of
+/// empty, was written to disk all the same: with commits of
 /// 50 KB per turn the log took 1.31 bytes of disk per byte of events, 1.13
 /// with rows of at most this size (in `bench/store.sh`, 1.44 and 1.07).
 /// Smaller rows pack a little better but cost more than they save (rows of
@@ -53,28 +63,61 @@ pub fn event_log_path(db: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// The event log's journal mode: a rollback journal kept between commits
+/// (its header zeroed, not the file deleted). Measured against WAL
+/// (`agentd bench`, SQLite, 64 streams, builds interleaved round by round):
+/// 1.04-1.17× the events/s bursty (median 1.135×, five rounds) and
+/// 0.99-1.13× one at a time (median 1.06×, four rounds); see BENCHMARKS.md.
+const EVENT_LOG_JOURNAL: &str = "persist";
+
+/// The most bytes the event log's journal keeps on disk between commits. A
+/// commit journals only the pages it changes, a few 64 KiB pages; a large
+/// delete (a prune, a session's deletion) journals more, and the file is cut
+/// back to this size after it.
+const EVENT_LOG_JOURNAL_LIMIT: i64 = 4 * 1024 * 1024;
+
 /// Attaches the event log as `ev` to a new connection; for the writer,
-/// also sets its page size (kept by a file that already has one) and WAL
-/// mode, which are settings of that file, not of the connection.
+/// also sets its page size (kept by a file that already has one) and its
+/// journal mode, which are settings of that file, not of the connection.
+///
+/// A log a release before [`EVENT_LOG_JOURNAL`] left in WAL mode is moved
+/// to it here: SQLite copies what its WAL holds (after a kill, too) into
+/// the file first. That needs the file to itself, which the writer, the
+/// store's first connection, has; the mode is checked, not assumed.
 async fn attach_event_log(
     conn: &mut sqlx::SqliteConnection,
     path: Arc<str>,
     writer: bool,
 ) -> Result<(), sqlx::Error> {
     use sqlx::Executor as _;
-    let mut sql = format!("ATTACH DATABASE '{}' AS ev;", path.replace('\'', "''"));
+    let attach = format!("ATTACH DATABASE '{}' AS ev;", path.replace('\'', "''"));
+    conn.execute(attach.as_str()).await?;
     if writer {
-        sql.push_str(
-            " PRAGMA ev.page_size = 65536; PRAGMA ev.journal_mode = WAL; PRAGMA ev.synchronous = NORMAL; \
-             PRAGMA ev.journal_size_limit = 67108864;",
-        );
+        conn.execute(
+            format!(
+                "PRAGMA ev.page_size = 65536; PRAGMA ev.synchronous = NORMAL; \
+                 PRAGMA ev.journal_size_limit = {EVENT_LOG_JOURNAL_LIMIT};"
+            )
+            .as_str(),
+        )
+        .await?;
+        let mode: String =
+            sqlx::query_scalar(&format!("PRAGMA ev.journal_mode = {EVENT_LOG_JOURNAL}"))
+                .fetch_one(&mut *conn)
+                .await?;
+        if !mode.eq_ignore_ascii_case(EVENT_LOG_JOURNAL) {
+            return Err(sqlx::Error::Configuration(
+                format!("the event log {path} stays in {mode} mode: another process has it open")
+                    .into(),
+            ));
+        }
     }
-    conn.execute(sql.as_str()).await?;
     Ok(())
 }
 
 pub struct SqliteStore {
-    /// Readers: any number of them run beside the writer under WAL.
+    /// Readers: any number of them run beside the writer (the database
+    /// under WAL; the event log between its commits).
     read: SqlitePool,
     /// The one writer connection.
     write: SqlitePool,
@@ -92,12 +135,13 @@ pub struct SqliteStore {
     _alive: Arc<()>,
 }
 
-/// How often the checkpointer copies what the WALs hold into their files.
+/// How often the checkpointer copies what the database's WAL holds into
+/// its file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
 
 /// The WAL size, in pages, at which the writer checkpoints after a commit
-/// (SQLite's automatic checkpoint; its default is 1,000): 256 MB of event
-/// log, 16 MB of the main database.
+/// (SQLite's automatic checkpoint; its default is 1,000): 16 MB of the
+/// database's 4 KiB pages.
 ///
 /// A WAL starts again from its beginning only once a checkpoint has copied
 /// all of it, and under a steady stream of commits only the writer's own
@@ -107,11 +151,10 @@ const CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
 /// which costs little copying (the checkpointer did that) but two disk
 /// syncs that hold every turn's next commit back. At 1,000 pages that was
 /// several times a second at full load, and the server's core sat idle 4%
-/// of the time. When the WAL starts again, the event log's is cut back to
-/// 64 MB (`journal_size_limit`), so a burst does not keep 256 MB on disk.
+/// of the time (when the event log, too, had a WAL).
 const WRITER_CHECKPOINT_PAGES: u32 = 4000;
 
-/// Checkpoints both WALs every [`CHECKPOINT_EVERY`] on a connection of its
+/// Checkpoints the database's WAL every [`CHECKPOINT_EVERY`] on a connection of its
 /// own, until the store is dropped. A checkpoint copies the WAL's pages into
 /// the database file and syncs both; done by the writer, it holds every
 /// turn's next commit back while the disk syncs. PASSIVE checkpoints run
@@ -127,11 +170,9 @@ fn spawn_checkpointer(pool: SqlitePool, alive: std::sync::Weak<()>) {
             if alive.strong_count() == 0 {
                 break;
             }
-            let done = sqlx::raw_sql(
-                "PRAGMA main.wal_checkpoint(PASSIVE); PRAGMA ev.wal_checkpoint(PASSIVE);",
-            )
-            .execute(&pool)
-            .await;
+            let done = sqlx::raw_sql("PRAGMA main.wal_checkpoint(PASSIVE);")
+                .execute(&pool)
+                .await;
             match done {
                 Ok(_) if failing => {
                     tracing::info!("SQLite checkpoints work again");
@@ -423,8 +464,8 @@ impl SqliteStore {
     }
 
     /// Readers first, the writer last: the last connection to close copies
-    /// the WALs into their files and removes them, which a read-only one
-    /// cannot do.
+    /// the database's WAL into its file and removes it, which a read-only
+    /// one cannot do.
     async fn close_pools(&self) {
         self.read.close().await;
         self.checkpoints.close().await;
@@ -438,8 +479,8 @@ impl SqliteStore {
     /// [`write_events`](Self::write_events)).
     ///
     /// Two commits, not one transaction: the event log is another file,
-    /// and SQLite commits a transaction over two WAL files one file at a
-    /// time, the main one (the outcomes) first. A process killed between the
+    /// and SQLite commits a transaction over a WAL file and another file
+    /// one file at a time, the main one (the outcomes) first. A process killed between the
     /// two would keep an outcome whose last events are gone. In this order
     /// it can only keep events of a turn still `running`, which the next
     /// start fails with UNAVAILABLE.
@@ -533,7 +574,7 @@ impl SqliteStore {
             .await?;
         if !moved {
             anyhow::bail!(
-                "the event log {} holds events this database never wrote (the database is new, or it was replaced): move that file and its -wal file away, or restore the database it belongs to",
+                "the event log {} holds events this database never wrote (the database is new, or it was replaced): move that file (and its -wal or -journal file) away, or restore the database it belongs to",
                 events.display()
             );
         }
@@ -996,6 +1037,11 @@ mod tests {
             .fetch_one(&store.write)
             .await
             .unwrap();
+        assert_eq!(mode, "persist");
+        let mode: String = sqlx::query_scalar("PRAGMA main.journal_mode")
+            .fetch_one(&store.write)
+            .await
+            .unwrap();
         assert_eq!(mode, "wal");
         assert_eq!(
             count(
@@ -1233,8 +1279,9 @@ mod tests {
         assert!(err.contains("never wrote"), "{err}");
     }
 
-    /// The writer checkpoints at its raised bound, not SQLite's 1,000 pages,
-    /// and the event log's WAL is cut back to 64 MB when it starts again.
+    /// The writer checkpoints the database at its raised bound, not
+    /// SQLite's 1,000 pages, and the event log's journal keeps at most
+    /// 4 MiB on disk between commits.
     #[tokio::test]
     async fn the_writer_checkpoints_at_its_raised_bound() {
         let dir = tempfile::tempdir().unwrap();
@@ -1249,13 +1296,14 @@ mod tests {
             .fetch_one(&store.write)
             .await
             .unwrap();
-        assert_eq!(limit, 64 * 1024 * 1024);
+        assert_eq!(limit, 4 * 1024 * 1024);
     }
 
-    /// The event log's WAL is copied into its file in the background, long
-    /// before the writer's own checkpoint (4,000 pages, 256 MB) would.
+    /// A commit writes the event log's new pages into its file, once, and
+    /// leaves no WAL beside it: by the time `append_events` returns, the
+    /// file holds the events.
     #[tokio::test]
-    async fn the_event_log_is_checkpointed_in_the_background() {
+    async fn a_commit_writes_the_event_log_into_its_file() {
         use crate::agent::Event;
         use crate::store::SeqEvent;
         let dir = tempfile::tempdir().unwrap();
@@ -1264,7 +1312,7 @@ mod tests {
         let key = turn_with_events(&store, "r1", 0).await;
         let file = dir.path().join("c.db-events");
         let before = std::fs::metadata(&file).unwrap().len();
-        // About 2 MB: 32 of the log's pages, far below the writer's 4,000.
+        // About 2 MB: 32 of the log's pages.
         let events: Vec<_> = (0..2048u64)
             .map(|seq| SeqEvent {
                 seq,
@@ -1273,19 +1321,13 @@ mod tests {
             .collect();
         store.append_events(&key, events).await.unwrap();
         // At least half of it: the file can reuse a few free pages (those of
-        // the table migration 0005 replaced), and whether the migration's
-        // own pages reached the file before `before` was read is a race.
-        let grown = 1024 * 1024 + before;
-        let mut waited = std::time::Duration::ZERO;
-        while std::fs::metadata(&file).unwrap().len() < grown {
-            assert!(
-                waited < std::time::Duration::from_secs(10),
-                "the event log file is still {} bytes",
-                std::fs::metadata(&file).unwrap().len()
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            waited += std::time::Duration::from_millis(50);
-        }
+        // the table migration 0005 replaced).
+        let size = std::fs::metadata(&file).unwrap().len();
+        assert!(
+            size >= before + 1024 * 1024,
+            "the event log file is {size} bytes"
+        );
+        assert!(!dir.path().join("c.db-events-wal").exists());
         assert_eq!(
             store
                 .events_after(&key, Some(2000), 100)
@@ -1294,6 +1336,66 @@ mod tests {
                 .len(),
             47
         );
+    }
+
+    /// An event log a release before the rollback journal left in WAL mode,
+    /// with events only in its WAL (the process was killed), opens in the
+    /// journal's mode with those events in the file and the WAL gone.
+    #[tokio::test]
+    async fn an_event_log_left_in_wal_mode_is_moved_to_the_journal_with_its_events() {
+        use sqlx::ConnectOptions as _;
+        let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let url = |d: &tempfile::TempDir| format!("sqlite://{}", d.path().join("k.db").display());
+        let store = SqliteStore::open(&url(&old)).await.unwrap();
+        let key = turn_with_events(&store, "r1", 3).await;
+        store.close().await;
+        drop(store);
+        // The previous release's mode, and three more events that only its
+        // WAL holds when the files are copied: a process killed mid-run.
+        let events = old.path().join("k.db-events");
+        let mut log = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&events)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+            .connect()
+            .await
+            .unwrap();
+        let later: Vec<_> = (3..6u64)
+            .map(|seq| crate::store::SeqEvent {
+                seq,
+                event: crate::agent::Event::partial("echo", format!("t{seq}")),
+            })
+            .collect();
+        sqlx::query(
+            "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
+             SELECT turn_no, 3, 5, $1 FROM event_log LIMIT 1",
+        )
+        .bind(super::super::codec::encode(
+            &later,
+            super::super::codec::KindEncoding::Code,
+        ))
+        .execute(&mut log)
+        .await
+        .unwrap();
+        assert!(old.path().join("k.db-events-wal").exists());
+        for name in ["k.db", "k.db-events", "k.db-events-wal", "k.db-events-shm"] {
+            std::fs::copy(old.path().join(name), new.path().join(name)).unwrap();
+        }
+        drop(log);
+        let store = SqliteStore::open(&url(&new)).await.unwrap();
+        let mode: String = sqlx::query_scalar("PRAGMA ev.journal_mode")
+            .fetch_one(&store.write)
+            .await
+            .unwrap();
+        assert_eq!(mode, "persist");
+        assert!(!new.path().join("k.db-events-wal").exists());
+        let texts: Vec<_> = store
+            .events_after(&key, None, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event.text)
+            .collect();
+        assert_eq!(texts, ["t0", "t1", "t2", "t3", "t4", "t5"]);
     }
 
     /// A file whose tables are there without their migrations recorded (a
