@@ -2331,6 +2331,133 @@ async fn on_postgres_a_run_whose_outcome_is_not_stored_in_time_ends_unavailable_
     s.stop().await;
 }
 
+/// PostgreSQL: a batch of events whose turn is being ended at that moment
+/// by another transaction (a `CancelTurn` on another replica, a sweep of an
+/// expired lease) waits for that end, and once it commits the batch is not
+/// stored: a follower that stopped at the end it read misses nothing that
+/// a replay would show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_events_racing_their_turns_end_wait_for_it_and_are_refused() {
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    store
+        .claim_turn(&new_turn(&key, "replica-a"))
+        .await
+        .unwrap();
+    store
+        .append_events(&key, vec![text_event(0, "before")])
+        .await
+        .unwrap();
+    let mut canceller = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut cancel = canceller.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE turns SET state = 'cancelled', status_code = 1, status_message = 'cancelled', updated_at = 1 \
+         WHERE session_id = $1 AND request_id = 'r1' AND state = 'running'",
+    )
+    .bind(sid.to_string())
+    .execute(&mut *cancel)
+    .await
+    .unwrap();
+    let append = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            store
+                .append_events(&key, vec![text_event(1, "during")])
+                .await
+        }
+    });
+    let watcher = sqlx::PgPool::connect(&db.url).await.unwrap();
+    a_statement_waits_for_a_lock(&watcher, "the batch waits for the turn's end").await;
+    cancel.commit().await.unwrap();
+    append.await.unwrap().unwrap();
+    let texts: Vec<String> = store
+        .events_after(&key, None, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.event.text)
+        .collect();
+    assert_eq!(texts, ["before"], "no event lands after the turn ended");
+}
+
+/// PostgreSQL: a migration that finds its table held by a long transaction
+/// (a report, a backup) waits for it only a moment at a time, so the
+/// replicas still serving are not queued behind it; it goes through once
+/// the transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_migration_held_up_by_a_long_transaction_does_not_hold_up_the_tables() {
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    db.open().await;
+    // The database as the release before the answer's payload left it.
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(
+        "ALTER TABLE turns DROP COLUMN answer_payload; DELETE FROM _sqlx_migrations WHERE version = 10",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    let mut long = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut report = long.begin().await.unwrap();
+    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM turns")
+        .fetch_one(&mut *report)
+        .await
+        .unwrap();
+    // Driven beside the checks, in this task (the store's future is not
+    // `Send` for every lifetime, as a spawned task's must be).
+    let migrated = std::sync::atomic::AtomicBool::new(false);
+    let migrating = async {
+        let opened = tokio::time::timeout(Duration::from_secs(60), agentd::store::open(&db.url))
+            .await
+            .expect("the migration went through once the transaction ended");
+        migrated.store(true, std::sync::atomic::Ordering::SeqCst);
+        opened.map(|_| ())
+    };
+    let checks = async {
+        a_statement_waits_for_a_lock(&admin, "the migration waits for the long transaction").await;
+        // A serving replica's reads of the table keep getting through.
+        let serving = sqlx::PgPool::connect(&db.url).await.unwrap();
+        for _ in 0..3 {
+            let read =
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM turns").fetch_one(&serving);
+            tokio::time::timeout(Duration::from_secs(10), read)
+                .await
+                .expect("a read of the table was held up behind the migration")
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        assert!(
+            !migrated.load(std::sync::atomic::Ordering::SeqCst),
+            "the migration waits for the table"
+        );
+        report.commit().await.unwrap();
+    };
+    let (opened, ()) = tokio::join!(migrating, checks);
+    opened.unwrap();
+    let added: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+         WHERE table_schema = current_schema() AND table_name = 'turns' AND column_name = 'answer_payload')",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(added);
+}
+
 /// PostgreSQL: claims of several replicas commit in any order, so a claim
 /// never moves its session's `updated_at` back (as one made earlier but
 /// committed later would).

@@ -185,6 +185,44 @@ const MIGRATION_LOCK: i64 = 0x6167_656e_7464_0001;
 /// How often a replica asks for [`MIGRATION_LOCK`] while another holds it.
 const MIGRATION_LOCK_POLL: Duration = Duration::from_millis(100);
 
+/// How long one migration waits for a table's lock. A migration that alters
+/// a table (`ALTER TABLE turns ...`) waits for every transaction using it,
+/// and every statement on the table after it waits behind it: without a
+/// bound, one long transaction (a report, a backup, an idle session left in
+/// a transaction) would stop every replica's Runs for as long as it lasts.
+/// Bounded, the tables are held up at most this long per attempt.
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(2);
+/// The pause before the first attempt after one ran out of
+/// [`MIGRATION_LOCK_WAIT`]; it doubles up to [`MIGRATION_RETRY_MAX`].
+const MIGRATION_RETRY_FIRST: Duration = Duration::from_secs(1);
+const MIGRATION_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// PostgreSQL's `lock_not_available` (55P03): a lock not granted within
+/// `lock_timeout`.
+fn lock_not_available(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| match c.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(d)) => d.code().is_some_and(|code| code == "55P03"),
+        _ => false,
+    })
+}
+
+/// The indexes a cut-short build left invalid, then the migrations: all
+/// of it again after a lock wait ran out (an index built CONCURRENTLY that
+/// it cut short is left invalid, and rebuilt here).
+async fn run_migrations(conn: &mut sqlx::PgConnection) -> anyhow::Result<()> {
+    rebuild_invalid_index(conn, "sessions_by_update", "sessions (updated_at)").await?;
+    rebuild_invalid_index(
+        conn,
+        "a2a_tasks_by_owner_update",
+        "a2a_tasks (owner, updated_at, id)",
+    )
+    .await?;
+    super::migrator(sqlx::migrate!("migrations/postgres"))
+        .run(conn)
+        .await?;
+    Ok(())
+}
+
 /// Runs the migrations on `conn`, one replica at a time, then closes it.
 ///
 /// Replicas wait for the lock by asking again, not in `pg_advisory_lock`
@@ -211,16 +249,31 @@ async fn migrate(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
         }
         tokio::time::sleep(MIGRATION_LOCK_POLL).await;
     }
-    rebuild_invalid_index(&mut conn, "sessions_by_update", "sessions (updated_at)").await?;
-    rebuild_invalid_index(
-        &mut conn,
-        "a2a_tasks_by_owner_update",
-        "a2a_tasks (owner, updated_at, id)",
-    )
+    // Each migration waits at most this long for a table's lock, then is
+    // rolled back and tried again (see [`MIGRATION_LOCK_WAIT`]).
+    sqlx::query(&format!(
+        "SET lock_timeout = {}",
+        MIGRATION_LOCK_WAIT.as_millis()
+    ))
+    .execute(&mut conn)
     .await?;
-    super::migrator(sqlx::migrate!("migrations/postgres"))
-        .run(&mut conn)
-        .await?;
+    let mut pause = MIGRATION_RETRY_FIRST;
+    loop {
+        match run_migrations(&mut conn).await {
+            Ok(()) => break,
+            Err(e) if lock_not_available(&e) => {
+                tracing::warn!(
+                    error = %e,
+                    retry_in = ?pause,
+                    "a migration waited {}s for a table another transaction holds (a long one, or a backup); it was rolled back so the replicas serving meanwhile are not held up behind it, and is tried again",
+                    MIGRATION_LOCK_WAIT.as_secs()
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MIGRATION_RETRY_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
     sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(MIGRATION_LOCK)
         .execute(&mut conn)
@@ -237,10 +290,14 @@ impl PostgresStore {
     /// group, whatever its size.
     ///
     /// Only turns still running take events and an outcome: one failed
-    /// under its writer (its lease ran out) keeps the log and the outcome
-    /// its followers saw. Events of a turn that is not there fail the
-    /// statement on the foreign key. Returns, per batch, whether its
-    /// outcome (if any) was recorded.
+    /// under its writer (its lease ran out) or cancelled (`CancelTurn`,
+    /// perhaps on another replica) keeps the log and the outcome its
+    /// followers saw. The check share-locks each turn's row, so an end
+    /// being written at that moment is waited for and then seen; read from
+    /// the statement's snapshot alone, events could be stored after an end
+    /// that committed first, which followers had already stopped at.
+    /// Events of a turn that is not there fail the statement on the foreign
+    /// key. Returns, per batch, whether its outcome (if any) was recorded.
     async fn write_group(
         pool: &PgPool,
         group: &[super::sql::PendingBatch],
@@ -266,8 +323,8 @@ impl PostgresStore {
         const INSERT: &str = "INSERT INTO event_batches (session_id, request_id, first_seq, last_seq, events) \
              SELECT b.* FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::int8[], $5::bytea[]) \
              AS b(session_id, request_id, first_seq, last_seq, events) \
-             WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = b.session_id \
-                 AND t.request_id = b.request_id AND t.state <> 'running')";
+             WHERE COALESCE((SELECT t.state = 'running' FROM turns t WHERE t.session_id = b.session_id \
+                 AND t.request_id = b.request_id FOR SHARE), true)";
         if outcomes.is_empty() {
             sqlx::query(INSERT)
                 .bind(&sid)
