@@ -1,6 +1,7 @@
 //! CancelTurn: a running turn (one left running by ON_DISCONNECT_CONTINUE
 //! above all) is ended CANCELLED, its run stopped (at once on the replica
-//! serving the cancel, at the next lease renewal on another), and every
+//! serving the cancel, as soon as the store's word reaches another, or at
+//! its next lease renewal if that word is lost), and every
 //! stream on it ends with CANCELLED; a turn that had ended is answered as
 //! it ended, unchanged; bad, unknown or foreign turns are refused.
 
@@ -553,10 +554,24 @@ async fn unknown_foreign_and_malformed_turns_are_refused_and_nothing_changes() {
     server.stop().await;
 }
 
-/// A CONTINUE run on A, cancelled through B: B records it CANCELLED at
-/// once, A stops the run at its next lease renewal (and logs that it was
-/// cancelled elsewhere, not that its lease was lost), and every stream on
-/// the turn, on either replica, ends CANCELLED.
+/// A store whose cancel announcements are lost on the way.
+struct AnnouncementsLost;
+
+#[async_trait::async_trait]
+impl store_wrap::Hooks for AnnouncementsLost {
+    async fn announce_cancel(
+        &self,
+        _inner: &dyn Store,
+        _k: &agentd::domain::TurnKey,
+    ) -> agentd::store::StoreResult<()> {
+        Ok(())
+    }
+}
+
+/// A CONTINUE run on A, cancelled through B, whose word to A is lost: B
+/// records it CANCELLED at once, A stops the run at its next lease renewal
+/// (and logs that it was cancelled elsewhere, not that its lease was lost),
+/// and every stream on the turn, on either replica, ends CANCELLED.
 #[tokio::test]
 async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_renewal() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
@@ -567,7 +582,11 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_ren
     let _capture = logs.capture();
     let lease = Duration::from_millis(1500);
     let a = Replica::start(db.open().await, "replica-a", lease).await;
-    let b = Replica::start(db.open().await, "replica-b", lease).await;
+    let b_store = Arc::new(store_wrap::Wrapped {
+        inner: db.open().await,
+        hooks: Arc::new(AnnouncementsLost),
+    });
+    let b = Replica::start(b_store, "replica-b", lease).await;
     let s = a.session(ALICE).await;
     a.left_running(&s, "r1").await;
     let (on_a, on_b) = (a.attach(&s, "r1"), b.attach(&s, "r1"));
@@ -613,6 +632,83 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_ren
         (a.counts.started(), a.counts.completed(), b.counts.started()),
         (1, 0, 0),
         "no tool ran after the cancel, anywhere"
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A CONTINUE run on A, cancelled through B, with a lease far longer than
+/// the wait: B's word reaches A through the store, and A stops the run at
+/// once, long before its next lease renewal; a replay on either replica
+/// shows the cancel.
+#[tokio::test]
+async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let logs = Logs::default();
+    let _capture = logs.capture();
+    // Renewed every 20 s: a stop within the wait below is B's word.
+    let lease = Duration::from_secs(60);
+    let a = Replica::start(db.open().await, "replica-a", lease).await;
+    let b = Replica::start(db.open().await, "replica-b", lease).await;
+    let s = a.session(ALICE).await;
+    a.left_running(&s, "r1").await;
+    let on_a = a.attach(&s, "r1");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let r = b.cancel(ALICE, &s, "r1").await.unwrap();
+    assert!(r.cancelled_now);
+    let counts = a.counts.clone();
+    let stopped = tokio::time::timeout(Duration::from_secs(5), async {
+        while counts.stopped() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        stopped.is_ok(),
+        "A stopped the run long before its lease renewal"
+    );
+    let (_, end) = on_a.await.unwrap();
+    assert_cancelled(&end, "the Attach on A");
+    for r in [&a, &b] {
+        assert_replays_cancelled(r, &s, "r1").await;
+    }
+    support_line(
+        &logs.text(),
+        "the turn was cancelled elsewhere (CancelTurn)",
+    );
+
+    // The listening connections cut (a database restart, a proxy's idle
+    // timeout): they connect again, and the next cancel is heard as well.
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let cut: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(cut.len(), 2, "one listening connection per replica");
+    a.left_running(&s, "r2").await;
+    let r = b.cancel(ALICE, &s, "r2").await.unwrap();
+    assert!(r.cancelled_now);
+    let counts = a.counts.clone();
+    let stopped = tokio::time::timeout(Duration::from_secs(5), async {
+        while counts.stopped() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        stopped.is_ok(),
+        "A heard the cancel after its connection was cut"
+    );
+    assert_eq!(
+        (a.counts.started(), a.counts.completed(), b.counts.started()),
+        (2, 0, 0),
+        "no tool ran after the cancels, anywhere"
     );
     a.stop().await;
     b.stop().await;

@@ -69,6 +69,7 @@ ops! {
     Prune => "prune",
     PruneSessions => "prune_sessions",
     Ping => "ping",
+    AnnounceCancel => "announce_cancel",
     A2aCreate => "a2a_create",
     A2aUpdate => "a2a_update",
     A2aGet => "a2a_get",
@@ -416,6 +417,15 @@ impl Store for Metered {
 
     async fn ping(&self) -> StoreResult<()> {
         self.timed(Op::Ping, self.inner.ping()).await
+    }
+
+    async fn announce_cancel(&self, key: &TurnKey) -> StoreResult<()> {
+        self.timed(Op::AnnounceCancel, self.inner.announce_cancel(key))
+            .await
+    }
+
+    fn cancel_announcements(&self) -> Option<tokio::sync::broadcast::Receiver<TurnKey>> {
+        self.inner.cancel_announcements()
     }
 
     async fn close(&self) {

@@ -636,8 +636,23 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn prune_sessions(&self, before: SystemTime, limit: usize) -> StoreResult<u64>;
     /// Cheap round trip: is the backend reachable now?
     async fn ping(&self) -> StoreResult<()>;
+    /// Tells every replica on this store that turn `key` was just recorded
+    /// CANCELLED ([`Store::finish_turn`], for a CancelTurn), so that the one
+    /// running it stops it now, not at its next lease renewal (which still
+    /// stops it if the word is lost). A store only one process uses has no
+    /// one to tell.
+    async fn announce_cancel(&self, _key: &TurnKey) -> StoreResult<()> {
+        Ok(())
+    }
+    /// The cancels announced on this store, by any replica (this one too),
+    /// as they arrive; `None` where only one process uses the store. Those
+    /// announced while the store's listening connection was down are
+    /// missed.
+    fn cancel_announcements(&self) -> Option<tokio::sync::broadcast::Receiver<TurnKey>> {
+        None
+    }
     /// Closes the store's connections at shutdown, once no run uses it:
-    /// SQLite then copies its WALs into the files and removes them, and
+    /// SQLite then copies its WAL into the file and removes it, and
     /// PostgreSQL sees its sessions end rather than drop. Later calls fail.
     async fn close(&self) {}
 }

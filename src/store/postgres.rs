@@ -40,6 +40,95 @@ pub struct PostgresStore {
     sessions: Option<Arc<super::session_cache::SessionCache>>,
     /// The readers' queue: a Run's read of its session goes through it.
     reads: tokio::sync::mpsc::Sender<PendingRead>,
+    /// Cancels announced on [`CANCEL_CHANNEL`], as [`listen_for_cancels`]
+    /// hears them.
+    cancels: tokio::sync::broadcast::Sender<crate::domain::TurnKey>,
+    /// Stops [`listen_for_cancels`] (at close, or when the store goes).
+    listening: tokio_util::sync::CancellationToken,
+    _stop_listening: tokio_util::sync::DropGuard,
+}
+
+/// The PostgreSQL channel (`LISTEN`/`NOTIFY`) on which replicas announce
+/// the turns CancelTurn recorded CANCELLED: `session id/request id`.
+const CANCEL_CHANNEL: &str = "agentd_turn_cancelled";
+
+/// How many announced cancels wait for the turn engine at most; past it the
+/// oldest are dropped (their runs stop at their lease renewal instead).
+const CANCELS_QUEUED: usize = 1024;
+
+/// Listens on [`CANCEL_CHANNEL`] on a connection of its own and hands each
+/// cancel heard to `cancels`, until `stop`. sqlx's listener connects again
+/// when its connection drops (what is announced meanwhile is missed: the
+/// runs it concerned stop at their lease renewal); while the database is
+/// away, it tries again every second, saying so once.
+fn listen_for_cancels(
+    pool: PgPool,
+    cancels: tokio::sync::broadcast::Sender<crate::domain::TurnKey>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use sqlx::postgres::PgListener;
+    tokio::spawn(async move {
+        let mut failing = false;
+        let mut listener: Option<PgListener> = None;
+        loop {
+            let heard = async {
+                let l = match &mut listener {
+                    Some(l) => l,
+                    None => {
+                        let mut l = PgListener::connect_with(&pool).await?;
+                        l.listen(CANCEL_CHANNEL).await?;
+                        listener.insert(l)
+                    }
+                };
+                l.recv().await
+            };
+            let heard = tokio::select! {
+                _ = stop.cancelled() => break,
+                heard = heard => heard,
+            };
+            match heard {
+                Ok(n) => {
+                    if failing {
+                        failing = false;
+                        tracing::info!("listening for cancels from other replicas again");
+                    }
+                    match parse_cancel(n.payload()) {
+                        Some(key) => {
+                            let _ = cancels.send(key);
+                        }
+                        None => tracing::warn!(
+                            payload = n.payload(),
+                            "ignored a malformed cancel announcement"
+                        ),
+                    }
+                }
+                Err(e) => {
+                    if !failing {
+                        failing = true;
+                        tracing::warn!(error = %e, "cannot listen for cancels from other replicas; a turn cancelled elsewhere stops here at its next lease renewal until this is back");
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        }
+        pool.close().await;
+    });
+}
+
+/// The payload announcing `key`'s cancel (a session id has no `/`).
+fn cancel_payload(key: &crate::domain::TurnKey) -> String {
+    format!("{}/{}", key.session_id, key.request_id.as_str())
+}
+
+fn parse_cancel(payload: &str) -> Option<crate::domain::TurnKey> {
+    let (sid, rid) = payload.split_once('/')?;
+    Some(crate::domain::TurnKey {
+        session_id: crate::domain::SessionId::parse(sid).ok()?,
+        request_id: crate::domain::RequestId::parse(rid.to_owned()).ok()?,
+    })
 }
 
 /// A Run's read of its session and its last `limit` ended turns, queued for
@@ -93,7 +182,24 @@ impl PostgresStore {
 
 impl PostgresStore {
     async fn close_pools(&self) {
+        self.listening.cancel();
         self.write.close().await;
+    }
+
+    /// `NOTIFY`, which PostgreSQL delivers to every replica listening
+    /// ([`listen_for_cancels`]).
+    async fn announce(&self, key: &crate::domain::TurnKey) -> super::StoreResult<()> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(CANCEL_CHANNEL)
+            .bind(cancel_payload(key))
+            .execute(&self.write)
+            .await
+            .map_err(super::sql::db_err)?;
+        Ok(())
+    }
+
+    fn announcements(&self) -> Option<tokio::sync::broadcast::Receiver<crate::domain::TurnKey>> {
+        Some(self.cancels.subscribe())
     }
 
     /// Connects to `url` and runs the migrations (one replica at a time:
@@ -121,9 +227,26 @@ impl PostgresStore {
                     Ok(true)
                 })
             })
-            .connect_with(opts)
+            .connect_with(opts.clone())
             .await?;
+        // A connection of its own, held while it listens, outside the pool
+        // the statements share.
+        let listening = tokio_util::sync::CancellationToken::new();
+        let (cancels, _) = tokio::sync::broadcast::channel(CANCELS_QUEUED);
+        listen_for_cancels(
+            PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .max_lifetime(None)
+                .idle_timeout(None)
+                .connect_lazy_with(opts),
+            cancels.clone(),
+            listening.clone(),
+        );
         let store = Self {
+            cancels,
+            _stop_listening: listening.clone().drop_guard(),
+            listening,
             commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
             claims: Self::spawn_claimer(pool.clone(), COMMITTERS, None),
             sessions: None,
@@ -637,3 +760,31 @@ impl super::a2a_tasks::A2aTaskSource for PostgresStore {
 }
 
 super::sql::sql_store!(PostgresStore, sqlx::Postgres);
+
+#[cfg(test)]
+mod tests {
+    use crate::domain::{RequestId, SessionId, TurnKey};
+
+    /// A cancel's announcement names its turn whatever characters its
+    /// request id holds, and a payload that names none is refused.
+    #[test]
+    fn a_cancel_announcement_names_its_turn_and_garbage_names_none() {
+        let key = TurnKey {
+            session_id: SessionId::generate(),
+            request_id: RequestId::parse("retry-2:a.b@c_d").unwrap(),
+        };
+        assert_eq!(
+            super::parse_cancel(&super::cancel_payload(&key)),
+            Some(key.clone())
+        );
+        for bad in [
+            "",
+            "no-slash",
+            "not-a-uuid/r1",
+            &format!("{}/", key.session_id),
+            &format!("{}/a/b", key.session_id),
+        ] {
+            assert_eq!(super::parse_cancel(bad), None, "{bad:?}");
+        }
+    }
+}

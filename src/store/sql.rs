@@ -1304,6 +1304,14 @@ macro_rules! sql_store {
                 Ok(())
             }
 
+            async fn announce_cancel(&self, key: &TurnKey) -> StoreResult<()> {
+                self.announce(key).await
+            }
+
+            fn cancel_announcements(&self) -> Option<tokio::sync::broadcast::Receiver<TurnKey>> {
+                self.announcements()
+            }
+
             async fn close(&self) {
                 self.close_pools().await;
             }

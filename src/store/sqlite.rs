@@ -466,6 +466,15 @@ impl SqliteStore {
     /// Readers first, the writer last: the last connection to close copies
     /// the database's WAL into its file and removes it, which a read-only
     /// one cannot do.
+    /// One process per file: no other replica to tell of a cancel.
+    async fn announce(&self, _key: &crate::domain::TurnKey) -> super::StoreResult<()> {
+        Ok(())
+    }
+
+    fn announcements(&self) -> Option<tokio::sync::broadcast::Receiver<crate::domain::TurnKey>> {
+        None
+    }
+
     async fn close_pools(&self) {
         self.read.close().await;
         self.checkpoints.close().await;

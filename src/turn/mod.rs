@@ -651,8 +651,10 @@ impl Turns {
     /// Cancels turn `key` of a session `user_id` owns (CancelTurn): a
     /// running turn is recorded CANCELLED in the store (the store decides
     /// a race with the turn's own end: whichever is recorded first stands),
-    /// and its run stops, here at once, elsewhere at its replica's next
-    /// lease renewal ([`pump`]'s lease keeper). A turn that had ended is
+    /// and its run stops, here at once, elsewhere as soon as the store's
+    /// announcement reaches its replica ([`Store::announce_cancel`]), or at
+    /// that replica's next lease renewal ([`pump`]'s lease keeper) if it is
+    /// lost. A turn that had ended is
     /// left as it is. Returns the turn as stored after the call, and
     /// whether this call ended it.
     pub async fn cancel_turn(
@@ -674,6 +676,16 @@ impl Turns {
         let ended = self.store.finish_turn(key, &outcome, None).await?;
         if ended {
             self.stop_cancelled(key, &turn.owner);
+            if turn.owner != self.cfg.replica_id {
+                // On the side: the cancel is done whether or not the word
+                // reaches the owner, whose lease renewal finds it anyway.
+                let (store, key) = (self.store.clone(), key.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = store.announce_cancel(&key).await {
+                        tracing::warn!(turn = %key, error = %format!("{e:#}"), "could not tell the replica running the turn that it was cancelled; it stops the run at its next lease renewal");
+                    }
+                });
+            }
             // As stored; but a store that fails this read must not turn a
             // cancel that is done into UNAVAILABLE ("retry"), whose retry
             // would say the turn had ended already: then as it was written.
@@ -914,7 +926,20 @@ impl Turns {
             live.cancelled_early.insert(key.clone(), now);
             tracing::info!(turn = %key, "turn cancelled (CancelTurn); its run here stops as it starts");
         } else {
-            tracing::info!(turn = %key, owner, "turn cancelled (CancelTurn); the replica running it stops it at its next lease renewal");
+            tracing::info!(turn = %key, owner, "turn cancelled (CancelTurn); the replica running it is told to stop it, and stops it at its next lease renewal if the word is lost");
+        }
+    }
+
+    /// A cancel another replica recorded and announced
+    /// ([`Store::cancel_announcements`]): the run here, if the turn runs
+    /// here and was not stopped already, stops now.
+    fn stop_announced_cancel(&self, key: &TurnKey) {
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(run) = live.runs.get(key)
+            && !run.cancel.fired()
+        {
+            run.cancel.fire();
+            tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
         }
     }
 }

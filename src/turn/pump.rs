@@ -645,6 +645,11 @@ pub(super) struct CancelHandle {
 }
 
 impl CancelHandle {
+    /// Whether [`CancelHandle::fire`] was called.
+    pub(super) fn fired(&self) -> bool {
+        self.cancelled.is_cancelled()
+    }
+
     /// Stops the run: the pump drops the agent's stream the next time it
     /// looks (before it polls the agent again), and its outcome's write
     /// finds the turn ended CANCELLED.

@@ -17,7 +17,32 @@ const PRUNE_EVERY_MAX: Duration = Duration::from_secs(600);
 const PRUNE_BATCH: usize = 500;
 
 pub(super) async fn run(turns: Arc<Turns>) {
-    tokio::join!(check(turns.clone()), sweep(turns.clone()), prune(turns));
+    tokio::join!(
+        check(turns.clone()),
+        sweep(turns.clone()),
+        cancels(turns.clone()),
+        prune(turns)
+    );
+}
+
+/// Stops the runs here of turns that CancelTurn, served by another
+/// replica, recorded CANCELLED, as the store announces them; stores only
+/// one process uses announce nothing.
+async fn cancels(turns: Arc<Turns>) {
+    use tokio::sync::broadcast::error::RecvError;
+    let Some(mut heard) = turns.store.cancel_announcements() else {
+        return;
+    };
+    loop {
+        match heard.recv().await {
+            Ok(key) => turns.stop_announced_cancel(&key),
+            Err(RecvError::Lagged(missed)) => tracing::warn!(
+                missed,
+                "cancels announced by other replicas came faster than they were handled; those runs stop at their next lease renewal"
+            ),
+            Err(RecvError::Closed) => return,
+        }
+    }
 }
 
 /// The health checks.

@@ -60,6 +60,9 @@ pub trait Hooks: Send + Sync + 'static {
     async fn get_turn(&self, inner: &dyn Store, k: &TurnKey) -> StoreResult<Option<TurnRecord>> {
         inner.get_turn(k).await
     }
+    async fn announce_cancel(&self, inner: &dyn Store, k: &TurnKey) -> StoreResult<()> {
+        inner.announce_cancel(k).await
+    }
 }
 
 pub struct Wrapped {
@@ -151,5 +154,11 @@ impl Store for Wrapped {
     }
     async fn ping(&self) -> StoreResult<()> {
         self.hooks.ping(&*self.inner).await
+    }
+    async fn announce_cancel(&self, k: &TurnKey) -> StoreResult<()> {
+        self.hooks.announce_cancel(&*self.inner, k).await
+    }
+    fn cancel_announcements(&self) -> Option<tokio::sync::broadcast::Receiver<TurnKey>> {
+        self.inner.cancel_announcements()
     }
 }
