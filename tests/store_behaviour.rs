@@ -2458,6 +2458,98 @@ async fn on_postgres_a_migration_held_up_by_a_long_transaction_does_not_hold_up_
     assert!(added);
 }
 
+/// PostgreSQL: an index a migration builds CONCURRENTLY, which holds up
+/// none of the table's users, waits for a long transaction on its table as
+/// long as that lasts: it is not cut short by the migrations' lock wait
+/// and built again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_an_index_built_concurrently_waits_out_a_long_transaction_in_one_go() {
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    db.open().await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("DROP INDEX sessions_by_update; DELETE FROM _sqlx_migrations WHERE version = 8")
+        .execute(&admin)
+        .await
+        .unwrap();
+    // A writer's lock on the table, held: the build waits for it.
+    let mut long = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut writer = long.begin().await.unwrap();
+    sqlx::query("UPDATE sessions SET updated_at = updated_at WHERE false")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    let migrating = async {
+        tokio::time::timeout(Duration::from_secs(60), agentd::store::open(&db.url))
+            .await
+            .expect("the migration went through once the transaction ended")
+            .map(|_| ())
+    };
+    let build = || {
+        let admin = admin.clone();
+        async move {
+            sqlx::query_as::<_, (i32, i64)>(
+                "SELECT pid, (extract(epoch FROM query_start) * 1e6)::int8 FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock' \
+                 AND query LIKE '%CREATE INDEX CONCURRENTLY%'",
+            )
+            .fetch_optional(&admin)
+            .await
+            .unwrap()
+        }
+    };
+    let checks = async {
+        let first = eventually("the build waits for the transaction", &build).await;
+        // Past the migrations' 2 s lock wait and the pause before a retry.
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        assert_eq!(build().await, Some(first), "the same build, still waiting");
+        writer.commit().await.unwrap();
+    };
+    let (opened, ()) = tokio::join!(migrating, checks);
+    opened.unwrap();
+    let valid: bool = sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE c.relname = 'sessions_by_update' AND c.relnamespace = current_schema()::regnamespace",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(valid);
+}
+
+/// PostgreSQL: a store's connection listening for cancels closes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_connection_listening_for_cancels_closes_with_the_store() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let store = db.open().await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let listeners = || {
+        let admin = admin.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+            )
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+        }
+    };
+    eventually("the store listens", || async {
+        (listeners().await == 1).then_some(())
+    })
+    .await;
+    store.close().await;
+    eventually("the listening connection is closed", || async {
+        (listeners().await == 0).then_some(())
+    })
+    .await;
+}
+
 /// PostgreSQL: claims of several replicas commit in any order, so a claim
 /// never moves its session's `updated_at` back (as one made earlier but
 /// committed later would).

@@ -114,6 +114,9 @@ fn listen_for_cancels(
                 }
             }
         }
+        // The listener holds the pool's one connection: back first, or the
+        // close would wait for it for ever.
+        drop(listener);
         pool.close().await;
     });
 }
@@ -329,10 +332,28 @@ fn lock_not_available(e: &anyhow::Error) -> bool {
     })
 }
 
-/// The indexes a cut-short build left invalid, then the migrations: all
-/// of it again after a lock wait ran out (an index built CONCURRENTLY that
-/// it cut short is left invalid, and rebuilt here).
+/// Sets how long the statements that follow on `conn` wait for a lock:
+/// `None`, as long as it takes.
+async fn set_lock_wait(
+    conn: &mut sqlx::PgConnection,
+    wait: Option<Duration>,
+) -> anyhow::Result<()> {
+    let ms = wait.map_or(0, |w| w.as_millis());
+    sqlx::query(&format!("SET lock_timeout = {ms}"))
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// The indexes a cut-short build left invalid, then the migrations, one
+/// at a time: those in a transaction (which take their tables' locks, as
+/// `ALTER TABLE` does) wait at most [`MIGRATION_LOCK_WAIT`] for them; those
+/// outside one (indexes built CONCURRENTLY, which hold no lock that blocks
+/// the tables' users, but wait for every older transaction) wait as long
+/// as it takes. All of it runs again after a wait ran out.
 async fn run_migrations(conn: &mut sqlx::PgConnection) -> anyhow::Result<()> {
+    use sqlx::migrate::{Migrate as _, Migrator};
+    set_lock_wait(conn, None).await?;
     rebuild_invalid_index(conn, "sessions_by_update", "sessions (updated_at)").await?;
     rebuild_invalid_index(
         conn,
@@ -340,9 +361,36 @@ async fn run_migrations(conn: &mut sqlx::PgConnection) -> anyhow::Result<()> {
         "a2a_tasks (owner, updated_at, id)",
     )
     .await?;
-    super::migrator(sqlx::migrate!("migrations/postgres"))
-        .run(conn)
-        .await?;
+    rebuild_invalid_index(
+        conn,
+        "a2a_tasks_ended",
+        "a2a_tasks (updated_at) WHERE terminal = 1",
+    )
+    .await?;
+    let all = super::migrator(sqlx::migrate!("migrations/postgres"));
+    conn.ensure_migrations_table().await?;
+    let applied: std::collections::HashSet<i64> = conn
+        .list_applied_migrations()
+        .await?
+        .into_iter()
+        .map(|m| m.version)
+        .collect();
+    for (i, m) in all.iter().enumerate() {
+        if m.migration_type.is_down_migration() || applied.contains(&m.version) {
+            continue;
+        }
+        set_lock_wait(conn, (!m.no_tx).then_some(MIGRATION_LOCK_WAIT)).await?;
+        // sqlx's migrator, given the migrations up to this one: it checks
+        // those applied and applies this one.
+        let upto = Migrator {
+            migrations: std::borrow::Cow::Owned(all.migrations[..=i].to_vec()),
+            ..super::migrator(sqlx::migrate!("migrations/postgres"))
+        };
+        upto.run(&mut *conn).await?;
+    }
+    set_lock_wait(conn, None).await?;
+    // Nothing left to apply: checks every applied migration.
+    all.run(&mut *conn).await?;
     Ok(())
 }
 
@@ -372,14 +420,6 @@ async fn migrate(mut conn: sqlx::PgConnection) -> anyhow::Result<()> {
         }
         tokio::time::sleep(MIGRATION_LOCK_POLL).await;
     }
-    // Each migration waits at most this long for a table's lock, then is
-    // rolled back and tried again (see [`MIGRATION_LOCK_WAIT`]).
-    sqlx::query(&format!(
-        "SET lock_timeout = {}",
-        MIGRATION_LOCK_WAIT.as_millis()
-    ))
-    .execute(&mut conn)
-    .await?;
     let mut pause = MIGRATION_RETRY_FIRST;
     loop {
         match run_migrations(&mut conn).await {
@@ -483,9 +523,11 @@ impl PostgresStore {
             at.push(o.at);
         }
         // The insert runs whole before the update's rows are visible to
-        // anyone: both commit together, or neither does. Both see the turns
-        // as they were before the statement: a turn's last events go in
-        // with its outcome.
+        // anyone: both commit together, or neither does. Neither sees the
+        // other's changes (the update's rows are not the insert's), so a
+        // turn's last events go in with its outcome; both see an end
+        // another transaction committed during the statement (the insert
+        // through its row lock, the update through its own).
         let recorded: Vec<(String, String)> = sqlx::query_as(&format!(
             "WITH stored AS ({INSERT}) \
              UPDATE turns t SET state = o.state, status_code = o.code, status_message = o.message, \
