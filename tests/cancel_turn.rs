@@ -652,6 +652,8 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
     let lease = Duration::from_secs(60);
     let a = Replica::start(db.open().await, "replica-a", lease).await;
     let b = Replica::start(db.open().await, "replica-b", lease).await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    listening(&admin, 2).await;
     let s = a.session(ALICE).await;
     a.left_running(&s, "r1").await;
     let on_a = a.attach(&s, "r1");
@@ -659,15 +661,8 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
 
     let r = b.cancel(ALICE, &s, "r1").await.unwrap();
     assert!(r.cancelled_now);
-    let counts = a.counts.clone();
-    let stopped = tokio::time::timeout(Duration::from_secs(5), async {
-        while counts.stopped() == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
     assert!(
-        stopped.is_ok(),
+        stops_within(&a.counts, 1, Duration::from_secs(5)).await,
         "A stopped the run long before its lease renewal"
     );
     let (_, end) = on_a.await.unwrap();
@@ -682,27 +677,25 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
 
     // The listening connections cut (a database restart, a proxy's idle
     // timeout): they connect again, and the next cancel is heard as well.
-    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
-    let cut: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-    )
-    .fetch_all(&admin)
-    .await
-    .unwrap();
+    let cut = listeners(&admin).await;
     assert_eq!(cut.len(), 2, "one listening connection per replica");
+    for pid in &cut {
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+    eventually("both replicas listen again", || async {
+        let now = listeners(&admin).await;
+        (now.len() == 2 && !now.iter().any(|p| cut.contains(p))).then_some(())
+    })
+    .await;
     a.left_running(&s, "r2").await;
     let r = b.cancel(ALICE, &s, "r2").await.unwrap();
     assert!(r.cancelled_now);
-    let counts = a.counts.clone();
-    let stopped = tokio::time::timeout(Duration::from_secs(5), async {
-        while counts.stopped() < 2 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
     assert!(
-        stopped.is_ok(),
+        stops_within(&a.counts, 2, Duration::from_secs(5)).await,
         "A heard the cancel after its connection was cut"
     );
     assert_eq!(
@@ -712,6 +705,35 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
     );
     a.stop().await;
     b.stop().await;
+}
+
+/// The server processes of this database listening for announcements.
+async fn listeners(admin: &sqlx::PgPool) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_all(admin)
+    .await
+    .unwrap()
+}
+
+/// Waits (bounded) until `n` connections of this database listen.
+async fn listening(admin: &sqlx::PgPool, n: usize) {
+    eventually("the replicas listen for cancels", || async {
+        (listeners(admin).await.len() == n).then_some(())
+    })
+    .await;
+}
+
+/// Whether `counts` shows `n` runs stopped within `within`.
+async fn stops_within(counts: &Counts, n: u64, within: Duration) -> bool {
+    tokio::time::timeout(within, async {
+        while counts.stopped() < n {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .is_ok()
 }
 
 /// The line of `logs` with `message`, at INFO.

@@ -932,14 +932,26 @@ impl Turns {
 
     /// A cancel another replica recorded and announced
     /// ([`Store::cancel_announcements`]): the run here, if the turn runs
-    /// here and was not stopped already, stops now.
+    /// here and was not stopped already, stops now. A turn claimed here
+    /// whose run has not started yet is kept as cancelled early (as
+    /// [`Turns::stop_cancelled`] does), so its run stops as it starts;
+    /// every replica hears every cancel, so most keys are of turns that run
+    /// elsewhere, and are dropped after a lease like any other.
     fn stop_announced_cancel(&self, key: &TurnKey) {
-        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(run) = live.runs.get(key)
-            && !run.cancel.fired()
-        {
-            run.cancel.fire();
-            tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        match live.runs.get(key) {
+            Some(run) if !run.cancel.fired() => {
+                run.cancel.fire();
+                tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
+            }
+            Some(_) => {}
+            None => {
+                let now = tokio::time::Instant::now();
+                let lease = self.cfg.lease;
+                live.cancelled_early
+                    .retain(|_, at| now.duration_since(*at) < lease);
+                live.cancelled_early.insert(key.clone(), now);
+            }
         }
     }
 }
@@ -1021,6 +1033,21 @@ mod tests {
     /// start): the pump stops as it starts, before its agent is polled.
     #[tokio::test]
     async fn a_turn_cancelled_before_its_pump_started_stops_before_its_agent_runs() {
+        cancelled_before_its_pump_started(|turns, key| {
+            turns.stop_cancelled(key, &turns.cfg.replica_id)
+        })
+        .await;
+    }
+
+    /// The same, the cancel served by another replica and announced here
+    /// between the claim and the pump's start.
+    #[tokio::test]
+    async fn a_turn_whose_cancel_is_announced_before_its_pump_started_stops_before_its_agent_runs()
+    {
+        cancelled_before_its_pump_started(|turns, key| turns.stop_announced_cancel(key)).await;
+    }
+
+    async fn cancelled_before_its_pump_started(cancel: impl FnOnce(&Turns, &TurnKey)) {
         use crate::domain::{OnDisconnect, UserText};
         let store: Arc<dyn Store> = Arc::new(crate::store::memory::MemoryStore::new());
         let helper = crate::agent::demo::OrderHelper::new(Duration::from_secs(60));
@@ -1033,7 +1060,7 @@ mod tests {
             session_id: session.id,
             request_id: RequestId::parse("r1").unwrap(),
         };
-        turns.stop_cancelled(&key, &turns.cfg.replica_id);
+        cancel(&turns, &key);
         let input = RunInput {
             user_id,
             key: key.clone(),

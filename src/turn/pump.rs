@@ -709,6 +709,11 @@ async fn keep_lease(
                     turns.store.get_turn(&key).await,
                     Ok(Some(t)) if t.state == crate::store::TurnState::Cancelled
                 );
+                // Stopped meanwhile by the cancel's announcement (which
+                // said so in the log).
+                if stops.cancelled.is_cancelled() {
+                    return;
+                }
                 if cancelled {
                     tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
                     stops.cancelled.cancel();
