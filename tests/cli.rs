@@ -751,3 +751,34 @@ fn an_empty_listen_address_is_refused_not_read_as_off() {
         );
     }
 }
+
+/// `agentd bench --followers` attaches followers to every Run and reports
+/// what they received apart from the Runs' own events; without the flag
+/// there is no such figure.
+#[test]
+fn bench_with_followers_reports_their_events_apart() {
+    let served = Served::start_with_env(&[], &[("AGENTD_STREAM_AGENT", "1")]);
+    let target = served.url.trim_start_matches("http://").to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    let report = |followers: &str| {
+        let out_file = dir.path().join(format!("bench-{followers}.jsonl"));
+        let out = Command::new(BIN)
+            .args(["bench", "--target", &target, "--workload", "one-at-a-time"])
+            .args(["--streams", "2", "--connections", "1", "--duration", "1s"])
+            .args(["--warmup", "200ms", "--followers", followers, "--json-out"])
+            .arg(&out_file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let line = std::fs::read_to_string(&out_file).unwrap();
+        serde_json::from_str::<serde_json::Value>(line.trim()).unwrap()
+    };
+    let with = report("2");
+    assert_eq!(with["errors"], 0, "{with}");
+    assert!(with["events_per_second"].as_f64().unwrap() > 0.0, "{with}");
+    let followed = with["follower_events_per_second"].as_f64().unwrap();
+    assert!(followed > 0.0, "{with}");
+    let without = report("0");
+    assert!(without["follower_events_per_second"].is_null(), "{without}");
+    assert!(served.terminate().success());
+}

@@ -1,7 +1,7 @@
 //! The load itself: streams over connections, counted and timed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -80,6 +80,9 @@ pub struct Report {
     /// Calls that ended with their final event inside the window.
     pub calls: u64,
     pub calls_per_second: f64,
+    /// Events the followers (`--followers`) received inside the window, per
+    /// second; `None` without followers.
+    pub follower_events_per_second: Option<f64>,
     pub errors: u64,
     /// The first error's status, if any.
     pub first_error: Option<String>,
@@ -198,6 +201,10 @@ struct Target {
     /// Calls sent with a request id of their own (`--request-ids`); `None`
     /// leaves the request id to the server.
     request_ids: Option<u64>,
+    /// Followers attached to each call (`--followers`), and the events
+    /// they all received inside the window.
+    followers: usize,
+    follower_events: Arc<AtomicU64>,
 }
 
 impl Target {
@@ -245,6 +252,7 @@ async fn targets(
 ) -> anyhow::Result<Vec<Target>> {
     let user = "bench".to_string();
     let text = args.workload.text(args);
+    let follower_events = Arc::new(AtomicU64::new(0));
     let mut out = Vec::with_capacity(args.streams);
     for i in 0..args.streams {
         let mut client = clients[i % clients.len()].clone();
@@ -264,10 +272,34 @@ async fn targets(
             session,
             agent: args.agent.clone(),
             text: text.clone(),
-            request_ids: args.request_ids.then_some(0),
+            request_ids: (args.request_ids || args.followers > 0).then_some(0),
+            followers: args.followers,
+            follower_events: follower_events.clone(),
         });
     }
     Ok(out)
+}
+
+/// A follower of `t`'s call `request_id`: Attach from the start, read to
+/// the end, events inside the window counted.
+async fn follow(t: Target, request_id: String, measure_from: Instant, end: Instant) {
+    let mut req = Request::new(pb::AttachRequest {
+        user_id: t.user.clone(),
+        session_id: t.session.clone(),
+        request_id,
+        after_seq: None,
+    });
+    req.set_timeout(end.saturating_duration_since(Instant::now()) + DEADLINE_SLACK);
+    let mut client = t.client.clone();
+    let Ok(events) = client.attach(req).await else {
+        return;
+    };
+    let mut events = events.into_inner();
+    while let Ok(Ok(Some(_))) = tokio::time::timeout_at(end, events.message()).await {
+        if Instant::now() >= measure_from {
+            t.follower_events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 fn load_average() -> String {
@@ -298,6 +330,7 @@ async fn timed(
     let measure_from = begin + args.warmup;
     let end = measure_from + args.duration;
     let text = targets[0].text.clone();
+    let (followers, follower_events) = (targets[0].followers, targets[0].follower_events.clone());
     let tasks: Vec<_> = targets
         .into_iter()
         .map(|t| tokio::spawn(drive(t, measure_from, end)))
@@ -336,6 +369,8 @@ async fn timed(
         events_per_second: total.events as f64 / secs,
         calls: total.calls,
         calls_per_second: total.calls as f64 / secs,
+        follower_events_per_second: (followers > 0)
+            .then(|| follower_events.load(Ordering::Relaxed) as f64 / secs),
         errors: total.errors,
         first_error: total.first_error,
         latency_us: Quantiles::of(&total.latency),
@@ -368,6 +403,7 @@ async fn drive(mut t: Target, measure_from: Instant, end: Instant) -> StreamStat
             break;
         }
         let req = t.request(end - started + DEADLINE_SLACK);
+        let request_id = req.get_ref().request_id.clone();
         let resp = tokio::select! {
             biased;
             _ = &mut stop => break,
@@ -395,6 +431,9 @@ async fn drive(mut t: Target, measure_from: Instant, end: Instant) -> StreamStat
                     let lat_ns = now_unix_nanos() - ev.created_unix_nanos;
                     if first {
                         first = false;
+                        for _ in 0..t.followers {
+                            tokio::spawn(follow(t.clone(), request_id.clone(), measure_from, end));
+                        }
                         if started >= measure_from {
                             let us = (received - started).as_micros() as u64;
                             stats.first_event.saturating_record(us.max(1));
@@ -491,6 +530,7 @@ async fn idle(
         events_per_second: 0.0,
         calls: 0,
         calls_per_second: 0.0,
+        follower_events_per_second: None,
         errors,
         first_error,
         latency_us: None,
@@ -523,6 +563,8 @@ mod tests {
             agent: "stream".into(),
             text: "hi".into(),
             request_ids,
+            followers: 0,
+            follower_events: Arc::new(AtomicU64::new(0)),
         }
     }
 

@@ -125,6 +125,14 @@ pub struct BenchArgs {
     #[arg(long)]
     pub request_ids: bool,
 
+    /// Attach this many followers to every Run once its first event is in
+    /// (as clients resuming a dropped stream, or watching a turn, do): each
+    /// reads the turn from its first event to its end, through the store.
+    /// Sends request ids (`--request-ids`). Their events are reported
+    /// apart (`follower_events_per_second`).
+    #[arg(long, default_value_t = 0)]
+    pub followers: usize,
+
     /// Label of the server in the report (e.g. agentd, tonic, grpc.aio).
     #[arg(long, default_value = "server")]
     pub server_name: String,
