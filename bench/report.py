@@ -135,7 +135,7 @@ def store_section(idx):
                 "Not measured in this run (`BENCH_STORES=0`, or no store reachable).", ""]
     out = ["### With the durable store: what persistence costs", "",
            "agentd on the in-memory store against the same agentd on SQLite (a file under target/bench, "
-           "WAL) and on PostgreSQL (127.0.0.1, when it answers), same workloads, same run.", ""]
+           "the database in WAL mode, its event log with a rollback journal) and on PostgreSQL (127.0.0.1, when it answers), same workloads, same run.", ""]
     cases = [
         ("bursty", 1, "events/s", lambda r: r["events_per_second"], fmt_rate),
         ("bursty", 64, "events/s", lambda r: r["events_per_second"], fmt_rate),

@@ -275,7 +275,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         })
         .await;
     // Every run has ended (or been cut): the store's connections close
-    // cleanly, SQLite's WALs copied into their files.
+    // cleanly, SQLite's WAL copied into its file.
     if tokio::time::timeout(STORE_CLOSE_TIMEOUT, store.close())
         .await
         .is_err()

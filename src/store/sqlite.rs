@@ -18,9 +18,14 @@
 //! it). Under WAL every byte was written twice (the WAL, then the
 //! checkpoint's copy) and read once more by the checkpoint, and that was
 //! most of what the store cost the server's core ([`EVENT_LOG_JOURNAL`]).
-//! Each commit is synced to disk before it is acknowledged. Readers of the
-//! log (replays and resumes, not live streams) wait out a commit's write,
-//! a few milliseconds, under the busy timeout.
+//! Each commit of the log is synced to disk before it is acknowledged (the
+//! database's own commits, claims and outcomes, are not: WAL with
+//! `synchronous = NORMAL`). Readers of the log (replays, and followers:
+//! Attach and repeated Runs, which read it after every stored batch) and
+//! its writer now wait for each other, in the busy handler, where under WAL
+//! neither did; with one or two followers on every one of 64 streams this
+//! measured the same as WAL for the streams and 0.91-1.00× for the
+//! followers (BENCHMARKS.md).
 //!
 //! The log is keyed by the turn's number (`turns.turn_no`, given in claim
 //! order), not by its session and request ids: the turns running at one
@@ -463,9 +468,6 @@ impl SqliteStore {
         self.read_session_with_history(id, limit, turn).await
     }
 
-    /// Readers first, the writer last: the last connection to close copies
-    /// the database's WAL into its file and removes it, which a read-only
-    /// one cannot do.
     /// One process per file: no other replica to tell of a cancel.
     async fn announce(&self, _key: &crate::domain::TurnKey) -> super::StoreResult<()> {
         Ok(())
@@ -475,6 +477,9 @@ impl SqliteStore {
         None
     }
 
+    /// Readers first, the writer last: the last connection to close copies
+    /// the database's WAL into its file and removes it, which a read-only
+    /// one cannot do.
     async fn close_pools(&self) {
         self.read.close().await;
         self.checkpoints.close().await;
