@@ -842,6 +842,14 @@ impl a2a_server::RequestHandler for ScriptedPeer {
             a2a::StreamResponse::Task(task(TaskState::Submitted, None)),
             status(TaskState::Working),
         ];
+        if script == "huge-cancel" {
+            // A first chunk, then nothing, for ever: the run is dropped.
+            let events = start.into_iter().chain([chunk("Hel", false, false)]);
+            use futures::StreamExt as _;
+            return Ok(Box::pin(
+                futures::stream::iter(events.map(Ok)).chain(futures::stream::pending()),
+            ));
+        }
         // Those that end before the task does have the client recover.
         let rest = match script.as_str() {
             "replace" => vec![
@@ -899,6 +907,14 @@ impl a2a_server::RequestHandler for ScriptedPeer {
         req: a2a::CancelTaskRequest,
     ) -> Result<a2a::Task, a2a::A2AError> {
         self.cancelled.lock().unwrap().push(req.id);
+        if self.script() == "huge-cancel" {
+            // 24 MiB of artifact: within the client's default bounds (129
+            // MiB), past a remote_a2a run's (17 MiB).
+            return Ok(scripted::task(
+                TaskState::Canceled,
+                Some(&"x".repeat(24 << 20)),
+            ));
+        }
         Ok(scripted::task(TaskState::Canceled, None))
     }
     async fn subscribe_to_task(
@@ -1047,6 +1063,45 @@ async fn cancels(peer: &ScriptedPeer, n: usize) -> Vec<String> {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     peer.cancelled()
+}
+
+/// The CancelTask sent when a run is dropped (its client went away) reads
+/// its answer within the run's bounds, not the client's defaults: a remote
+/// that answers it with a task of 24 MiB is cut off, and the failure is
+/// logged.
+#[tokio::test]
+async fn the_cancel_of_a_dropped_run_reads_its_answer_within_the_runs_bounds() {
+    let (url, peer) = scripted_peer().await;
+    let (child, _dir) = serve_peer(&url).await;
+    let mut c = child.client.clone();
+    let session = c.create_session("alice").await.unwrap().session_id;
+    let req = pb::RunRequest {
+        user_id: "alice".into(),
+        session_id: session,
+        request_id: "r1".into(),
+        text: "huge-cancel".into(),
+        agent: "peer".into(),
+        ..Default::default()
+    };
+    let mut stream = c.run(req, DEADLINE).await.unwrap().events;
+    let first = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .expect("no event from the remote")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.text, "Hel");
+    drop(stream);
+    assert_eq!(cancels(&peer, 1).await, ["t-scripted"]);
+    let line = support::eventually("the cancel's outcome is logged", || async {
+        child
+            .log_lines()
+            .into_iter()
+            .find(|l| l.contains("run dropped; cancelled the remote task"))
+    })
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let outcome = v["outcome"].as_str().unwrap_or_default();
+    assert!(outcome.starts_with("cancel failed"), "{line}");
 }
 
 /// The answer limit holds for text the run did not stream: a rewrite (not

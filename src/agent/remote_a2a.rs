@@ -404,6 +404,9 @@ struct CancelOnDrop {
     agent: String,
     /// The call's span: the CancelTask request carries its traceparent.
     span: tracing::Span,
+    /// The call's read bounds, which the CancelTask's answer (the task,
+    /// artifacts and all) is read within too.
+    limits: crate::client::a2a::jsonrpc::Limits,
     armed: bool,
 }
 
@@ -427,15 +430,16 @@ impl Drop for CancelOnDrop {
         };
         let (client, agent) = (self.client.clone(), self.agent.clone());
         rt.spawn(
-            async move {
-                let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
-                    Ok(Ok(t)) => format!("{:?}", t.status.state),
-                    Ok(Err(e)) => format!("cancel failed: {}", e.message),
-                    Err(_) => "cancel timed out".into(),
-                };
-                tracing::info!(%agent, task = %task, %outcome, "remote_a2a: run dropped; cancelled the remote task");
-            }
-            .instrument(self.span.clone()),
+            self.limits
+                .scope(async move {
+                    let outcome = match tokio::time::timeout(CANCEL_TIMEOUT, client.cancel(&task)).await {
+                        Ok(Ok(t)) => format!("{:?}", t.status.state),
+                        Ok(Err(e)) => format!("cancel failed: {}", e.message),
+                        Err(_) => "cancel timed out".into(),
+                    };
+                    tracing::info!(%agent, task = %task, %outcome, "remote_a2a: run dropped; cancelled the remote task");
+                })
+                .instrument(self.span.clone()),
         );
     }
 }
@@ -672,6 +676,7 @@ impl Agent for RemoteA2aAgent {
                 relay: relay.clone(),
                 agent: agent.clone(),
                 span: span.clone(),
+                limits: crate::client::a2a::jsonrpc::Limits::for_artifacts(opts.max_artifact_bytes),
                 armed: true,
             };
             let mut listener = {

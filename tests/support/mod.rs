@@ -695,6 +695,8 @@ pub struct Child {
     /// The admin HTTP port (`/metrics`), unless the test turned it off.
     pub admin: Option<SocketAddr>,
     pub client: AgentClient,
+    /// Its log lines (JSON) since it printed its address.
+    logs: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Child {
@@ -753,7 +755,15 @@ impl Child {
         .flatten()
         .expect("agentd serve printed its address");
         // Keep draining stderr so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let logs = Arc::new(std::sync::Mutex::new(Vec::new()));
+        tokio::spawn({
+            let logs = logs.clone();
+            async move {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    logs.lock().unwrap().push(line);
+                }
+            }
+        });
         let client = AgentClient::connect(&format!("http://{addr}"))
             .await
             .unwrap();
@@ -762,7 +772,13 @@ impl Child {
             addr,
             admin,
             client,
+            logs,
         }
+    }
+
+    /// Its log lines (JSON) so far, from the one that gave its address on.
+    pub fn log_lines(&self) -> Vec<String> {
+        self.logs.lock().unwrap().clone()
     }
 
     /// SIGKILL, and wait until the process is gone.
