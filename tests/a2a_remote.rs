@@ -162,19 +162,21 @@ idle_timeout = "10s"
     remote.stop().await;
 }
 
-#[tokio::test]
-async fn a_cancelled_run_cancels_the_remote_task() {
-    let remote = A2aServer::start(Duration::ZERO).await;
-    let (child, _dir) = serve_remote_stream(&remote, "slow").await;
+/// A Run of `agent` on `text` in a new session of alice's: its stream, and
+/// its first event (within 30 s).
+async fn first_event(
+    child: &Child,
+    agent: &str,
+    text: &str,
+) -> (agentd::client::RunEvents, pb::AgentEvent) {
     let mut c = child.client.clone();
     let session = c.create_session("alice").await.unwrap().session_id;
     let req = pb::RunRequest {
         user_id: "alice".into(),
         session_id: session,
         request_id: "r1".into(),
-        // 1000 events at 5/s: minutes, unless cancelled.
-        text: "n=1000 size=4 rate=5".into(),
-        agent: "slow".into(),
+        text: text.into(),
+        agent: agent.into(),
         ..Default::default()
     };
     let mut stream = c.run(req, DEADLINE).await.unwrap().events;
@@ -183,6 +185,15 @@ async fn a_cancelled_run_cancels_the_remote_task() {
         .expect("no event from the remote")
         .unwrap()
         .unwrap();
+    (stream, first)
+}
+
+#[tokio::test]
+async fn a_cancelled_run_cancels_the_remote_task() {
+    let remote = A2aServer::start(Duration::ZERO).await;
+    let (child, _dir) = serve_remote_stream(&remote, "slow").await;
+    // 1000 events at 5/s: minutes, unless cancelled.
+    let (stream, first) = first_event(&child, "slow", "n=1000 size=4 rate=5").await;
     assert_eq!(first.kind(), pb::EventKind::PartialText);
     assert!(remote.turns.in_flight() > 0);
     drop(stream);
@@ -1073,22 +1084,7 @@ async fn cancels(peer: &ScriptedPeer, n: usize) -> Vec<String> {
 async fn the_cancel_of_a_dropped_run_reads_its_answer_within_the_runs_bounds() {
     let (url, peer) = scripted_peer().await;
     let (child, _dir) = serve_peer(&url).await;
-    let mut c = child.client.clone();
-    let session = c.create_session("alice").await.unwrap().session_id;
-    let req = pb::RunRequest {
-        user_id: "alice".into(),
-        session_id: session,
-        request_id: "r1".into(),
-        text: "huge-cancel".into(),
-        agent: "peer".into(),
-        ..Default::default()
-    };
-    let mut stream = c.run(req, DEADLINE).await.unwrap().events;
-    let first = tokio::time::timeout(Duration::from_secs(30), stream.message())
-        .await
-        .expect("no event from the remote")
-        .unwrap()
-        .unwrap();
+    let (stream, first) = first_event(&child, "peer", "huge-cancel").await;
     assert_eq!(first.text, "Hel");
     drop(stream);
     assert_eq!(cancels(&peer, 1).await, ["t-scripted"]);

@@ -2392,40 +2392,67 @@ async fn on_postgres_events_racing_their_turns_end_wait_for_it_and_are_refused()
     assert_eq!(texts, ["before"], "no event lands after the turn ended");
 }
 
+/// PostgreSQL, for the migration tests: `db` migrated, then migration
+/// `version` taken back (`undo` reverts its change), as the release before
+/// it left the database; and a connection that ran `hold` in a transaction
+/// it keeps open (`COMMIT` on it ends that). Returns a pool to look with,
+/// and that connection.
+async fn before_migration(
+    db: &TestDb,
+    version: i64,
+    undo: &str,
+    hold: &str,
+) -> (sqlx::PgPool, sqlx::PgConnection) {
+    use sqlx::Connection as _;
+    db.open().await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(&format!(
+        "{undo}; DELETE FROM _sqlx_migrations WHERE version = {version}"
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let mut long = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql(&format!("BEGIN; {hold}"))
+        .execute(&mut long)
+        .await
+        .unwrap();
+    (admin, long)
+}
+
+/// Opens a store on `db`, migrating it, within a minute. Driven beside a
+/// test's checks in its own task (the store's future is not `Send` for
+/// every lifetime, as a spawned task's must be).
+async fn migrate_within_a_minute(db: &TestDb) -> anyhow::Result<()> {
+    tokio::time::timeout(Duration::from_secs(60), agentd::store::open(&db.url))
+        .await
+        .expect("the migration went through once the transaction ended")
+        .map(|_| ())
+}
+
 /// PostgreSQL: a migration that finds its table held by a long transaction
 /// (a report, a backup) waits for it only a moment at a time, so the
 /// replicas still serving are not queued behind it; it goes through once
 /// the transaction ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_migration_held_up_by_a_long_transaction_does_not_hold_up_the_tables() {
-    use sqlx::Connection as _;
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    db.open().await;
-    // The database as the release before the answer's payload left it.
-    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
-    sqlx::raw_sql(
-        "ALTER TABLE turns DROP COLUMN answer_payload; DELETE FROM _sqlx_migrations WHERE version = 10",
+    // The database as the release before the answer's payload left it,
+    // and a report reading the table in a transaction left open.
+    let (admin, mut report) = before_migration(
+        &db,
+        10,
+        "ALTER TABLE turns DROP COLUMN answer_payload",
+        "SELECT count(*) FROM turns",
     )
-    .execute(&admin)
-    .await
-    .unwrap();
-    let mut long = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    let mut report = long.begin().await.unwrap();
-    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM turns")
-        .fetch_one(&mut *report)
-        .await
-        .unwrap();
-    // Driven beside the checks, in this task (the store's future is not
-    // `Send` for every lifetime, as a spawned task's must be).
+    .await;
     let migrated = std::sync::atomic::AtomicBool::new(false);
     let migrating = async {
-        let opened = tokio::time::timeout(Duration::from_secs(60), agentd::store::open(&db.url))
-            .await
-            .expect("the migration went through once the transaction ended");
+        let opened = migrate_within_a_minute(&db).await;
         migrated.store(true, std::sync::atomic::Ordering::SeqCst);
-        opened.map(|_| ())
+        opened
     };
     let checks = async {
         a_statement_waits_for_a_lock(&admin, "the migration waits for the long transaction").await;
@@ -2444,7 +2471,7 @@ async fn on_postgres_a_migration_held_up_by_a_long_transaction_does_not_hold_up_
             !migrated.load(std::sync::atomic::Ordering::SeqCst),
             "the migration waits for the table"
         );
-        report.commit().await.unwrap();
+        sqlx::raw_sql("COMMIT").execute(&mut report).await.unwrap();
     };
     let (opened, ()) = tokio::join!(migrating, checks);
     opened.unwrap();
@@ -2464,29 +2491,18 @@ async fn on_postgres_a_migration_held_up_by_a_long_transaction_does_not_hold_up_
 /// and built again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_an_index_built_concurrently_waits_out_a_long_transaction_in_one_go() {
-    use sqlx::Connection as _;
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    db.open().await;
-    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
-    sqlx::raw_sql("DROP INDEX sessions_by_update; DELETE FROM _sqlx_migrations WHERE version = 8")
-        .execute(&admin)
-        .await
-        .unwrap();
     // A writer's lock on the table, held: the build waits for it.
-    let mut long = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    let mut writer = long.begin().await.unwrap();
-    sqlx::query("UPDATE sessions SET updated_at = updated_at WHERE false")
-        .execute(&mut *writer)
-        .await
-        .unwrap();
-    let migrating = async {
-        tokio::time::timeout(Duration::from_secs(60), agentd::store::open(&db.url))
-            .await
-            .expect("the migration went through once the transaction ended")
-            .map(|_| ())
-    };
+    let (admin, mut writer) = before_migration(
+        &db,
+        8,
+        "DROP INDEX sessions_by_update",
+        "UPDATE sessions SET updated_at = updated_at WHERE false",
+    )
+    .await;
+    let migrating = migrate_within_a_minute(&db);
     let build = || {
         let admin = admin.clone();
         async move {
@@ -2505,7 +2521,7 @@ async fn on_postgres_an_index_built_concurrently_waits_out_a_long_transaction_in
         // Past the migrations' 2 s lock wait and the pause before a retry.
         tokio::time::sleep(Duration::from_millis(3500)).await;
         assert_eq!(build().await, Some(first), "the same build, still waiting");
-        writer.commit().await.unwrap();
+        sqlx::raw_sql("COMMIT").execute(&mut writer).await.unwrap();
     };
     let (opened, ()) = tokio::join!(migrating, checks);
     opened.unwrap();
