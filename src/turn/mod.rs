@@ -348,6 +348,17 @@ struct LiveTurns {
     cancelled_early: HashMap<TurnKey, tokio::time::Instant>,
 }
 
+impl LiveTurns {
+    /// Keeps `key` as cancelled before its pump started (the pump stops as
+    /// it starts), dropping those kept longer than a `lease` ago.
+    fn cancel_early(&mut self, key: &TurnKey, lease: Duration) {
+        let now = tokio::time::Instant::now();
+        self.cancelled_early
+            .retain(|_, at| now.duration_since(*at) < lease);
+        self.cancelled_early.insert(key.clone(), now);
+    }
+}
+
 /// The turn engine one server owns.
 pub struct Turns {
     store: Arc<dyn Store>,
@@ -919,11 +930,7 @@ impl Turns {
         } else if owner == self.cfg.replica_id {
             // Claimed here, its pump not started yet (or ended already,
             // its outcome's write under way).
-            let now = tokio::time::Instant::now();
-            let lease = self.cfg.lease;
-            live.cancelled_early
-                .retain(|_, at| now.duration_since(*at) < lease);
-            live.cancelled_early.insert(key.clone(), now);
+            live.cancel_early(key, self.cfg.lease);
             tracing::info!(turn = %key, "turn cancelled (CancelTurn); its run here stops as it starts");
         } else {
             tracing::info!(turn = %key, owner, "turn cancelled (CancelTurn); the replica running it is told to stop it, and stops it at its next lease renewal if the word is lost");
@@ -945,13 +952,7 @@ impl Turns {
                 tracing::info!(turn = %key, "the turn was cancelled elsewhere (CancelTurn); stopping its run");
             }
             Some(_) => {}
-            None => {
-                let now = tokio::time::Instant::now();
-                let lease = self.cfg.lease;
-                live.cancelled_early
-                    .retain(|_, at| now.duration_since(*at) < lease);
-                live.cancelled_early.insert(key.clone(), now);
-            }
+            None => live.cancel_early(key, self.cfg.lease),
         }
     }
 }
