@@ -322,3 +322,46 @@ async fn on_postgres_claims_retried_one_at_a_time_stop_once_the_database_is_away
     assert!(is_unavailable(&rest), "{rest:?}");
     assert!(store.get_turn(&b).await.unwrap().is_none());
 }
+
+/// PostgreSQL: the lease sweep leaves a turn whose row another transaction
+/// holds (a committer storing its events share-locks it) to its next run,
+/// instead of waiting for it while holding the rows it has already ended,
+/// which could deadlock with a committer storing several of them.
+#[tokio::test]
+async fn on_postgres_the_lease_sweep_passes_over_turns_a_writer_holds() {
+    use sqlx::Connection as _;
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let (store, session) = with_turns(&db, &["a", "b"]).await;
+    let (a, b) = (key(session, "a"), key(session, "b"));
+    let mut writer = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut writer).await.unwrap();
+    sqlx::query("SELECT 1 FROM turns WHERE session_id = $1 AND request_id = 'a' FOR SHARE")
+        .bind(session.to_string())
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    let later = SystemTime::now() + Duration::from_secs(120);
+    let swept = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.fail_expired(later, &UNAVAILABLE),
+    )
+    .await
+    .expect("the sweep waited for the writer's lock")
+    .unwrap();
+    assert_eq!(swept, vec![b.clone()]);
+    assert_eq!(
+        store.get_turn(&a).await.unwrap().unwrap().state,
+        TurnState::Running
+    );
+    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
+    assert_eq!(
+        store.fail_expired(later, &UNAVAILABLE).await.unwrap(),
+        vec![a.clone()]
+    );
+    assert_eq!(
+        store.get_turn(&a).await.unwrap().unwrap().state,
+        TurnState::Failed
+    );
+}

@@ -519,6 +519,9 @@ pub(super) struct Dialect {
     pub kinds: super::KindEncoding,
     /// The health check: one boolean, whether the database takes writes.
     pub ping: &'static str,
+    /// Ends the running turns whose lease ran out before $4 with ($1 state,
+    /// $2 code, $3 message, $4 now), returning each one's key.
+    pub fail_expired: &'static str,
 }
 
 /// A session's event log deleted after the session, in chunks: a large
@@ -1170,11 +1173,7 @@ macro_rules! sql_store {
                 let update = {
                     let (pool, outcome) = (self.write.clone(), outcome.clone());
                     async move {
-                        sqlx::query(
-                            "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-                             WHERE state = 'running' AND lease_expires_at < $4 \
-                             RETURNING session_id, request_id",
-                        )
+                        sqlx::query(Self::SQL.fail_expired)
                         .bind(outcome.state.as_str())
                         .bind(outcome.code as i64)
                         .bind(&outcome.message)

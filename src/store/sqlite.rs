@@ -677,6 +677,10 @@ impl SqliteStore {
         // started on it cannot replay the turns stored since (see README).
         kinds: super::KindEncoding::Code,
         ping: "SELECT 1 = 1",
+        // The one writer connection never waits for another's row lock.
+        fail_expired: "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+             WHERE state = 'running' AND lease_expires_at < $4 \
+             RETURNING session_id, request_id",
     };
 }
 
