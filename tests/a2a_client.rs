@@ -183,6 +183,7 @@ async fn artifacts_past_the_size_limit_end_the_call_and_cancel_the_task() {
     let CallError::TooLarge {
         task_id: Some(task_id),
         limit: 40,
+        cancel: agentd::client::a2a::Cancellation::Acknowledged(_),
     } = &err
     else {
         panic!("{err:?}")

@@ -592,8 +592,12 @@ fn call_error(agent: &str, e: CallError) -> AgentError {
             tracing::warn!(%agent, task = %task_id, %cause, "remote_a2a: the remote task could not be recovered");
             unavailable("the remote A2A agent stopped answering; its task was cancelled")
         }
-        CallError::TooLarge { task_id, limit } => {
-            tracing::warn!(%agent, task = ?task_id, limit, "remote_a2a: the remote task's artifacts outgrew the limit; it was cancelled");
+        CallError::TooLarge {
+            task_id,
+            limit,
+            cancel,
+        } => {
+            tracing::warn!(%agent, task = ?task_id, limit, %cancel, "remote_a2a: the remote task's artifacts outgrew the limit");
             AgentError::FailedPrecondition(format!(
                 "the remote A2A agent's answer is larger than {} MiB",
                 limit >> 20

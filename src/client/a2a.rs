@@ -561,15 +561,14 @@ pub enum CallError {
         last_state: Option<TaskState>,
         artifacts: Vec<Artifact>,
     },
-    /// The remote task's artifacts outgrew `max_artifact_bytes`; CancelTask
-    /// was sent if its id was known (how that went is logged).
-    #[error(
-        "the remote task's artifacts are larger than {limit} bytes; {}",
-        cancel_sent(task_id)
-    )]
+    /// The remote task's artifacts outgrew `max_artifact_bytes`; the task
+    /// was cancelled if its id was known and it was still running (`cancel`
+    /// says how that went).
+    #[error("the remote task's artifacts are larger than {limit} bytes; {cancel}")]
     TooLarge {
         task_id: Option<String>,
         limit: usize,
+        cancel: Cancellation,
     },
     /// The remote agent refused the request; or, recovering a dropped
     /// stream, failed GetTask with an error that retrying cannot fix (the
@@ -599,6 +598,8 @@ pub enum CallError {
 pub enum Cancellation {
     /// None was sent: the task's id was never known.
     NotSent,
+    /// None was needed: the task had already ended.
+    Ended,
     /// The remote answered it; the task's state in its answer.
     Acknowledged(TaskState),
     /// It failed or went unanswered: the task may still be running.
@@ -610,6 +611,9 @@ impl std::fmt::Display for Cancellation {
         match self {
             Cancellation::NotSent => {
                 f.write_str("no cancel was sent: the remote task's id was never known")
+            }
+            Cancellation::Ended => {
+                f.write_str("no cancel was sent: the remote task had already ended")
             }
             Cancellation::Acknowledged(TaskState::Canceled) => {
                 f.write_str("the remote task was cancelled")
@@ -625,15 +629,6 @@ impl std::fmt::Display for Cancellation {
                 "CancelTask failed ({why}): the remote task may still be running"
             ),
         }
-    }
-}
-
-/// [`CallError::TooLarge`] keeps no cancel outcome (its fields are fixed),
-/// so it says only what it knows: whether a cancel was sent.
-fn cancel_sent(task_id: &Option<String>) -> String {
-    match task_id {
-        Some(_) => "CancelTask was sent (its outcome is logged)".to_owned(),
-        None => Cancellation::NotSent.to_string(),
     }
 }
 
@@ -1192,9 +1187,12 @@ impl A2aClient {
         // earlier turn's artifact from one of this turn's that a gap lost.
         // Without either (the look failed too), a recovery may bring
         // earlier turns' artifacts back.
+        // The look waits an idle period at most, so that a remote slow to
+        // answer it does not keep the reply from being sent.
         if let Some(id) = &message.task_id {
             st.lead = Lead::Reply;
-            if let Ok(Ok(task)) = tokio::time::timeout_at(deadline, self.get_task(id)).await {
+            let until = look_until(deadline, opts);
+            if let Ok(Ok(task)) = tokio::time::timeout_at(until, self.get_task(id)).await {
                 st.remember_earlier_turns(
                     task.artifacts.unwrap_or_default(),
                     opts.max_artifact_bytes,
@@ -1263,7 +1261,9 @@ impl A2aClient {
             if failed_in_a_row >= opts.max_recoveries {
                 // One last look: a task that ended meanwhile is answered,
                 // not cancelled.
-                match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                match tokio::time::timeout_at(look_until(deadline, opts), self.get_task(&task_id))
+                    .await
+                {
                     Ok(Ok(task)) => {
                         st.apply_task(&task);
                         if let Some(end) = end_of(&st, None) {
@@ -1288,8 +1288,17 @@ impl A2aClient {
                 return Err(self.abandon_at_deadline(&st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
-            match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
-                Err(_) => return Err(self.abandon_at_deadline(&st).await),
+            match tokio::time::timeout_at(look_until(deadline, opts), self.get_task(&task_id)).await
+            {
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(self.abandon_at_deadline(&st).await);
+                }
+                Err(_) => {
+                    tracing::warn!(task = %task_id, "a2a: GetTask went unanswered for an idle period during recovery");
+                    recovery_failed =
+                        Some(format!("GetTask: no answer within {:?}", opts.idle_timeout));
+                    continue;
+                }
                 Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     return Err(lost_or_refused(&st, task_id, "GetTask", e));
@@ -1313,8 +1322,19 @@ impl A2aClient {
                     st.mark_gap();
                 }
             }
-            match tokio::time::timeout_at(deadline, self.subscribe(&task_id)).await {
-                Err(_) => return Err(self.abandon_at_deadline(&st).await),
+            match tokio::time::timeout_at(look_until(deadline, opts), self.subscribe(&task_id))
+                .await
+            {
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(self.abandon_at_deadline(&st).await);
+                }
+                Err(_) => {
+                    tracing::warn!(task = %task_id, "a2a: SubscribeToTask went unanswered for an idle period");
+                    recovery_failed = Some(format!(
+                        "SubscribeToTask: no answer within {:?}",
+                        opts.idle_timeout
+                    ));
+                }
                 Ok(Ok(s)) => {
                     stream = Some(s);
                     st.lead = Lead::Resubscribed;
@@ -1332,8 +1352,16 @@ impl A2aClient {
                         e.code,
                         a2a::error_code::UNSUPPORTED_OPERATION | a2a::error_code::TASK_NOT_FOUND
                     );
-                    match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
-                        Err(_) => return Err(self.abandon_at_deadline(&st).await),
+                    match tokio::time::timeout_at(
+                        look_until(deadline, opts),
+                        self.get_task(&task_id),
+                    )
+                    .await
+                    {
+                        Err(_) if Instant::now() >= deadline => {
+                            return Err(self.abandon_at_deadline(&st).await);
+                        }
+                        Err(_) => {}
                         Ok(Ok(task)) => {
                             st.apply_task(&task);
                             if let Some(e) = self.too_large(&st, opts).await {
@@ -1398,25 +1426,36 @@ impl A2aClient {
                 return Err(self.abandon_at_deadline(st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
-            // The task is over: a remote that does not answer holds the call
-            // no longer than one idle period, not to its deadline.
-            let until = deadline.min(Instant::now() + opts.idle_timeout);
-            let task = match tokio::time::timeout_at(until, self.get_task(&task_id)).await {
-                Err(_) => return Err(self.abandon_at_deadline(st).await),
+            // A look the remote leaves unanswered for an idle period is a
+            // failed look, like one it answers with an error; past the
+            // deadline the task is abandoned.
+            let task = match tokio::time::timeout_at(
+                look_until(deadline, opts),
+                self.get_task(&task_id),
+            )
+            .await
+            {
+                Ok(Ok(task)) => task,
                 Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     return Err(lost_or_refused(st, task_id, "GetTask", e));
                 }
-                Ok(Err(e)) => {
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(self.abandon_at_deadline(st).await);
+                }
+                failed => {
+                    let failure = match failed {
+                        Ok(Err(e)) => e.message,
+                        _ => format!("no answer within {:?}", opts.idle_timeout),
+                    };
                     failed_in_a_row += 1;
-                    tracing::warn!(task = %task_id, attempt = failed_in_a_row, error = %e.message, "a2a: GetTask failed while following the task by GetTask");
+                    tracing::warn!(task = %task_id, attempt = failed_in_a_row, error = %failure, "a2a: GetTask failed while following the task by GetTask");
                     if failed_in_a_row >= opts.max_recoveries.max(1) {
-                        let cause = format!("GetTask failed: {}", e.message);
+                        let cause = format!("GetTask failed: {failure}");
                         return Err(self.give_up(st, task_id, cause, failed_in_a_row).await);
                     }
                     continue;
                 }
-                Ok(Ok(task)) => task,
             };
             failed_in_a_row = 0;
             let event = StreamResponse::Task(task);
@@ -1524,7 +1563,14 @@ impl A2aClient {
         let Some(task_id) = st.task_id.clone() else {
             return end;
         };
-        let task = match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+        // The task is over: a remote that does not answer holds the call
+        // no longer than one idle period, not to its deadline.
+        let task = match tokio::time::timeout_at(
+            look_until(deadline, opts),
+            self.get_task(&task_id),
+        )
+        .await
+        {
             Ok(Ok(task)) if task.status.state == TaskState::Completed => task,
             Ok(Ok(task)) => {
                 tracing::warn!(task = %task_id, state = ?task.status.state, "a2a: GetTask after the task completed shows another state; its result stays flagged incomplete");
@@ -1534,7 +1580,10 @@ impl A2aClient {
                 tracing::warn!(task = %task_id, error = %e.message, "a2a: GetTask after the task completed failed; its result stays flagged incomplete");
                 return end;
             }
-            Err(_) => return end,
+            Err(_) => {
+                tracing::warn!(task = %task_id, "a2a: GetTask after the task completed went unanswered for an idle period; its result stays flagged incomplete");
+                return end;
+            }
         };
         st.apply_task(&task);
         // Covered: the snapshot's artifacts replaced the buffer, or the
@@ -1548,6 +1597,7 @@ impl A2aClient {
             return Err(CallError::TooLarge {
                 task_id: st.task_id.clone(),
                 limit: opts.max_artifact_bytes,
+                cancel: Cancellation::Ended,
             });
         }
         end_of(st, None).unwrap_or(end)
@@ -1559,13 +1609,17 @@ impl A2aClient {
         if st.artifact_bytes <= opts.max_artifact_bytes {
             return None;
         }
-        if let Some(id) = &st.task_id {
-            self.cancel_logged(id, st, "its artifacts outgrew the limit")
-                .await;
-        }
+        let cancel = match &st.task_id {
+            Some(id) => {
+                self.cancel_logged(id, st, "its artifacts outgrew the limit")
+                    .await
+            }
+            None => Cancellation::NotSent,
+        };
         Some(CallError::TooLarge {
             task_id: st.task_id.clone(),
             limit: opts.max_artifact_bytes,
+            cancel,
         })
     }
 
@@ -1611,6 +1665,14 @@ impl A2aClient {
         tracing::warn!(task = %task_id, reached = ?st.last_state, artifacts = st.artifacts.len(), %cancel, "a2a: abandoned the remote task ({why})");
         cancel
     }
+}
+
+/// How long one request a call makes to look at its task (GetTask,
+/// SubscribeToTask) may go unanswered: an idle period, as a stream may stay
+/// silent, and never past the call's deadline. An unanswered look counts as
+/// a failed one.
+fn look_until(deadline: Instant, opts: &CallOptions) -> Instant {
+    deadline.min(Instant::now() + opts.idle_timeout)
 }
 
 /// The end of a call whose recovery met an error that retrying cannot fix:
@@ -2034,7 +2096,7 @@ mod tests {
             };
             let err = go_with(&remote, &o).await.unwrap_err();
             assert!(
-                matches!(&err, CallError::TooLarge { task_id: Some(t), limit } if t == "t" && *limit == 16 << 10),
+                matches!(&err, CallError::TooLarge { task_id: Some(t), limit, cancel: Cancellation::Acknowledged(TaskState::Canceled) } if t == "t" && *limit == 16 << 10),
                 "{err:?}"
             );
             assert_eq!(remote.count(&remote.cancelled), 1);
@@ -2320,6 +2382,7 @@ mod tests {
         let too_large = CallError::TooLarge {
             task_id: None,
             limit: 1,
+            cancel: Cancellation::NotSent,
         }
         .to_string();
         assert!(
@@ -2593,6 +2656,153 @@ mod tests {
         let out = go(&remote).await.unwrap();
         assert_eq!(remote.count(&remote.got), 1);
         assert_eq!(result(out), ("123".to_owned(), false));
+    }
+
+    /// A GetTask the remote leaves unanswered holds a call one idle period
+    /// at most wherever the client looks: following a task by GetTask
+    /// alone (a failed look, retried: the task is not cancelled), settling
+    /// a completed task's gap (the result stays flagged), and before a
+    /// reply turn is sent (the reply goes out).
+    #[tokio::test]
+    async fn an_unanswered_get_task_holds_a_call_one_idle_period() {
+        let quick = CallOptions {
+            idle_timeout: Duration::from_millis(100),
+            deadline: Duration::from_secs(30),
+            ..opts()
+        };
+        async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+            tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{what}: the call waited for a GetTask past its idle period")
+                })
+        }
+        // Followed by GetTask alone (the remote does not offer
+        // SubscribeToTask); its third look goes unanswered.
+        let remote = Arc::new(Remote {
+            get: Box::new(|n| {
+                Ok(snapshot(
+                    if n < 4 {
+                        TaskState::Working
+                    } else {
+                        TaskState::Completed
+                    },
+                    None,
+                ))
+            }),
+            get_stalls: |n| n == 2,
+            ..dropped(Box::new(|_| {
+                Err(A2AError::new(a2a::error_code::METHOD_NOT_FOUND, "no"))
+            }))
+        });
+        let out = bounded("one look", go_with(&remote, &quick)).await;
+        assert!(matches!(out, Ok(Outcome::Completed { .. })), "{out:?}");
+        assert_eq!(remote.count(&remote.got), 5);
+        assert_eq!(remote.count(&remote.cancelled), 0);
+        // Every look unanswered: given up after `max_recoveries`, cancelled.
+        let remote = Arc::new(Remote {
+            get_stalls: |n| n >= 1,
+            ..dropped(Box::new(|_| {
+                Err(A2AError::new(a2a::error_code::METHOD_NOT_FOUND, "no"))
+            }))
+        });
+        let err = bounded("every look", go_with(&remote, &quick))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, CallError::Unrecoverable { cause, .. } if cause.contains("no answer within")),
+            "{err:?}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 1);
+        // A completed task whose gap the last GetTask would settle: the
+        // result, flagged, comes back after one idle period.
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("a", "1", false, false),
+                ]))
+            }),
+            get: Box::new(|_| Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])])))),
+            get_stalls: |n| n >= 1,
+            subscribe: Box::new(|_| {
+                Ok(stream(vec![
+                    chunk("a", "3", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let out = bounded("the gap", go_with(&remote, &quick)).await.unwrap();
+        assert!(
+            matches!(
+                &out,
+                Outcome::Completed {
+                    incomplete: true,
+                    ..
+                }
+            ),
+            "{out:?}"
+        );
+        // A reply into a waiting task whose look before sending goes
+        // unanswered: the reply is sent all the same.
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| Ok(stream(vec![status(TaskState::Completed)]))),
+            get_stalls: |_| true,
+            ..Remote::new()
+        });
+        let out = bounded("the reply", client_of(&remote).send(reply(), &quick, None)).await;
+        assert!(matches!(out, Ok(Outcome::Completed { .. })), "{out:?}");
+        assert_eq!(remote.count(&remote.sent), 1);
+    }
+
+    /// A completed task whose settling snapshot is over the limit ends the
+    /// call TooLarge without a cancel, and its error says so.
+    #[tokio::test]
+    async fn a_completed_tasks_snapshot_over_the_limit_is_not_cancelled() {
+        let remote = Arc::new(Remote {
+            send: Box::new(|_| {
+                Ok(stream(vec![
+                    status(TaskState::Working),
+                    chunk("a", "1", false, false),
+                ]))
+            }),
+            get: Box::new(|n| match n {
+                0 => Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])]))),
+                _ => Ok(snapshot(
+                    TaskState::Completed,
+                    Some(vec![art("a", &["1", &"x".repeat(32 << 10), "3"])]),
+                )),
+            }),
+            subscribe: Box::new(|_| {
+                Ok(stream(vec![
+                    chunk("a", "3", true, true),
+                    status(TaskState::Completed),
+                ]))
+            }),
+            ..Remote::new()
+        });
+        let o = CallOptions {
+            max_artifact_bytes: 16 << 10,
+            ..opts()
+        };
+        let err = go_with(&remote, &o).await.unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CallError::TooLarge {
+                    cancel: Cancellation::Ended,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("had already ended") && !text.contains("CancelTask was sent"),
+            "{text}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 0);
     }
 
     /// A reply turn's stream begins with the task as the turn began (A2A;
@@ -2925,6 +3135,8 @@ mod tests {
         get: Reply<Task>,
         subscribe: Reply<Stream>,
         cancel: Reply<Task>,
+        /// Which GetTasks (counted from 0) are never answered.
+        get_stalls: fn(usize) -> bool,
         sent: std::sync::atomic::AtomicUsize,
         got: std::sync::atomic::AtomicUsize,
         subscribed: std::sync::atomic::AtomicUsize,
@@ -2942,6 +3154,7 @@ mod tests {
                 get: no(),
                 subscribe: no(),
                 cancel: Box::new(|_| Ok(snapshot(TaskState::Canceled, None))),
+                get_stalls: |_| false,
                 sent: Default::default(),
                 got: Default::default(),
                 subscribed: Default::default(),
@@ -2986,7 +3199,11 @@ mod tests {
             _: &a2a_client::transport::ServiceParams,
             _: &GetTaskRequest,
         ) -> Result<Task, A2AError> {
-            next(&self.0.got, &self.0.get)
+            let n = self.0.got.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if (self.0.get_stalls)(n) {
+                std::future::pending::<()>().await;
+            }
+            (self.0.get)(n)
         }
         async fn list_tasks(
             &self,
