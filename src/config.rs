@@ -20,6 +20,15 @@ fn duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A [`duration`] that must be more than zero: a wait of none would end a
+/// call before it began.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match duration(s)? {
+        Duration::ZERO => Err("must be more than zero".into()),
+        d => Ok(d),
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "agentd",
@@ -794,7 +803,7 @@ pub struct AttachArgs {
     #[arg(long)]
     pub after_seq: Option<u64>,
     /// Give up after this long.
-    #[arg(long, value_parser = duration, default_value = "120s")]
+    #[arg(long, value_parser = positive_duration, default_value = "120s")]
     pub deadline: Duration,
     /// Print each event as a JSON object per line instead of text.
     #[arg(long)]
@@ -828,7 +837,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub agent: Option<String>,
     /// Give up (and cancel the run) after this long.
-    #[arg(long, value_parser = duration, default_value = "120s")]
+    #[arg(long, value_parser = positive_duration, default_value = "120s")]
     pub deadline: Duration,
     /// Print each event as a JSON object per line instead of text.
     #[arg(long)]
@@ -867,10 +876,10 @@ pub struct A2aArgs {
     pub token: Option<String>,
     /// No event for this long counts as a lost stream: the client recovers
     /// (task snapshot, then resubscribe).
-    #[arg(long, value_parser = duration, default_value = "30s")]
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub idle_timeout: Duration,
     /// Give up after this long and cancel the remote task.
-    #[arg(long, value_parser = duration, default_value = "120s")]
+    #[arg(long, value_parser = positive_duration, default_value = "120s")]
     pub deadline: Duration,
     /// Recoveries in a row that bring no update before giving up (and
     /// cancelling the remote task); one that brings updates starts the
@@ -1261,6 +1270,42 @@ mod tests {
         let s = serve(&["--stall-timeout", "1500ms", "--drain-delay", "0s"]);
         assert_eq!(s.stall_timeout, Duration::from_millis(1500));
         assert_eq!(s.drain_delay, Duration::ZERO);
+    }
+
+    /// A client's waits of zero would end its call before it began.
+    #[test]
+    fn client_deadlines_and_idle_timeouts_must_be_more_than_zero() {
+        for argv in [
+            &["agentd", "a2a", "--idle-timeout", "0s", "hi"][..],
+            &["agentd", "a2a", "--deadline", "0ms", "hi"],
+            &[
+                "agentd",
+                "run",
+                "--user",
+                "u",
+                "--session",
+                "s",
+                "--deadline",
+                "0s",
+                "hi",
+            ],
+            &[
+                "agentd",
+                "attach",
+                "--user",
+                "u",
+                "--session",
+                "s",
+                "--request-id",
+                "r",
+                "--deadline",
+                "0s",
+            ],
+        ] {
+            let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+            assert!(err.contains("must be more than zero"), "{argv:?}: {err}");
+        }
+        assert!(Cli::try_parse_from(["agentd", "a2a", "--idle-timeout", "1ms", "hi"]).is_ok());
     }
 
     #[test]
