@@ -6,17 +6,12 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-
-/// How often histogram samples are folded into their buckets when nobody
-/// scrapes, so memory stays bounded.
-const UPKEEP: Duration = Duration::from_secs(5);
 
 /// Whether the gRPC server reports SERVING; the server sets it with its
 /// health entries, `/readyz` reads it.
@@ -52,14 +47,6 @@ pub async fn serve(
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let handle = super::metrics::handle();
-    let upkeep = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(UPKEEP);
-        loop {
-            tick.tick().await;
-            handle.run_upkeep();
-        }
-    });
     let result = crate::server::serve_http(
         "admin",
         listener,
@@ -71,7 +58,6 @@ pub async fn serve(
         shutdown,
     )
     .await;
-    upkeep.abort();
     result.map_err(|e| anyhow::anyhow!("admin server failed: {e}"))
 }
 

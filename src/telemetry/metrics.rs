@@ -24,6 +24,8 @@
 //! | `agentd_accept_errors_total` | `port` | accepts that failed (out of file descriptors, say), each followed by a 50 ms pause |
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -65,6 +67,14 @@ const EVENTS_BUCKETS: &[f64] = &[
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// How often histogram samples are folded into their buckets. The recorder
+/// keeps every sample until a render or an upkeep folds it, so without
+/// this memory would grow with every call wherever nobody scrapes
+/// `/metrics` (the admin port off, a library user that never renders).
+const UPKEEP: Duration = Duration::from_secs(5);
+/// Upkeeps run so far.
+static UPKEEPS: AtomicU64 = AtomicU64::new(0);
+
 /// Installs the process-wide recorder (once) and returns its handle.
 pub fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
@@ -89,8 +99,27 @@ pub fn handle() -> &'static PrometheusHandle {
             tracing::warn!("another metrics recorder is installed; /metrics will be empty");
         }
         describe();
+        start_upkeep(handle.clone());
         handle
     })
+}
+
+/// Runs the recorder's upkeep every [`UPKEEP`] for the rest of the process,
+/// on a thread of its own: the recorder is process-wide and outlives any
+/// runtime.
+fn start_upkeep(handle: PrometheusHandle) {
+    let spawned = std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(UPKEEP);
+                handle.run_upkeep();
+                UPKEEPS.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "could not start the metrics upkeep thread; histogram samples are folded only when /metrics is scraped");
+    }
 }
 
 /// The Prometheus text exposition of every metric.
@@ -340,5 +369,29 @@ pub fn code_name(code: tonic::Code) -> &'static str {
         Unavailable => "UNAVAILABLE",
         DataLoss => "DATA_LOSS",
         Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The recorder folds its samples on its own, with or without an
+    /// admin port scraping it: otherwise each call's samples would be
+    /// kept for the life of the process.
+    #[test]
+    fn the_recorder_runs_its_upkeep_without_an_admin_port() {
+        handle();
+        metrics::histogram!(HANDLING_SECONDS).record(0.01);
+        let before = UPKEEPS.load(Ordering::Relaxed);
+        let give_up = std::time::Instant::now() + UPKEEP * 4;
+        while UPKEEPS.load(Ordering::Relaxed) == before {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "no upkeep ran in {:?}",
+                UPKEEP * 4
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
