@@ -65,10 +65,7 @@ pub fn init(format: LogFormat) -> anyhow::Result<Telemetry> {
     let directives = log_directives()?;
     let mut builder = SdkTracerProvider::builder().with_resource(resource());
     if otlp_configured() {
-        match opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .build()
-        {
+        match otlp_exporter() {
             Ok(exporter) => builder = builder.with_batch_exporter(exporter),
             Err(e) => eprintln!("warning: OTLP trace export is off: {e}"),
         }
@@ -84,6 +81,126 @@ pub fn init(format: LogFormat) -> anyhow::Result<Telemetry> {
         builder.build(),
         ansi,
     ))
+}
+
+/// The first of `vars` that is set and not empty.
+fn first_env(vars: &[&str]) -> Option<String> {
+    vars.iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+}
+
+/// The OTLP/gRPC span exporter the standard variables configure, its
+/// failures logged ([`LoggedExporter`]).
+fn otlp_exporter() -> anyhow::Result<LoggedExporter> {
+    let mut builder = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+    if let Some(tls) = otlp_tls()? {
+        use opentelemetry_otlp::WithTonicConfig as _;
+        builder = builder.with_tls_config(tls);
+    }
+    Ok(LoggedExporter {
+        inner: builder.build()?,
+        failing: std::sync::atomic::AtomicBool::new(false),
+    })
+}
+
+/// TLS for an `https://` OTLP endpoint: the system's trust roots, plus the
+/// CA in `OTEL_EXPORTER_OTLP_CERTIFICATE` (a collector with a private CA)
+/// and the client certificate and key in `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`
+/// and `OTEL_EXPORTER_OTLP_CLIENT_KEY` (a collector that asks for one), each
+/// also in its `_TRACES_` form. Without it an `https` endpoint was dialled
+/// in plain text and every export failed.
+fn otlp_tls() -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let endpoint = first_env(&[
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ])
+    .unwrap_or_default();
+    if !endpoint
+        .get(..8)
+        .is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+    {
+        return Ok(None);
+    }
+    let read = |what: &str, traces: &str, all: &str| -> anyhow::Result<Option<Vec<u8>>> {
+        let Some(path) = first_env(&[traces, all]) else {
+            return Ok(None);
+        };
+        std::fs::read(&path)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("cannot read the {what} in {path}: {e}"))
+    };
+    let mut tls = ClientTlsConfig::new().with_enabled_roots();
+    if let Some(ca) = read(
+        "collector's CA certificate",
+        "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    )? {
+        tls = tls.ca_certificate(Certificate::from_pem(ca));
+    }
+    let cert = read(
+        "client certificate",
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+    )?;
+    let key = read(
+        "client key",
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+        "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+    )?;
+    match (cert, key) {
+        (Some(cert), Some(key)) => tls = tls.identity(Identity::from_pem(cert, key)),
+        (None, None) => {}
+        _ => anyhow::bail!(
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY go together"
+        ),
+    }
+    Ok(Some(tls))
+}
+
+/// The OTLP exporter, saying when its exports fail: the SDK drops a batch
+/// it cannot export without a word. Logged once when exports start to
+/// fail, and once when they work again, not for every batch.
+#[derive(Debug)]
+struct LoggedExporter {
+    inner: opentelemetry_otlp::SpanExporter,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl opentelemetry_sdk::trace::SpanExporter for LoggedExporter {
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        use std::sync::atomic::Ordering::SeqCst;
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        match &result {
+            Err(e) if !self.failing.swap(true, SeqCst) => {
+                tracing::warn!(spans, error = %e, "OTLP trace export failed; spans are dropped until the collector takes them again");
+            }
+            Ok(()) if self.failing.swap(false, SeqCst) => {
+                tracing::info!("OTLP trace export works again");
+            }
+            _ => {}
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&mut self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
 }
 
 /// The log filter: `AGENTD_LOG`, else `RUST_LOG`, else the default. The
@@ -375,12 +492,18 @@ fn log_filter(directives: &str) -> LogFilter {
     LogFilter::Env(EnvFilter::new(directives))
 }
 
+/// The process's resource, from the standard variables; `service.name` is
+/// "agentd" unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` names
+/// it (the SDK's own default, `unknown_service`, says nothing).
 fn resource() -> Resource {
-    let builder = Resource::builder();
-    if std::env::var("OTEL_SERVICE_NAME").is_ok_and(|s| !s.is_empty()) {
-        builder.build()
+    let detected = Resource::builder().build();
+    let named = detected
+        .get(&opentelemetry::Key::from_static_str("service.name"))
+        .is_some_and(|v| !v.as_str().starts_with("unknown_service"));
+    if named {
+        detected
     } else {
-        builder.with_service_name("agentd").build()
+        Resource::builder().with_service_name("agentd").build()
     }
 }
 

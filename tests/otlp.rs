@@ -15,6 +15,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
+mod secured;
 mod serve_cmd;
 
 const BIN: &str = env!("CARGO_BIN_EXE_agentd");
@@ -63,41 +64,73 @@ impl Collector {
     }
 }
 
-#[tokio::test]
-async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
-    let collector = Collector::default();
+/// A collector on 127.0.0.1, over TLS with `tls`'s certificate if given;
+/// its endpoint URL (https names the host `localhost`, which the
+/// certificate is for).
+async fn start_collector(collector: &Collector, tls: Option<&secured::Pem>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let port = listener.local_addr().unwrap().port();
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let mut server = tonic::transport::Server::builder();
+    if let Some(pem) = tls {
+        server = server
+            .tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(tonic::transport::Identity::from_pem(&pem.cert, &pem.key)),
+            )
+            .unwrap();
+    }
     tokio::spawn(
-        tonic::transport::Server::builder()
+        server
             .add_service(TraceServiceServer::new(collector.clone()))
             .serve_with_incoming(incoming),
     );
+    match tls {
+        Some(_) => format!("https://localhost:{port}"),
+        None => format!("http://127.0.0.1:{port}"),
+    }
+}
 
-    let result = tokio::task::spawn_blocking(move || {
+/// Starts `agentd serve` with `env` (OTEL_* unset otherwise), creates a
+/// session and runs one turn through the CLI, then stops the server with
+/// SIGTERM (shutdown flushes the spans not yet exported). Its exit status
+/// and its log lines.
+async fn one_run_exported(
+    env: Vec<(&'static str, String)>,
+) -> (std::process::ExitStatus, Vec<String>) {
+    tokio::task::spawn_blocking(move || {
+        let mut cmd = serve_cmd::agentd_serve("off", "127.0.0.1:0", &["--drain-delay", "0s"]);
+        for var in [
+            "OTEL_SERVICE_NAME",
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env);
         let mut child = KillOnDrop(
-            serve_cmd::agentd_serve("off", "127.0.0.1:0", &["--drain-delay", "0s"])
-                .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-                .env_remove("OTEL_SERVICE_NAME")
-                .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                .stdout(Stdio::null())
+            cmd.stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap(),
         );
         let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
+        let mut log = Vec::new();
         let addr = loop {
             let line = lines
                 .next()
-                .expect("server exited before listening")
+                .unwrap_or_else(|| panic!("server exited before listening: {log:?}"))
                 .unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            log.push(line);
             if v["message"] == "agentd starting" {
                 break v["listen"].as_str().unwrap().to_owned();
             }
         };
-        std::thread::spawn(move || for _ in lines {});
+        let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
         let server = format!("http://{addr}");
         let cli = |args: &[&str]| {
             Command::new(BIN)
@@ -128,24 +161,27 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
             String::from_utf8_lossy(&out.stderr)
         );
 
-        // SIGTERM: shutdown flushes the spans not yet exported.
         Command::new("kill")
             .args(["-TERM", &child.0.id().to_string()])
             .status()
             .unwrap();
         let until = Instant::now() + Duration::from_secs(20);
-        loop {
+        let status = loop {
             if let Some(status) = child.0.try_wait().unwrap() {
-                return status;
+                break status;
             }
             assert!(Instant::now() < until, "server did not exit after SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
-        }
+        };
+        log.extend(rest.join().unwrap());
+        (status, log)
     })
     .await
-    .unwrap();
-    assert!(result.success(), "server exited with {result}");
+    .unwrap()
+}
 
+/// The spans of a run as `service` names them.
+fn assert_spans_of_a_run(collector: &Collector, service: &str) {
     let spans = collector.spans();
     for name in [
         "agents.v1.AgentService/Run",
@@ -154,12 +190,68 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
         "agents.v1.AgentService/CreateSession",
     ] {
         assert!(
-            spans
-                .iter()
-                .any(|(service, n)| service == "agentd" && n == name),
-            "no {name} span from agentd in {spans:?}"
+            spans.iter().any(|(s, n)| s == service && n == name),
+            "no {name} span from {service} in {spans:?}"
         );
     }
+}
+
+#[tokio::test]
+async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
+    let collector = Collector::default();
+    let endpoint = start_collector(&collector, None).await;
+    let (status, log) = one_run_exported(vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)]).await;
+    assert!(status.success(), "server exited with {status}: {log:?}");
+    assert_spans_of_a_run(&collector, "agentd");
+}
+
+/// An `https` endpoint is dialled over TLS, trusting the CA in
+/// OTEL_EXPORTER_OTLP_CERTIFICATE; and a service name given in
+/// OTEL_RESOURCE_ATTRIBUTES is the one the spans carry.
+#[tokio::test]
+async fn an_https_endpoint_with_a_private_ca_gets_the_spans_under_the_configured_name() {
+    let ca = secured::Ca::new("otlp test ca");
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let collector = Collector::default();
+    let endpoint = start_collector(&collector, Some(&ca.server())).await;
+    let (status, log) = one_run_exported(vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            ca_file.display().to_string(),
+        ),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "service.name=billing-agents,deployment.environment=test".into(),
+        ),
+    ])
+    .await;
+    assert!(status.success(), "server exited with {status}: {log:?}");
+    assert_spans_of_a_run(&collector, "billing-agents");
+}
+
+/// Spans that cannot be exported are dropped, and the log says so (once).
+#[tokio::test]
+async fn an_unreachable_collector_is_logged() {
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (status, log) = one_run_exported(vec![(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        format!("http://127.0.0.1:{port}"),
+    )])
+    .await;
+    assert!(status.success(), "server exited with {status}: {log:?}");
+    let failed = log
+        .iter()
+        .filter(|l| l.contains("OTLP trace export failed"))
+        .count();
+    assert_eq!(failed, 1, "{log:#?}");
 }
 
 /// The server, killed if the test fails before stopping it.
