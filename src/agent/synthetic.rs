@@ -53,6 +53,10 @@ impl Default for StreamSpec {
 
 /// The most events one `stream` run may emit, so a typo cannot run forever.
 pub const MAX_STREAM_EVENTS: u64 = 10_000_000;
+/// The slowest and fastest pace the `stream` agent keeps, in events per
+/// second (besides 0, no pacing).
+pub const MIN_STREAM_RATE: f64 = 1e-6;
+pub const MAX_STREAM_RATE: f64 = 1e9;
 /// The largest event the `stream` agent makes.
 pub const MAX_STREAM_EVENT_SIZE: usize = 1 << 20;
 
@@ -82,8 +86,12 @@ impl StreamSpec {
         if spec.size > MAX_STREAM_EVENT_SIZE {
             return Err(format!("size must be at most {MAX_STREAM_EVENT_SIZE}"));
         }
-        if !(spec.rate >= 0.0 && spec.rate.is_finite()) {
-            return Err("rate must be a non-negative number".into());
+        // The pace is one event every 1/rate seconds: a period of at least
+        // a nanosecond (tokio's timer refuses zero) that fits a Duration.
+        if !(spec.rate == 0.0 || (MIN_STREAM_RATE..=MAX_STREAM_RATE).contains(&spec.rate)) {
+            return Err(format!(
+                "rate must be 0 (no pacing) or between {MIN_STREAM_RATE} and {MAX_STREAM_RATE} events per second"
+            ));
         }
         Ok(spec)
     }
@@ -150,6 +158,15 @@ mod tests {
         assert!(StreamSpec::parse("frobnicate=1").is_err());
         assert!(StreamSpec::parse("n=many").is_err());
         assert!(StreamSpec::parse("rate=-1").is_err());
+        // Paces no timer can keep (a zero or overflowing period) are
+        // refused here, not a panic in the run.
+        for rate in ["1e10", "1e-20", "NaN", "inf"] {
+            assert!(
+                StreamSpec::parse(&format!("rate={rate}")).is_err(),
+                "{rate}"
+            );
+        }
+        assert!(StreamSpec::parse("rate=1e9").is_ok());
         assert!(StreamSpec::parse("n=99999999999").is_err());
     }
 }
