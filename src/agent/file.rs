@@ -350,17 +350,8 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
                 ));
             }
             (Some(var), None) => Some(
-                (opts.env)(var.get_ref())
-                    .filter(|v| !v.trim().is_empty())
-                    .ok_or_else(|| {
-                        at(
-                            Some(var.span()),
-                            &format!(
-                                "agent {name:?}: environment variable {} is not set",
-                                var.get_ref()
-                            ),
-                        )
-                    })?,
+                env_secret(var.get_ref(), opts, "api_key_env")
+                    .map_err(|why| at(Some(var.span()), &format!("agent {name:?}: {why}")))?,
             ),
             (None, Some(file)) => Some(
                 read_key(file.get_ref())
@@ -600,17 +591,8 @@ fn remote_agent(
             ));
         }
         (Some(var), None) => Some(
-            (opts.env)(var.get_ref())
-                .filter(|v| !v.trim().is_empty())
-                .ok_or_else(|| {
-                    at(
-                        Some(var.span()),
-                        &format!(
-                            "agent {name:?}: environment variable {} is not set",
-                            var.get_ref()
-                        ),
-                    )
-                })?,
+            env_secret(var.get_ref(), opts, "a2a.token_env")
+                .map_err(|why| at(Some(var.span()), &format!("agent {name:?}: {why}")))?,
         ),
         (None, Some(f)) => Some(
             read_secret(f.get_ref(), "a2a.token_file")
@@ -813,11 +795,7 @@ fn header_map(
             HeaderDoc::Value(s) => s.clone(),
             HeaderDoc::Secret(s) => {
                 let secret = match (&s.env, &s.file) {
-                    (Some(var), None) => (opts.env)(var)
-                        .filter(|x| !x.trim().is_empty())
-                        .ok_or_else(|| {
-                            format!("header {k}: environment variable {var} is not set")
-                        }),
+                    (Some(var), None) => env_secret(var, opts, &format!("header {k}: env")),
                     (None, Some(path)) => read_secret(path, &format!("header {k}: file")),
                     _ => Err(format!("header {k}: give env or file (one of them)")),
                 }
@@ -836,9 +814,44 @@ fn read_key(path: &Path) -> Result<String, String> {
     read_secret(path, "api_key_file")
 }
 
+/// Whether `s` can be the name of an environment variable: what shells
+/// and Kubernetes' `env` entries use.
+fn env_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The secret in environment variable `var` (named by `field`). Errors go
+/// to the log, so one never quotes what may be the secret itself: a key
+/// pasted where its variable's name belongs is not a variable's name.
+fn env_secret(var: &str, opts: &LoadOptions, field: &str) -> Result<String, String> {
+    if !env_name(var) {
+        return Err(format!(
+            "{field} is not the name of an environment variable (letters, digits and _): give the variable's name, not the secret itself"
+        ));
+    }
+    (opts.env)(var)
+        .filter(|v| !v.trim().is_empty())
+        .ok_or_else(|| format!("environment variable {var} is not set"))
+}
+
+/// The secret in the file at `path` (named by `field`). A path that is not
+/// there and names no directory may be the secret itself, pasted where its
+/// file's path belongs: it is not quoted.
 fn read_secret(path: &Path, field: &str) -> Result<String, String> {
-    let k = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {field} {}: {e}", path.display()))?;
+    let k = std::fs::read_to_string(path).map_err(|e| {
+        let bare = path.components().count() == 1 && !path.to_string_lossy().contains('.');
+        if e.kind() == std::io::ErrorKind::NotFound && bare {
+            format!(
+                "cannot read {field}: no such file (give the file's path, not the secret itself)"
+            )
+        } else {
+            format!("cannot read {field} {}: {e}", path.display())
+        }
+    })?;
     if k.trim().is_empty() {
         return Err(format!("{field} {} is empty", path.display()));
     }
@@ -1136,6 +1149,48 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
         let e = err(&bad);
         assert!(e.starts_with("agents.toml:14:"), "{e}");
         assert!(e.contains("NO_SUCH_VAR is not set"), "{e}");
+    }
+
+    /// A key pasted where its variable's name or its file's path belongs
+    /// is refused without quoting it: start-up errors reach the logs.
+    #[test]
+    fn a_key_written_where_its_source_belongs_is_not_quoted() {
+        const PASTED: &str = "sk-proj-AbC123xyz";
+        for (field, text) in [
+            (
+                "api_key_env",
+                GOOD.replace("\"MODEL_KEY\"", &format!("\"{PASTED}\"")),
+            ),
+            (
+                "api_key_file",
+                GOOD.replace(
+                    "api_key_env = \"MODEL_KEY\"",
+                    &format!("api_key_file = \"{PASTED}\""),
+                ),
+            ),
+            (
+                "header",
+                GOOD.replace(
+                    "api_key_env = \"MODEL_KEY\"",
+                    &format!("headers = {{ X-Token = {{ env = \"{PASTED}\" }} }}"),
+                ),
+            ),
+            (
+                "token_env",
+                REMOTE.replace("\"MODEL_KEY\"", &format!("\"{PASTED}\"")),
+            ),
+        ] {
+            let e = err(&text);
+            assert!(e.starts_with("agents.toml:"), "{field}: {e}");
+            assert!(!e.contains(PASTED), "{field}: {e}");
+            assert!(e.contains("not the secret itself"), "{field}: {e}");
+        }
+        // A path with a directory is quoted: it is no key.
+        let e = err(&GOOD.replace(
+            "api_key_env = \"MODEL_KEY\"",
+            "api_key_file = \"/run/secrets/missing-key\"",
+        ));
+        assert!(e.contains("/run/secrets/missing-key"), "{e}");
     }
 
     #[test]
