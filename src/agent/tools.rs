@@ -62,13 +62,16 @@ impl ToolDef {
         })
     }
 
-    /// Checks arguments; the error lists what is wrong, for the model.
+    /// Checks arguments; the error lists what is wrong, for the model. A
+    /// message quotes the value it refuses, which may be as large as the
+    /// model made it: each is cut to [`MAX_SCHEMA_ERROR_BYTES`], so the
+    /// tool result does not carry the arguments back several times over.
     pub fn check(&self, args: &Value) -> Result<(), String> {
         let errors: Vec<String> = self
             .validator
             .iter_errors(args)
             .take(5)
-            .map(|e| e.to_string())
+            .map(|e| clip(e.to_string(), MAX_SCHEMA_ERROR_BYTES))
             .collect();
         if errors.is_empty() {
             Ok(())
@@ -79,6 +82,19 @@ impl ToolDef {
             ))
         }
     }
+}
+
+/// The most of one schema error's message a tool result carries.
+pub const MAX_SCHEMA_ERROR_BYTES: usize = 300;
+
+/// `s` cut to at most `max` bytes (on a character boundary), saying so.
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let total = s.len();
+        s.truncate(s.floor_char_boundary(max));
+        s.push_str(&format!("… ({total} bytes in all)"));
+    }
+    s
 }
 
 /// A callable tool.
@@ -287,6 +303,24 @@ mod tests {
         assert!(t.def().check(&json!({"order_id": "1187"})).is_ok());
         assert!(t.def().check(&json!({})).unwrap_err().contains("order_id"));
         assert!(t.def().check(&json!({"order_id": 1187})).is_err());
+    }
+
+    /// The errors quote the refused value; a huge one is not carried back
+    /// whole, once per error.
+    #[test]
+    fn schema_errors_do_not_carry_a_huge_value_back() {
+        let def = ToolDef::new(
+            "t",
+            "d",
+            json!({"type": "object", "properties": {"q": {"type": "string", "maxLength": 5, "pattern": "^a$"}}}),
+        )
+        .unwrap();
+        let e = def.check(&json!({"q": "é".repeat(50_000)})).unwrap_err();
+        assert!(e.len() < 2048, "{} bytes", e.len());
+        assert!(e.contains("bytes in all"), "{e}");
+        // Short ones are whole.
+        let e = def.check(&json!({"q": "bb"})).unwrap_err();
+        assert!(e.contains("\"bb\"") && !e.contains("bytes in all"), "{e}");
     }
 
     #[test]
