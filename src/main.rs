@@ -616,6 +616,21 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
         max_recoveries: args.max_recoveries,
         ..CallOptions::default()
     };
+    // How to send the reply a waiting task asks for: to the same agent, the
+    // same way (credentials in the URL masked).
+    let mut reply_with = format!(
+        "agentd a2a --url {}",
+        shell_word(&client.mask_secrets(&args.url))
+    );
+    if let Some(b) = args
+        .binding
+        .and_then(|b| clap::ValueEnum::to_possible_value(&b))
+    {
+        reply_with.push_str(&format!(" --binding {}", b.get_name()));
+    }
+    if let Some(a) = &args.agent {
+        reply_with.push_str(&format!(" --agent {}", shell_word(a)));
+    }
     let metadata = args.agent.map(|a| {
         [("agent".to_owned(), serde_json::Value::String(a))]
             .into_iter()
@@ -733,7 +748,9 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             } else {
                 out!("{text}");
                 eprintln!(
-                    "the agent waits ({state:?}); reply with: agentd a2a --task {task_id} --context {context_id} TEXT"
+                    "the agent waits ({state:?}); reply with: {reply_with} --task {} --context {} TEXT",
+                    shell_word(&task_id),
+                    shell_word(&context_id)
                 );
             }
             Ok(())
@@ -757,5 +774,18 @@ async fn a2a_call(args: A2aArgs) -> anyhow::Result<()> {
             }
             Err(e.into())
         }
+    }
+}
+
+/// `s` as one word of a shell command line: as it is when it holds nothing
+/// a shell reads specially, else in single quotes.
+fn shell_word(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:@%+=,".contains(c));
+    if plain {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
     }
 }

@@ -249,15 +249,34 @@ async fn status_answers_are_printed_and_a_task_that_asks_for_input_takes_the_rep
                 .map(|(_, h)| h.to_owned())
         })
         .unwrap_or_else(|| panic!("no reply hint: {stderr}"));
+    // The hint names the agent it was sent to: pasted as it is, with no
+    // AGENTD_A2A_URL set, the reply reaches the same agent.
     let words: Vec<String> = hint.split_whitespace().map(str::to_owned).collect();
-    let (task, context) = match &words[..] {
-        [t, task, c, context, last] if t == "--task" && c == "--context" && last == "TEXT" => {
-            (task.clone(), context.clone())
+    let (url, task, context) = match &words[..] {
+        [u, url, t, task, c, context, last]
+            if u == "--url" && t == "--task" && c == "--context" && last == "TEXT" =>
+        {
+            (url.clone(), task.clone(), context.clone())
         }
         _ => panic!("{hint}"),
     };
-    let reply = ["--json", "--task", &task, "--context", &context, "chunks=2"];
-    let out = a2a(reply.iter().map(|s| s.to_string()).collect()).await;
+    assert_eq!(url, agent.base_url, "{hint}");
+    let out = tokio::process::Command::new(BIN)
+        .args([
+            "a2a",
+            "--url",
+            &url,
+            "--json",
+            "--task",
+            &task,
+            "--context",
+            &context,
+            "chunks=2",
+        ])
+        .env_remove("AGENTD_A2A_URL")
+        .output()
+        .await
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
     assert_eq!(v["state"], "completed", "{v}");
