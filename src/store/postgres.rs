@@ -180,16 +180,22 @@ impl PostgresStore {
         // A standby (or a primary demoted by a failover) answers reads but
         // refuses every write: not healthy for a server that must write.
         ping: "SELECT current_setting('transaction_read_only') = 'off'",
-        // Turns whose rows another transaction holds are left to the next
-        // sweep: a committer storing a turn's events share-locks its row
-        // (see `write_group`), a lease renewal updates it. Waiting for them
-        // while holding the rows already updated could deadlock with a
-        // committer storing several of those turns, both kept a second
-        // (`deadlock_timeout`) before one gives up.
+        // Turns whose rows another transaction holds are passed over, then
+        // ended one at a time (`fail_one_expired`): a committer storing a
+        // turn's events share-locks its row (see `write_group`), a lease
+        // renewal updates it. One statement waiting for them while holding
+        // the rows it had already updated could deadlock with a committer
+        // storing several of those turns, both kept a second
+        // (`deadlock_timeout`) before one gave up.
         fail_expired: "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
              WHERE (session_id, request_id) IN (SELECT session_id, request_id FROM turns \
                  WHERE state = 'running' AND lease_expires_at < $4 FOR UPDATE SKIP LOCKED) \
              RETURNING session_id, request_id",
+        fail_one_expired: Some(
+            "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+             WHERE session_id = $5 AND request_id = $6 AND state = 'running' AND lease_expires_at < $4 \
+             RETURNING session_id, request_id",
+        ),
     };
 }
 

@@ -522,7 +522,17 @@ pub(super) struct Dialect {
     /// Ends the running turns whose lease ran out before $4 with ($1 state,
     /// $2 code, $3 message, $4 now), returning each one's key.
     pub fail_expired: &'static str,
+    /// Where [`Dialect::fail_expired`] passes over turns whose rows another
+    /// transaction holds: the statement that ends one such turn ($5
+    /// session, $6 request, with the binds above), returning its key if it
+    /// did, run for each turn left expired, one at a time.
+    pub fail_one_expired: Option<&'static str>,
 }
+
+/// The running turns whose lease ran out before $1: those
+/// [`Dialect::fail_expired`] passed over.
+pub(super) const EXPIRED_TURNS: &str =
+    "SELECT session_id, request_id FROM turns WHERE state = 'running' AND lease_expires_at < $1";
 
 /// A session's event log deleted after the session, in chunks: a large
 /// session's log deleted in the session's transaction held SQLite's one
@@ -1173,13 +1183,37 @@ macro_rules! sql_store {
                 let update = {
                     let (pool, outcome) = (self.write.clone(), outcome.clone());
                     async move {
-                        sqlx::query(Self::SQL.fail_expired)
+                        let mut rows = sqlx::query(Self::SQL.fail_expired)
                         .bind(outcome.state.as_str())
                         .bind(outcome.code as i64)
                         .bind(&outcome.message)
                         .bind(to_micros(now))
                         .fetch_all(&pool)
-                        .await
+                        .await?;
+                        let Some(one) = Self::SQL.fail_one_expired else {
+                            return Ok(rows);
+                        };
+                        // The turns passed over, one at a time: each waits
+                        // for the one row it ends (a commit's moment),
+                        // holding no other, so no wait can close a cycle.
+                        let left: Vec<(String, String)> = sqlx::query_as($crate::store::sql::EXPIRED_TURNS)
+                            .bind(to_micros(now))
+                            .fetch_all(&pool)
+                            .await?;
+                        for (sid, rid) in left {
+                            rows.extend(
+                                sqlx::query(one)
+                                    .bind(outcome.state.as_str())
+                                    .bind(outcome.code as i64)
+                                    .bind(&outcome.message)
+                                    .bind(to_micros(now))
+                                    .bind(sid)
+                                    .bind(rid)
+                                    .fetch_optional(&pool)
+                                    .await?,
+                            );
+                        }
+                        Ok(rows)
                     }
                 };
                 let rows = match &self.sessions {

@@ -681,6 +681,7 @@ impl SqliteStore {
         fail_expired: "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
              WHERE state = 'running' AND lease_expires_at < $4 \
              RETURNING session_id, request_id",
+        fail_one_expired: None,
     };
 }
 
