@@ -170,3 +170,68 @@ async fn an_attached_reader_that_stalls_under_fail_gets_resource_exhausted() {
     assert_eq!(t.outcome.unwrap().code, Code::Ok as i32);
     server.stop().await;
 }
+
+/// A run with on_disconnect CONTINUE whose client stays connected but stops
+/// reading (a laptop asleep, a frozen process) goes on without it, as it
+/// would had the client gone away: the turn completes with every event
+/// stored, and the stalled call ends RESOURCE_EXHAUSTED, not recorded.
+#[tokio::test]
+async fn a_continue_run_whose_reader_stalls_goes_on_and_attach_replays_every_event() {
+    let mut server = TestServer::tcp(opts(SlowConsumer::Fail)).await;
+    let s = server.session("alice").await;
+    let n = 20_000u64; // 20 MiB: far more than the channel and the windows hold.
+    let mut req = with_agent(
+        run_request("alice", &s, "r1", &format!("n={n} size={SIZE}")),
+        "stream",
+    );
+    req.on_disconnect = agentd::pb::OnDisconnect::Continue as i32;
+    let mut call = server.client.run(req, DEADLINE).await.unwrap();
+    call.events.message().await.unwrap().unwrap();
+
+    // Stop reading: the run must not be cancelled for it.
+    let t = server.ended_turn(&s, "r1").await;
+    assert_eq!(t.state, TurnState::Completed, "{:?}", t.outcome);
+    assert_eq!(stored_events(&server, &s, "r1").await, n + 1);
+
+    // Reading again: what was in flight, then the status, which says the
+    // turn went on.
+    let mut received = 1u64;
+    let status = loop {
+        match call.events.message().await {
+            Ok(Some(_)) => received += 1,
+            Ok(None) => panic!("the stream ended with OK after {received} events"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("goes on"), "{status:?}");
+    assert!(
+        status
+            .metadata()
+            .get(agentd::grpc::status::TURN_OUTCOME_HEADER)
+            .is_none(),
+        "{status:?}"
+    );
+    assert!(received < n, "received {received} of {n}");
+
+    let attach = agentd::pb::AttachRequest {
+        user_id: "alice".into(),
+        session_id: s.clone(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    let mut attached = server
+        .client
+        .raw()
+        .attach(attach)
+        .await
+        .unwrap()
+        .into_inner();
+    let mut replayed = 0u64;
+    while let Some(e) = attached.message().await.unwrap() {
+        assert_eq!(e.seq, replayed);
+        replayed += 1;
+    }
+    assert_eq!(replayed, n + 1);
+    server.stop().await;
+}

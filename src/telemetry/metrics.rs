@@ -211,6 +211,12 @@ pub fn dedup(mode: Mode) {
     metrics::counter!(DEDUP, "mode" => mode.as_str()).increment(1);
 }
 
+/// A call was ended because its client stopped reading.
+pub fn slow_consumer() {
+    handle();
+    metrics::counter!(SLOW_CONSUMER).increment(1);
+}
+
 /// A Run's stream ended: how many events it sent and why it stopped.
 pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) {
     handle();
@@ -227,7 +233,7 @@ pub fn run_finished(mode: Mode, result: &Result<(), Failure>, events_sent: u64) 
         Failure::Shutdown => "shutdown",
         Failure::CancelledByRequest => "cancel_turn",
         Failure::SlowConsumer => {
-            metrics::counter!(SLOW_CONSUMER).increment(1);
+            slow_consumer();
             return;
         }
         _ => return,

@@ -482,6 +482,9 @@ impl Pump {
                 }
                 Ok(false) => Ok(()),
                 Err(Failure::ClientGone) => self.client_gone(),
+                // The final event stays the call's to deliver: the turn
+                // completed, and the call ends without it (`undelivered`).
+                Err(Failure::SlowConsumer) if !is_final => self.client_stalled(),
                 Err(Failure::Shutdown) => Err(self.stopped()),
                 Err(e) => Err(e),
             };
@@ -492,6 +495,29 @@ impl Pump {
                 return Ok(());
             }
             delivered?;
+        }
+    }
+
+    /// The client stopped reading past the stall timeout (`--slow-consumer
+    /// fail`): cancel, or, under CONTINUE, keep running without it. A client
+    /// that stays connected but does not read (a laptop asleep, a frozen
+    /// process) is then no different from one that went away: the run goes
+    /// on to its deadline, its events stored for Attach. The stalled call
+    /// ends at once, ahead of the events it has not read, as a follower's
+    /// would: RESOURCE_EXHAUSTED, the turn going on.
+    fn client_stalled(&mut self) -> Result<(), Failure> {
+        match self.on_disconnect {
+            OnDisconnect::Cancel => Err(Failure::SlowConsumer),
+            OnDisconnect::Continue => {
+                self.end.set(Err(Failure::StoppedFollowing(Box::new(
+                    Failure::SlowConsumer,
+                ))));
+                if self.client.take().is_some() {
+                    crate::telemetry::metrics::slow_consumer();
+                    tracing::info!(turn = %self.key, "client stopped reading; the run continues without it (on_disconnect CONTINUE)");
+                }
+                Ok(())
+            }
         }
     }
 

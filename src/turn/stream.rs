@@ -25,8 +25,13 @@ pub(super) struct End {
 }
 
 impl End {
-    /// Records how the stream ends. Call before dropping the sender.
+    /// Records how the stream ends. Call before dropping the sender. The
+    /// first call counts: a CONTINUE run's stalled client was told its end
+    /// when it was detached, and the run's own end is not its stream's.
     pub(super) fn set(&self, result: Result<(), Failure>) {
+        if self.set.load(Ordering::Acquire) {
+            return;
+        }
         if let Err(f) = result {
             let urgent = f.discards_buffer();
             *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
