@@ -229,9 +229,14 @@ where
     );
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, &opts.readiness, ServingStatus::Serving).await;
-    // Store upkeep (health checks, expired leases, retention), mirrored into
-    // grpc.health until shutdown takes health over.
-    let upkeep = tokio::spawn(store_upkeep(
+    // Store upkeep (health checks, expired leases, retention, cancels
+    // announced by other replicas), mirrored into grpc.health until
+    // shutdown takes health over. The upkeep itself runs on until the runs
+    // are done: a run draining here is still stopped by a CancelTurn served
+    // elsewhere, and CancelTurn and DeleteSession here see the store come
+    // back.
+    let upkeep = tokio::spawn(turns.upkeep());
+    let mirror = tokio::spawn(store_health_mirror(
         turns.clone(),
         health.clone(),
         opts.readiness.clone(),
@@ -351,8 +356,8 @@ where
             anyhow::bail!("the A2A HTTP server stopped by itself");
         }
     }
-    upkeep.abort();
-    let _ = upkeep.await;
+    mirror.abort();
+    let _ = mirror.await;
     tracing::info!(drain_delay = ?opts.drain_delay, "shutdown: health NOT_SERVING; still accepting during the drain delay");
     set_health(&health, &opts.readiness, ServingStatus::NotServing).await;
     // Cut short when the runs are cut (a second signal).
@@ -386,6 +391,8 @@ where
             );
         }
     }
+    upkeep.abort();
+    let _ = upkeep.await;
     match tokio::time::timeout(CONNECTIONS_CLOSE, &mut serving).await {
         Ok(r) => r??,
         Err(_) => {
@@ -406,26 +413,23 @@ where
     Ok(())
 }
 
-/// Runs the turn engine's upkeep and reports NOT_SERVING while its store
-/// is unreachable, SERVING again once it answers.
-async fn store_upkeep(turns: Arc<Turns>, health: HealthReporter, readiness: Readiness) {
+/// Reports NOT_SERVING while the turn engine's store is unreachable (as
+/// its upkeep finds it), SERVING again once it answers.
+async fn store_health_mirror(turns: Arc<Turns>, health: HealthReporter, readiness: Readiness) {
     let mut store_ok = turns.store_health();
-    let mirror = async {
-        while store_ok.changed().await.is_ok() {
-            let ok = *store_ok.borrow_and_update();
-            set_health(
-                &health,
-                &readiness,
-                if ok {
-                    ServingStatus::Serving
-                } else {
-                    ServingStatus::NotServing
-                },
-            )
-            .await;
-        }
-    };
-    tokio::join!(turns.upkeep(), mirror);
+    while store_ok.changed().await.is_ok() {
+        let ok = *store_ok.borrow_and_update();
+        set_health(
+            &health,
+            &readiness,
+            if ok {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            },
+        )
+        .await;
+    }
 }
 
 async fn set_health(health: &HealthReporter, readiness: &Readiness, status: ServingStatus) {

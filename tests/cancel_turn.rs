@@ -707,6 +707,43 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
     b.stop().await;
 }
 
+/// A CONTINUE run on A, cancelled through B while A shuts down (waiting
+/// for its runs to end): A still hears B's word through the store and
+/// stops the run at once, not at its next lease renewal, and its shutdown
+/// ends with it.
+#[tokio::test]
+async fn a_turn_running_on_a_draining_replica_cancelled_through_another_stops_at_once() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    // Renewed every 20 s: a stop within the wait below is B's word.
+    let lease = Duration::from_secs(60);
+    let a = Replica::start(db.open().await, "replica-a", lease).await;
+    let b = Replica::start(db.open().await, "replica-b", lease).await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    listening(&admin, 2).await;
+    let s = a.session(ALICE).await;
+    a.left_running(&s, "r1").await;
+
+    // A's shutdown, waiting (its grace is 70 s) for the run.
+    let (a_turns, a_counts) = (a.turns.clone(), a.counts.clone());
+    let a_stopped = tokio::spawn(a.stop());
+    eventually("A drains", || async { a_turns.is_draining().then_some(()) }).await;
+
+    let r = b.cancel(ALICE, &s, "r1").await.unwrap();
+    assert!(r.cancelled_now);
+    assert!(
+        stops_within(&a_counts, 1, Duration::from_secs(5)).await,
+        "A stopped the run long before its lease renewal"
+    );
+    tokio::time::timeout(Duration::from_secs(10), a_stopped)
+        .await
+        .expect("A's shutdown ends with its run")
+        .unwrap();
+    assert_replays_cancelled(&b, &s, "r1").await;
+    b.stop().await;
+}
+
 /// The server processes of this database listening for announcements.
 async fn listeners(admin: &sqlx::PgPool) -> Vec<i32> {
     sqlx::query_scalar(
