@@ -442,11 +442,21 @@ async fn set_health(health: &HealthReporter, readiness: &Readiness, status: Serv
 }
 
 /// tonic refuses a request larger than the decoding limit with OUT_OF_RANGE,
-/// and one that is not valid protobuf with INTERNAL (naming the message
-/// type and field that failed), before any handler runs; our contract says
+/// one that is not valid protobuf with INTERNAL (naming the message type
+/// and field that failed), and one whose gRPC framing is broken with
+/// INTERNAL too (a unary call with no message, a message cut short by the
+/// end of the stream, a compressed flag with no `grpc-encoding` or a flag
+/// that is neither 0 nor 1), before any handler runs; our contract says
 /// INVALID_ARGUMENT, with a message of our own. Such a refusal is a
 /// trailers-only response, so only the headers change.
 fn client_errors_are_invalid_argument<B>(mut resp: http::Response<B>) -> http::Response<B> {
+    /// tonic's messages for a request whose framing is broken, as they
+    /// start (tonic percent-encodes the spaces).
+    const BROKEN_FRAMING: [&str; 3] = [
+        "Missing%20request%20message.",
+        "Unexpected%20EOF%20decoding%20stream.",
+        "protocol%20error:",
+    ];
     let h = resp.headers();
     let status = h.get("grpc-status").and_then(|v| v.to_str().ok());
     let message = h
@@ -465,6 +475,13 @@ fn client_errors_are_invalid_argument<B>(mut resp: http::Response<B>) -> http::R
                 || message.starts_with("failed to decode") =>
         {
             "the%20request%20message%20is%20malformed%20(not%20valid%20protobuf%20for%20this%20method)"
+        }
+        Some("13")
+            if BROKEN_FRAMING
+                .iter()
+                .any(|m| message.starts_with(m) || message.starts_with(&m.replace("%20", " "))) =>
+        {
+            "the%20request%20is%20malformed%20(its%20gRPC%20framing%20is%20not%20valid:%20no%20message,%20a%20message%20cut%20short,%20or%20a%20bad%20compressed%20flag)"
         }
         _ => return resp,
     };

@@ -170,6 +170,75 @@ async fn a_malformed_grpc_timeout_is_invalid_argument() {
     server.stop().await;
 }
 
+/// A request whose gRPC framing is broken (a unary call with no message, a
+/// message cut short by the end of the stream, a compressed flag with no
+/// `grpc-encoding`, a flag that is neither 0 nor 1) is INVALID_ARGUMENT
+/// with a message of ours, not tonic's INTERNAL, and creates nothing.
+#[tokio::test]
+async fn a_request_whose_grpc_framing_is_broken_is_invalid_argument() {
+    use tonic::codegen::http;
+    use tower::ServiceExt as _;
+    const PATH: &str = "/agents.v1.AgentService/CreateSession";
+    let server = TestServer::tcp(Options::default()).await;
+    let channel = server.channel().await;
+    let assert_ours = |what: &str, code: Code, message: &str| {
+        assert_eq!(code, Code::InvalidArgument, "{what}: {message}");
+        assert!(
+            message.contains("framing is not valid")
+                && !message.contains("EOF")
+                && !message.contains("protocol error"),
+            "{what}: {message}"
+        );
+    };
+
+    // A client stream with no message, to a unary method.
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let status = grpc
+        .client_streaming(
+            tonic::Request::new(futures::stream::empty::<Vec<u8>>()),
+            tonic::codegen::http::uri::PathAndQuery::from_static(PATH),
+            RawCodec,
+        )
+        .await
+        .unwrap_err();
+    assert_ours("no message", status.code(), status.message());
+
+    // Frames as they are: the 5-byte gRPC prefix (flag, length) and what
+    // follows it.
+    let frames: [(&str, &[u8]); 4] = [
+        ("no message", &[]),
+        ("a message cut short", &[0, 0, 0, 0, 10, 0x0a, 0x02]),
+        ("a compressed flag with no grpc-encoding", &[1, 0, 0, 0, 0]),
+        ("a flag neither 0 nor 1", &[2, 0, 0, 0, 0]),
+    ];
+    for (what, body) in frames {
+        let req = http::Request::post(PATH)
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(tonic::body::Body::new(http_body_util::Full::new(
+                bytes::Bytes::from_static(body),
+            )))
+            .unwrap();
+        let resp = channel.clone().oneshot(req).await.unwrap();
+        // Refused before any handler runs: a trailers-only response.
+        let status = tonic::Status::from_header_map(resp.headers())
+            .unwrap_or_else(|| panic!("{what}: no status in the headers: {resp:?}"));
+        assert_ours(what, status.code(), status.message());
+    }
+    assert_eq!(
+        server
+            .store
+            .list_sessions(&agentd::domain::UserId::parse("alice").unwrap(), 10, None)
+            .await
+            .unwrap()
+            .sessions
+            .len(),
+        0
+    );
+    server.stop().await;
+}
+
 /// Bytes sent as they are: what a client that does not speak protobuf
 /// (or a broken one) puts in a gRPC message.
 #[derive(Clone, Copy, Default)]
