@@ -91,7 +91,11 @@ pub const MAX_SCHEMA_ERROR_BYTES: usize = 300;
 fn clip(mut s: String, max: usize) -> String {
     if s.len() > max {
         let total = s.len();
-        s.truncate(s.floor_char_boundary(max));
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
         s.push_str(&format!("… ({total} bytes in all)"));
     }
     s
