@@ -407,6 +407,83 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     b.kill9().await;
 }
 
+/// A replica following a task that runs on another, and stopped (a rolling
+/// restart) before the task ends, ends its subscribers' streams with an
+/// error, not a terminal status: the task runs on where it runs, and its
+/// subscribers look again (GetTask, or subscribe elsewhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_following_a_task_does_not_end_it_for_its_subscribers() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = serve(
+        &db.url,
+        &["--replica-id", "replica-a", "--tool-delay", "60s"],
+    )
+    .await;
+    let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
+    let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
+    let (running, _on_a_stream) = start_working(&on_a).await;
+    let mut followed = on_b
+        .raw()
+        .subscribe_to_task(&SubscribeToTaskRequest {
+            id: running.clone(),
+            tenant: None,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(
+        followed.next().await.unwrap().unwrap(),
+        StreamResponse::Task(t) if t.id == running
+    ));
+    a2a_support::until_tool_call(&mut followed).await;
+
+    // B drains (the follower holds it), then a second signal cuts what it
+    // still serves: its follower among them.
+    let pid = b.child.id().expect("B runs").to_string();
+    let term = || async {
+        let sent = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .expect("run kill");
+        assert!(sent.success(), "kill -TERM {pid}");
+    };
+    term().await;
+    eventually("B to drain", || async {
+        b.log_lines()
+            .iter()
+            .any(|l| l.contains("waiting for in-flight runs"))
+            .then_some(())
+    })
+    .await;
+    term().await;
+    let mut rest = vec![];
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), followed.next())
+        .await
+        .expect("the followed stream ends once B cuts its follower")
+    {
+        rest.push(ev);
+    }
+    assert!(
+        !rest.iter().flatten().any(
+            |ev| matches!(ev, StreamResponse::StatusUpdate(u) if u.status.state.is_terminal())
+        ),
+        "the follower's end was told as the task's: {rest:?}"
+    );
+    match rest.last() {
+        Some(Err(e)) => assert!(e.message.contains("stopped following"), "{e:?}"),
+        other => panic!("the followed stream did not end with an error: {other:?}"),
+    }
+    // The task runs on, on A.
+    assert_eq!(
+        on_a.get_task(&running).await.unwrap().status.state,
+        TaskState::Working
+    );
+    a.kill9().await;
+    b.kill9().await;
+}
+
 /// Replica "replica-a" on `store`, its turns' lease `lease`, whose order
 /// tool takes a minute: a task sent to it is still running when the test
 /// kills it.

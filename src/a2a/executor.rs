@@ -91,6 +91,9 @@ pub(crate) struct Job {
     continued: Option<Task>,
     /// The trace context the message's call carried.
     trace_parent: opentelemetry::Context,
+    /// The job follows a turn run elsewhere ([`Job::follower`]): see
+    /// [`updates`] for how its end differs.
+    following: bool,
 }
 
 /// The user a call is made by: with authentication on, the caller the
@@ -150,6 +153,7 @@ impl Job {
             user,
             agent,
             turn_index,
+            following: false,
         })
     }
 
@@ -165,6 +169,7 @@ impl Job {
             turn_index: 0,
             continued: None,
             trace_parent: opentelemetry::Context::new(),
+            following: true,
         }
     }
 
@@ -507,7 +512,7 @@ impl Shared {
                     next = updates.next() => next,
                 };
                 match next {
-                    Some(update) => yield Ok(update),
+                    Some(update) => yield update,
                     None => return,
                 }
             }
@@ -579,10 +584,19 @@ const CHUNK_JOIN_MAX_BYTES: usize = 64 * 1024;
 /// as one update: the task is stored again with every update, so a reader
 /// (or a store) slower than the model gets fewer, larger updates instead of
 /// falling further behind. Nothing waits for more to come.
+///
+/// A follower ([`Job::follower`]) tells only what the turn's stored end
+/// says of the task, as `settle` stores it ([`super::settle::task_end`]):
+/// a follower also stops for reasons of its own (this server shutting down,
+/// a reader too slow, the store unreadable here, the turn removed), which
+/// say nothing of the task, still running where it runs. Those end the
+/// stream with an error, never a terminal status: the caller subscribes
+/// again or looks with GetTask. The executor's own run never ends with an
+/// error.
 pub(crate) fn updates(
     job: Job,
     mut events: impl futures::Stream<Item = Result<pb::AgentEvent, Failure>> + Unpin,
-) -> impl futures::Stream<Item = StreamResponse> {
+) -> impl futures::Stream<Item = Result<StreamResponse, A2AError>> {
     async_stream::stream! {
         let mut mapper = Mapper::new();
         // An event taken while joining chunks that was not one of them;
@@ -610,8 +624,18 @@ pub(crate) fn updates(
                         }
                     }
                     for update in mapper.map(&job, e) {
-                        yield update;
+                        yield Ok(update);
                     }
+                }
+                Some(Err(Failure::Stored(o))) if job.following => {
+                    let (state, why) = super::settle::task_end(Some(&o));
+                    let message = why.map(|w| job.agent_message(vec![Part::text(w)]));
+                    yield Ok(job.status(state, message));
+                    return;
+                }
+                Some(Err(f)) if job.following => {
+                    yield Err(stopped_following(f));
+                    return;
                 }
                 // The turn completed (its answer is stored) but this stream
                 // could not take its final event: no end is written here.
@@ -629,19 +653,41 @@ pub(crate) fn updates(
                         _ => TaskState::Failed,
                     };
                     let why = status::failure(f, true).message().to_owned();
-                    yield job.status(state, Some(job.agent_message(vec![Part::text(why)])));
+                    yield Ok(job.status(state, Some(job.agent_message(vec![Part::text(why)]))));
                     return;
                 }
                 None => break,
             }
         }
-        if mapper.answered {
-            yield job.status(TaskState::Completed, None);
+        if mapper.answered || job.following {
+            // A follower's turn ended OK: its outcome is stored, and the
+            // task ends COMPLETED (`settle` stores it so).
+            yield Ok(job.status(TaskState::Completed, None));
         } else {
             let why = status::failure(Failure::NoFinalAnswer, true).message().to_owned();
-            yield job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)])));
+            yield Ok(job.status(TaskState::Failed, Some(job.agent_message(vec![Part::text(why)]))));
         }
     }
+}
+
+/// The error a follower ends with when it stops for a reason of its own
+/// (`f`), which is not the task's end.
+fn stopped_following(f: Failure) -> A2AError {
+    let why = match f {
+        Failure::Store(e) => return crate::store::a2a_tasks::a2a_err(e),
+        Failure::StoppedFollowing(f) => match *f {
+            Failure::Shutdown => "this server is shutting down",
+            Failure::SlowConsumer => "the stream was not read fast enough",
+            Failure::Deadline { .. } => "following it took longer than this server allows",
+            Failure::ClientGone => "the caller went away",
+            _ => "this server stopped following it",
+        },
+        Failure::Removed => "its turn was removed meanwhile",
+        _ => "this server stopped following it",
+    };
+    A2AError::internal(format!(
+        "stopped following the task ({why}); it goes on where it runs: subscribe again or use GetTask"
+    ))
 }
 
 /// The longest task or context id a message may name: ids are made by
@@ -787,6 +833,7 @@ mod tests {
             turn_index: 0,
             continued: None,
             trace_parent: opentelemetry::Context::new(),
+            following: false,
         }
     }
 
@@ -815,7 +862,7 @@ mod tests {
     #[tokio::test]
     async fn chunks_waiting_together_become_one_update() {
         let (tx, rx) = futures::channel::mpsc::unbounded();
-        let mut out = std::pin::pin!(updates(job(), rx));
+        let mut out = std::pin::pin!(updates(job(), rx).map(Result::unwrap));
         tx.unbounded_send(Ok(event(pb::EventKind::PartialText, "a")))
             .unwrap();
         assert_eq!(
@@ -858,9 +905,68 @@ mod tests {
         tx.unbounded_send(Err(Failure::Undelivered(Box::new(Failure::SlowConsumer))))
             .unwrap();
         drop(tx);
-        let out: Vec<StreamResponse> = updates(job(), rx).collect().await;
+        let out: Vec<StreamResponse> = updates(job(), rx).map(Result::unwrap).collect().await;
         assert_eq!(out.len(), 1, "{out:?}");
         assert_eq!(chunk(&out[0]), ("a".into(), false, false));
+    }
+
+    fn follower() -> Job {
+        Job::follower("t".into(), "c".into())
+    }
+
+    fn state(u: &StreamResponse) -> Option<TaskState> {
+        match u {
+            StreamResponse::StatusUpdate(s) => Some(s.status.state.clone()),
+            _ => None,
+        }
+    }
+
+    /// A follower stopped for a reason of its own (here the following
+    /// server shutting down) ends with an error, never a terminal status:
+    /// the task goes on where it runs.
+    #[tokio::test]
+    async fn a_follower_stopping_on_its_own_ends_with_an_error_not_a_status() {
+        for own in [
+            Failure::StoppedFollowing(Box::new(Failure::Shutdown)),
+            Failure::StoppedFollowing(Box::new(Failure::SlowConsumer)),
+            Failure::StoppedFollowing(Box::new(Failure::ClientGone)),
+            Failure::Removed,
+            Failure::Store(crate::store::StoreError::Unavailable(anyhow::anyhow!(
+                "down"
+            ))),
+        ] {
+            let what = format!("{own:?}");
+            let events =
+                futures::stream::iter([Ok(event(pb::EventKind::PartialText, "a")), Err(own)]);
+            let out: Vec<_> = updates(follower(), events).collect().await;
+            assert_eq!(out.len(), 2, "{what}: {out:?}");
+            assert_eq!(chunk(out[0].as_ref().unwrap()), ("a".into(), false, false));
+            assert!(out[1].is_err(), "{what}: {out:?}");
+            assert!(
+                out.iter().flatten().all(|u| state(u).is_none()),
+                "{what}: {out:?}"
+            );
+        }
+    }
+
+    /// A follower ends with the end the store's settle gives the turn's
+    /// stored outcome: a turn cancelled because its task's updates could
+    /// not be stored is FAILED, as the task is stored, not CANCELED.
+    #[tokio::test]
+    async fn a_follower_ends_as_the_store_settles_the_turns_outcome() {
+        let not_stored = status::outcome(&Err(Failure::ClientGone));
+        assert_eq!(not_stored.state, TurnState::Cancelled);
+        for (outcome, want) in [
+            (not_stored, TaskState::Failed),
+            (status::cancelled_by_request(), TaskState::Canceled),
+            (status::replica_stopped(), TaskState::Failed),
+        ] {
+            assert_eq!(super::super::settle::task_end(Some(&outcome)).0, want);
+            let events = futures::stream::iter([Err(Failure::Stored(outcome))]);
+            let out: Vec<_> = updates(follower(), events).collect().await;
+            assert_eq!(out.len(), 1, "{out:?}");
+            assert_eq!(state(out[0].as_ref().unwrap()), Some(want));
+        }
     }
 
     #[test]

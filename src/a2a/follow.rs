@@ -16,7 +16,11 @@
 //!                     ─▶ the task's latest turn (session of its context, request id "<task>.<n>")
 //!                     ─▶ Turns::attach ─▶ the task snapshot, then every event of the turn mapped
 //!                        as the executor maps them (the first answer chunk replaces the
-//!                        snapshot's), then the terminal status
+//!                        snapshot's), then the task's end as the store has it (else as
+//!                        `settle` stores it for the turn's outcome), or an error when this replica
+//!                        stops following for its own reasons (shutting down, a slow reader,
+//!                        its store reads failing): the task runs on, so the caller
+//!                        subscribes again or looks with GetTask
 //!                  └ TaskNotFound, task in the store waiting for input (INPUT_REQUIRED)
 //!                     ─▶ the task snapshot alone: nothing runs until a reply
 //! ```
@@ -241,32 +245,26 @@ impl Handler {
             tracing::info!(task = %task_id, mode = started.mode.as_str(), "a2a: following a task run elsewhere");
             let job = Job::follower(task.id.clone(), task.context_id.clone());
             let (tasks, store) = (tasks.clone(), turns.store().clone());
+            let poll = turns.config().follow_poll;
             return Ok(Box::pin(async_stream::stream! {
-                let id = task.id.clone();
                 yield Ok(StreamResponse::Task(task));
                 let mut updates = std::pin::pin!(executor::updates(job, started.stream));
-                let mut last = None;
+                let mut end = None;
                 while let Some(update) = updates.next().await {
-                    last = Some(update.clone());
-                    yield Ok(update);
-                }
-                // The replica that ran the task died (its lease expired and
-                // the turn was failed for it): nobody else will write the
-                // task's end, so the follower does.
-                if let Some(StreamResponse::StatusUpdate(end)) = last {
-                    let orphaned = matches!(
-                        store.get_turn(&key).await,
-                        Ok(Some(t)) if t.outcome == Some(crate::grpc::status::replica_stopped())
-                    );
-                    if orphaned
-                        && let Ok(Some(mut t)) = tasks.get(&id).await
-                        && !t.status.state.is_terminal()
-                    {
-                        t.status = end.status;
-                        if let Err(e) = tasks.update(t).await {
-                            tracing::warn!(task = %id, error = %e.message, "a2a: cannot record the end of an orphaned task");
+                    match update {
+                        Ok(StreamResponse::StatusUpdate(u)) if u.status.state.is_terminal() => {
+                            end = Some(u);
+                            break;
                         }
+                        other => yield other,
                     }
+                }
+                // Ended with an error (this replica stopped following), or
+                // the end as the store has it.
+                if let Some(end) = end {
+                    let outcome = store.get_turn(&key).await.ok().flatten().and_then(|t| t.outcome);
+                    let end = stored_end(&*tasks, end, outcome, poll).await;
+                    yield Ok(StreamResponse::StatusUpdate(end));
                 }
             }));
         }
@@ -277,6 +275,59 @@ impl Handler {
 }
 
 type EventStream = BoxStream<'static, Result<StreamResponse, A2AError>>;
+
+/// How long a follower waits for the end of a task whose turn was
+/// cancelled, not by CancelTurn, to be stored: by the CancelTask that
+/// stopped it (CANCELED), or by the settle of a run whose updates could
+/// not be stored (FAILED). The turn's outcome does not tell which.
+const STORED_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The end a follower tells of a task whose turn ended with `outcome`:
+/// the task's end as the store has it, once it has one, so that the
+/// stream and GetTask agree; else `end`, what `settle` stores for the
+/// outcome. A task whose replica died (its lease expired and the turn was
+/// failed for it) has nobody else to write its end, so the follower writes
+/// `end`.
+async fn stored_end(
+    tasks: &dyn A2aTasks,
+    end: TaskStatusUpdateEvent,
+    outcome: Option<crate::store::TurnOutcome>,
+    poll: std::time::Duration,
+) -> TaskStatusUpdateEvent {
+    let orphaned = outcome == Some(crate::grpc::status::replica_stopped());
+    let undecided = outcome.is_some_and(|o| {
+        o.state == crate::store::TurnState::Cancelled
+            && o != crate::grpc::status::cancelled_by_request()
+    });
+    let give_up = tokio::time::Instant::now()
+        + if undecided {
+            STORED_END_WAIT
+        } else {
+            std::time::Duration::ZERO
+        };
+    loop {
+        match tasks.get(&end.task_id).await {
+            Ok(Some(t)) if t.status.state.is_terminal() => {
+                return TaskStatusUpdateEvent {
+                    status: t.status,
+                    ..end
+                };
+            }
+            Ok(Some(mut t)) if orphaned => {
+                t.status = end.status.clone();
+                if let Err(e) = tasks.update(t).await {
+                    tracing::warn!(task = %end.task_id, error = %e.message, "a2a: cannot record the end of an orphaned task");
+                }
+                return end;
+            }
+            _ => {}
+        }
+        if tokio::time::Instant::now() + poll > give_up {
+            return end;
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
 
 /// A task id as an error quotes it: printable, and at most 64 characters
 /// (what a caller sent may be anything, and is echoed to it).

@@ -339,7 +339,7 @@ async fn settle(turns: Arc<Turns>, task_id: String, context_id: Option<String>, 
 
 /// The end of a task whose turn ended with `outcome` (`None`: the turn is
 /// gone, never having ended), and the status message that says why.
-fn task_end(outcome: Option<&TurnOutcome>) -> (TaskState, Option<String>) {
+pub(crate) fn task_end(outcome: Option<&TurnOutcome>) -> (TaskState, Option<String>) {
     match outcome {
         Some(o) if o.code == tonic::Code::Ok as i32 => (TaskState::Completed, None),
         // Stopped on purpose (agents.v1 CancelTurn), as a CancelTask would.
