@@ -127,7 +127,7 @@ async fn a_client_deadline_cancels_our_run_through_the_drop_path() {
 /// A message part our agents cannot read is ContentTypeNotSupported before
 /// any task is made (a data part declares no media type, which the
 /// handler's own check lets through); bytes declared text/plain are read
-/// as text.
+/// as text, and text/plain is so with a charset parameter and in any case.
 #[tokio::test]
 async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task() {
     use a2a::{Part, SendMessageResponse};
@@ -140,6 +140,9 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
             Part::url("https://example.com/x.png"),
         ],
         vec![Part::raw(vec![0xff, 0xfe]).with_media_type("text/plain")],
+        vec![Part::raw(b"hello".to_vec()).with_media_type("image/png")],
+        vec![Part::text("{}").with_media_type("application/json")],
+        vec![Part::text("hi").with_media_type("text/plainer")],
     ] {
         let err = client
             .raw()
@@ -166,6 +169,27 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
     };
     assert_eq!(t.status.state, TaskState::Completed);
     assert_eq!(a2a_support::answer_of(&t), "hello as bytes");
+    for media_type in [
+        "text/plain; charset=utf-8",
+        "TEXT/PLAIN",
+        "Text/Plain;charset=UTF-8",
+    ] {
+        for part in [
+            Part::text("hello, declared").with_media_type(media_type),
+            Part::raw(b"hello, declared".to_vec()).with_media_type(media_type),
+        ] {
+            let SendMessageResponse::Task(t) = client
+                .raw()
+                .send_message(&send(vec![part.clone()]))
+                .await
+                .unwrap_or_else(|e| panic!("{part:?}: {e:?}"))
+            else {
+                panic!("not a task")
+            };
+            assert_eq!(t.status.state, TaskState::Completed, "{part:?}");
+            assert_eq!(a2a_support::answer_of(&t), "hello, declared");
+        }
+    }
     let _ = stop.send(());
     handle.await.unwrap().unwrap();
 }

@@ -300,12 +300,17 @@ pub(crate) fn raw_text(p: &Part) -> Option<&str> {
     let PartContent::Raw(bytes) = &p.content else {
         return None;
     };
-    let media = p.media_type.as_deref()?;
-    let essence = media.split(';').next().unwrap_or_default().trim();
-    if !essence.eq_ignore_ascii_case("text/plain") {
+    if !is_text_plain(p.media_type.as_deref()?) {
         return None;
     }
     std::str::from_utf8(bytes).ok()
+}
+
+/// Whether a declared media type is `text/plain`: its essence (before
+/// any parameter, such as a charset), in any case.
+pub(crate) fn is_text_plain(media_type: &str) -> bool {
+    let essence = media_type.split(';').next().unwrap_or_default().trim();
+    essence.eq_ignore_ascii_case("text/plain")
 }
 
 /// Maps the turn's events to A2A updates, one agents.v1 event at a time.

@@ -133,16 +133,27 @@ impl Handler {
         }
     }
 
-    /// Every part of a message must be text our agents read: a text part,
-    /// or bytes declared `text/plain` that are UTF-8. A data part (JSON),
-    /// a URL or other bytes is ContentTypeNotSupported, before any task is
-    /// made (the handler checks only the media types parts declare: a data
-    /// part declares none, and was made a task only to be REJECTED; a URL
+    /// Every part of a message must be text our agents read: a text part
+    /// (declaring no media type, or `text/plain`), or bytes declared
+    /// `text/plain` that are UTF-8; `text/plain` with any parameters (a
+    /// charset), in any case. A data part (JSON), a URL, other bytes or
+    /// text declared as another media type is ContentTypeNotSupported,
+    /// before any task is made. This is the only check of the parts: the
+    /// handler's compares declared media types exactly (and refused
+    /// `text/plain; charset=utf-8`), and lets a part that declares none
+    /// through (a data part was made a task only to be REJECTED; a URL
     /// beside text was dropped unread).
     fn check_parts(message: &Message) -> Result<(), A2AError> {
         for (i, p) in message.parts.iter().enumerate() {
             let what = match &p.content {
-                PartContent::Text(_) => continue,
+                PartContent::Text(_)
+                    if p.media_type
+                        .as_deref()
+                        .is_none_or(|m| m.is_empty() || executor::is_text_plain(m)) =>
+                {
+                    continue;
+                }
+                PartContent::Text(_) => "text declared as another media type than text/plain",
                 PartContent::Raw(_) if executor::raw_text(p).is_some() => continue,
                 PartContent::Raw(_) => "bytes that are not UTF-8 text/plain",
                 PartContent::Url(_) => "a URL (not fetched)",

@@ -84,14 +84,13 @@ impl A2a {
             ),
             None => DefaultRequestHandler::new(executor, store),
         };
+        // No input modes for the handler to check parts against: it
+        // compares media types exactly, and would refuse `text/plain;
+        // charset=utf-8` or `TEXT/PLAIN`, which are text/plain. Our own
+        // check (`follow::Handler::check_parts`) reads the media type's
+        // essence, case aside; the card still declares INPUT_MODES.
         let handler = handler
             .with_capabilities(capabilities())
-            .with_default_input_modes(
-                INPUT_MODES
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect::<Vec<_>>(),
-            )
             .with_authorizer(version::VersionCheck);
         Self {
             handler: Arc::new(follow::Handler::new(
