@@ -194,6 +194,56 @@ async fn parts_the_agents_cannot_read_are_content_type_not_supported_and_no_task
     handle.await.unwrap().unwrap();
 }
 
+/// A message is bounded outside its text too (its metadata, extensions,
+/// referenceTaskIds, the parts' metadata): one past 64 KiB of that is
+/// InvalidParams, and nothing is stored; text up to `--max-input-bytes`
+/// beside small metadata runs.
+#[tokio::test]
+async fn a_message_with_too_much_besides_its_text_is_invalid_params_and_no_task() {
+    use a2a::{Part, SendMessageResponse};
+    let (client, _tool, stop, handle) = a2a_support::in_process(Duration::ZERO).await;
+    let blob = serde_json::json!("x".repeat(1 << 20));
+    let mut in_metadata = a2a_support::echo_request(vec![Part::text("hi")]);
+    in_metadata.message.metadata = Some([("blob".to_owned(), blob.clone())].into());
+    let mut in_a_part = a2a_support::echo_request(vec![Part {
+        metadata: Some([("blob".to_owned(), blob)].into()),
+        ..Part::text("hi")
+    }]);
+    in_a_part.message.metadata = None;
+    let mut referenced = a2a_support::echo_request(vec![Part::text("hi")]);
+    referenced.message.reference_task_ids = Some(vec!["t".repeat(200); 400]);
+    for req in [in_metadata, in_a_part, referenced] {
+        for streaming in [false, true] {
+            let err = if streaming {
+                client.raw().send_streaming_message(&req).await.err()
+            } else {
+                client.raw().send_message(&req).await.err()
+            };
+            let err = err.expect("a message of 1 MiB outside its text was taken");
+            assert_eq!(err.code, a2a::error_code::INVALID_PARAMS, "{err:?}");
+            assert!(err.message.contains("outside its text"), "{err:?}");
+        }
+    }
+    let listed = client
+        .raw()
+        .list_tasks(&a2a_support::all_tasks())
+        .await
+        .unwrap();
+    assert!(listed.tasks.is_empty(), "{:?}", listed.tasks);
+
+    // The text is not counted: 60 KiB of it, under --max-input-bytes.
+    let text = "y".repeat(60 * 1024);
+    let mut req = a2a_support::echo_request(vec![Part::text(text.clone())]);
+    req.message.metadata = Some([("note".to_owned(), serde_json::json!("small"))].into());
+    let SendMessageResponse::Task(t) = client.raw().send_message(&req).await.unwrap() else {
+        panic!("not a task")
+    };
+    assert_eq!(t.status.state, TaskState::Completed);
+    assert_eq!(a2a_support::answer_of(&t), text);
+    let _ = stop.send(());
+    handle.await.unwrap().unwrap();
+}
+
 /// A stream's task snapshots keep at most `historyLength` messages, as the
 /// blocking answer's task does.
 #[tokio::test]

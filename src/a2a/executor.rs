@@ -700,11 +700,50 @@ fn stopped_following(f: Failure) -> A2AError {
 /// refused rather than stored, logged and echoed.
 pub(crate) const MAX_ID_BYTES: usize = 256;
 
+/// The most a message may hold outside its text: its JSON encoding with
+/// the text of its parts left out (ids, metadata, extensions,
+/// referenceTaskIds, the parts' own metadata). The message is stored in its
+/// task's history, which is written again with every update of the task
+/// and read back by every GetTask and ListTasks: only the text, which the
+/// agent reads, is bounded otherwise (`--max-input-bytes`).
+pub(crate) const MAX_MESSAGE_OUTSIDE_TEXT_BYTES: usize = 64 * 1024;
+
+/// The size of `m`'s JSON encoding without the text of its parts (text,
+/// and bytes read as text, count as empty).
+fn size_outside_text(m: &Message) -> usize {
+    let parts = m
+        .parts
+        .iter()
+        .map(|p| Part {
+            content: match &p.content {
+                PartContent::Text(_) => PartContent::Text(String::new()),
+                PartContent::Raw(_) if raw_text(p).is_some() => PartContent::Raw(Vec::new()),
+                other => other.clone(),
+            },
+            filename: p.filename.clone(),
+            media_type: p.media_type.clone(),
+            metadata: p.metadata.clone(),
+        })
+        .collect();
+    let outside = Message {
+        message_id: m.message_id.clone(),
+        context_id: m.context_id.clone(),
+        task_id: m.task_id.clone(),
+        role: m.role.clone(),
+        parts,
+        metadata: m.metadata.clone(),
+        extensions: m.extensions.clone(),
+        reference_task_ids: m.reference_task_ids.clone(),
+    };
+    serde_json::to_vec(&outside).map_or(usize::MAX, |v| v.len())
+}
+
 /// Refuses a message no agent could run, before the handler stores a task
 /// for it (its refusal would otherwise be a stored REJECTED task, holding
 /// whatever the message held): no message id, not the user's, ids past
-/// [`MAX_ID_BYTES`], no text or text past `max_input_bytes`, an agent
-/// name that is malformed or not served.
+/// [`MAX_ID_BYTES`], more than [`MAX_MESSAGE_OUTSIDE_TEXT_BYTES`] outside
+/// its text, no text or text past `max_input_bytes`, an agent name that
+/// is malformed or not served.
 pub(crate) fn check_request(
     req: &a2a::SendMessageRequest,
     max_input_bytes: usize,
@@ -725,6 +764,13 @@ pub(crate) fn check_request(
                 "the message's {name} is longer than {MAX_ID_BYTES} bytes"
             )));
         }
+    }
+    let outside = size_outside_text(m);
+    if outside > MAX_MESSAGE_OUTSIDE_TEXT_BYTES {
+        return Err(A2AError::invalid_params(format!(
+            "the message holds more than {MAX_MESSAGE_OUTSIDE_TEXT_BYTES} bytes outside its text \
+             (its ids, metadata, extensions, referenceTaskIds and the parts' metadata, as JSON)"
+        )));
     }
     let Some(text) = message_text(m) else {
         return Err(A2AError::invalid_params(
