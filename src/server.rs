@@ -320,7 +320,7 @@ where
     };
     let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
     let mut a2a_serving = a2a_http.map(|h| {
-        let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.secured());
+        let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.credentials());
         tokio::spawn(crate::a2a::serve_http(
             h.listener,
             a2a.http_router(card, opts.max_message_bytes),

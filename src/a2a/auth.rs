@@ -117,22 +117,73 @@ pub fn unauthorized(why: &str) -> Response {
     resp
 }
 
-/// The card's security declaration when authentication is on: one HTTP
-/// bearer scheme, required for every call.
-pub fn card_security() -> (
+/// The credentials the A2A faces take, as the card declares them: none
+/// (both `false`) without authentication.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Credentials {
+    /// Bearer tokens (`--auth-tokens`), on either binding.
+    pub bearer: bool,
+    /// Client certificates (`--tls-client-ca`), on the gRPC binding only:
+    /// the JSON-RPC face is plain HTTP, where no certificate is presented.
+    pub mtls: bool,
+}
+
+impl Credentials {
+    pub fn of(auth: Option<&Authenticator>) -> Self {
+        auth.map_or_else(Self::default, |a| Self {
+            bearer: a.takes_tokens(),
+            mtls: a.takes_certificates(),
+        })
+    }
+
+    /// Whether a JSON-RPC call can ever be let in: without authentication,
+    /// or with bearer tokens (a certificate never reaches that face).
+    pub fn jsonrpc_usable(&self) -> bool {
+        self.bearer || !self.mtls
+    }
+}
+
+/// The card's security declaration when authentication is on: an HTTP
+/// bearer scheme with tokens, a mutual TLS scheme with client certificates,
+/// either one satisfying it (one requirement each); `None` without.
+pub fn card_security(
+    creds: Credentials,
+) -> Option<(
     std::collections::HashMap<String, a2a::SecurityScheme>,
     Vec<a2a::SecurityRequirement>,
-) {
-    let scheme = a2a::SecurityScheme::HttpAuth(a2a::HttpAuthSecurityScheme {
-        scheme: "Bearer".into(),
-        description: Some("A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata).".into()),
-        bearer_format: None,
-    });
-    (
-        [(BEARER_SCHEME.to_owned(), scheme)].into_iter().collect(),
-        vec![[(BEARER_SCHEME.to_owned(), vec![])].into_iter().collect()],
-    )
+)> {
+    let mut schemes = std::collections::HashMap::new();
+    if creds.bearer {
+        schemes.insert(
+            BEARER_SCHEME.to_owned(),
+            a2a::SecurityScheme::HttpAuth(a2a::HttpAuthSecurityScheme {
+                scheme: "Bearer".into(),
+                description: Some("A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata).".into()),
+                bearer_format: None,
+            }),
+        );
+    }
+    if creds.mtls {
+        schemes.insert(
+            MTLS_SCHEME.to_owned(),
+            a2a::SecurityScheme::MutualTls(a2a::MutualTlsSecurityScheme {
+                description: Some("A client certificate signed by the server's --tls-client-ca, presented on the gRPC interface (the JSON-RPC interface takes bearer tokens only).".into()),
+            }),
+        );
+    }
+    if schemes.is_empty() {
+        return None;
+    }
+    let mut names: Vec<&String> = schemes.keys().collect();
+    names.sort();
+    let requirements = names
+        .into_iter()
+        .map(|name| [(name.clone(), vec![])].into_iter().collect())
+        .collect();
+    Some((schemes, requirements))
 }
 
 /// The name of the bearer scheme in the card.
 pub const BEARER_SCHEME: &str = "bearer";
+/// The name of the mutual TLS scheme in the card.
+pub const MTLS_SCHEME: &str = "mtls";

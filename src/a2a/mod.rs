@@ -135,9 +135,9 @@ impl A2a {
         auth::guard(router, self.auth.clone())
     }
 
-    /// Whether calls need credentials (the card then declares them).
-    pub fn secured(&self) -> bool {
-        self.auth.is_some()
+    /// The credentials calls need (the card declares them).
+    pub fn credentials(&self) -> auth::Credentials {
+        auth::Credentials::of(self.auth.as_deref())
     }
 }
 
@@ -161,8 +161,10 @@ pub struct Advertised {
 }
 
 /// The public agent card: both interfaces, streaming, one skill per agent;
-/// `secured`: the bearer scheme every call needs.
-pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> AgentCard {
+/// the schemes of the credentials calls need (`creds`). The JSON-RPC
+/// interface is left out where no call to it could be let in (client
+/// certificates alone: it is plain HTTP).
+pub fn agent_card(agents: &AgentRegistry, at: &Advertised, creds: auth::Credentials) -> AgentCard {
     let skills = agents
         .names()
         .filter_map(|name| agents.get(Some(name)))
@@ -177,7 +179,18 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> Age
             security_requirements: None,
         })
         .collect();
-    let security = secured.then(auth::card_security);
+    let security = auth::card_security(creds);
+    let mut interfaces = vec![];
+    if creds.jsonrpc_usable() {
+        interfaces.push(AgentInterface::new(
+            at.jsonrpc_url.clone(),
+            TRANSPORT_PROTOCOL_JSONRPC,
+        ));
+    }
+    interfaces.push(AgentInterface::new(
+        at.grpc_url.clone(),
+        TRANSPORT_PROTOCOL_GRPC,
+    ));
     AgentCard {
         name: "agentd".into(),
         description: format!(
@@ -186,10 +199,7 @@ pub fn agent_card(agents: &AgentRegistry, at: &Advertised, secured: bool) -> Age
             agents.default_name()
         ),
         version: env!("CARGO_PKG_VERSION").into(),
-        supported_interfaces: vec![
-            AgentInterface::new(at.jsonrpc_url.clone(), TRANSPORT_PROTOCOL_JSONRPC),
-            AgentInterface::new(at.grpc_url.clone(), TRANSPORT_PROTOCOL_GRPC),
-        ],
+        supported_interfaces: interfaces,
         capabilities: capabilities(),
         default_input_modes: INPUT_MODES.iter().map(|s| s.to_string()).collect(),
         default_output_modes: OUTPUT_MODES.iter().map(|s| s.to_string()).collect(),
@@ -267,6 +277,70 @@ fn machine_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The card declares the credentials calls take, and only interfaces
+    /// a caller can use: with client certificates alone, a mutual TLS
+    /// scheme and the gRPC interface (the JSON-RPC face is plain HTTP,
+    /// where no certificate is presented, and refuses every call).
+    #[test]
+    fn the_card_declares_the_credentials_taken_and_only_usable_interfaces() {
+        let agents = AgentRegistry::new(
+            vec![Arc::new(crate::agent::demo::OrderHelper::new(
+                std::time::Duration::ZERO,
+            ))],
+            crate::agent::demo::NAME,
+        )
+        .unwrap();
+        let at = advertised(
+            "127.0.0.1:50051".parse().unwrap(),
+            "127.0.0.1:8080".parse().unwrap(),
+            None,
+            true,
+            None,
+        );
+        let card = |bearer, mtls| {
+            serde_json::to_value(agent_card(&agents, &at, auth::Credentials { bearer, mtls }))
+                .unwrap()
+        };
+        let bindings = |card: &serde_json::Value| -> Vec<String> {
+            card["supportedInterfaces"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["protocolBinding"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        let requirements = |card: &serde_json::Value| -> Vec<String> {
+            card["securityRequirements"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r["schemes"].as_object().unwrap().keys().cloned())
+                .collect()
+        };
+
+        let mtls = card(false, true);
+        assert_eq!(bindings(&mtls), ["GRPC"], "{mtls}");
+        assert!(
+            mtls["securitySchemes"]["mtls"]["mtlsSecurityScheme"].is_object(),
+            "{mtls}"
+        );
+        assert!(mtls["securitySchemes"].get("bearer").is_none(), "{mtls}");
+        assert_eq!(requirements(&mtls), ["mtls"], "{mtls}");
+
+        let bearer = card(true, false);
+        assert_eq!(bindings(&bearer), ["JSONRPC", "GRPC"], "{bearer}");
+        assert_eq!(requirements(&bearer), ["bearer"], "{bearer}");
+
+        // Either credential lets a call in: one requirement each.
+        let both = card(true, true);
+        assert_eq!(bindings(&both), ["JSONRPC", "GRPC"], "{both}");
+        assert_eq!(requirements(&both), ["bearer", "mtls"], "{both}");
+
+        let open = card(false, false);
+        assert_eq!(bindings(&open), ["JSONRPC", "GRPC"], "{open}");
+        assert!(open.get("securitySchemes").is_none(), "{open}");
+    }
 
     #[test]
     fn the_grpc_interface_is_an_https_url_with_tls_and_host_port_without() {

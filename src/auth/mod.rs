@@ -183,6 +183,8 @@ pub struct Authenticator {
     /// With mTLS and no tokens file, every certificate the CA signed is a
     /// trusted caller.
     trust_any_certificate: bool,
+    /// Client certificates are verified (`--tls-client-ca`).
+    mtls: bool,
     /// Full service names reachable without credentials.
     open_services: HashSet<String>,
 }
@@ -271,12 +273,23 @@ impl Authenticator {
             // no tokens file says who may: with one, only its `clients` are
             // trusted (none if it lists none), as README promises.
             trust_any_certificate: mtls && tokens_file.is_none(),
+            mtls,
             open_services: open_services
                 .iter()
                 .map(|s| s.trim().to_owned())
                 .filter(|s| !s.is_empty())
                 .collect(),
         })
+    }
+
+    /// Whether callers may present bearer tokens (a tokens file is read).
+    pub fn takes_tokens(&self) -> bool {
+        self.tokens_file.is_some()
+    }
+
+    /// Whether callers may present client certificates (mTLS).
+    pub fn takes_certificates(&self) -> bool {
+        self.mtls
     }
 
     /// The tokens file, with the digest of what start-up read of it.
@@ -441,6 +454,7 @@ mod tests {
             table: RwLock::new(Arc::new(Authenticator::parse_table(text).unwrap())),
             tokens_file: None,
             trust_any_certificate,
+            mtls: trust_any_certificate,
             open_services: HashSet::new(),
         }
     }
