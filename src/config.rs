@@ -147,7 +147,7 @@ pub struct ServeArgs {
 
     /// Largest request message accepted, in bytes; a larger one is refused
     /// with INVALID_ARGUMENT before it is decoded (on the A2A HTTP face: a
-    /// larger request body, with 413).
+    /// larger request body, with 413; that face takes 10 MiB at most).
     #[arg(long, env = "AGENTD_MAX_MESSAGE_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_message_bytes: usize,
 

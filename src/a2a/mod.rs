@@ -121,12 +121,22 @@ impl A2a {
     /// `/.well-known/agent-card.json`; with authentication on, everything
     /// but the card needs credentials (see [`auth`]). A request body over
     /// `max_body_bytes` (`--max-message-bytes`, as on the gRPC port) is
-    /// refused with 413 before it is parsed.
+    /// refused with 413 before it is parsed; the JSON-RPC router takes at
+    /// most [`a2a_server::jsonrpc::MAX_REQUEST_BODY_BYTES`] (10 MiB)
+    /// whatever the flag says, which no layer outside it can raise.
     pub fn http_router(&self, card: AgentCard, max_body_bytes: usize) -> axum::Router {
+        let most = a2a_server::jsonrpc::MAX_REQUEST_BODY_BYTES;
+        if max_body_bytes > most {
+            tracing::warn!(
+                max_message_bytes = max_body_bytes,
+                a2a_http_limit = most,
+                "the A2A HTTP face takes request bodies of at most 10 MiB; larger ones are refused with 413 there (the gRPC port takes --max-message-bytes)"
+            );
+        }
         // The refusal counter outside the size limit: it counts the 413s.
         let router = a2a_server::jsonrpc::jsonrpc_router(self.handler.clone())
             .layer(tower_http::limit::RequestBodyLimitLayer::new(
-                max_body_bytes,
+                max_body_bytes.min(most),
             ))
             .layer(axum::middleware::from_fn(follow::count_refusals))
             .merge(a2a_server::agent_card::agent_card_router(Arc::new(
