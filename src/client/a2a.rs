@@ -1261,9 +1261,7 @@ impl A2aClient {
             if failed_in_a_row >= opts.max_recoveries {
                 // One last look: a task that ended meanwhile is answered,
                 // not cancelled.
-                match tokio::time::timeout_at(look_until(deadline, opts), self.get_task(&task_id))
-                    .await
-                {
+                match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
                     Ok(Ok(task)) => {
                         st.apply_task(&task);
                         if let Some(end) = end_of(&st, None) {
@@ -1288,17 +1286,8 @@ impl A2aClient {
                 return Err(self.abandon_at_deadline(&st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
-            match tokio::time::timeout_at(look_until(deadline, opts), self.get_task(&task_id)).await
-            {
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(self.abandon_at_deadline(&st).await);
-                }
-                Err(_) => {
-                    tracing::warn!(task = %task_id, "a2a: GetTask went unanswered for an idle period during recovery");
-                    recovery_failed =
-                        Some(format!("GetTask: no answer within {:?}", opts.idle_timeout));
-                    continue;
-                }
+            match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     return Err(lost_or_refused(&st, task_id, "GetTask", e));
@@ -1322,19 +1311,8 @@ impl A2aClient {
                     st.mark_gap();
                 }
             }
-            match tokio::time::timeout_at(look_until(deadline, opts), self.subscribe(&task_id))
-                .await
-            {
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(self.abandon_at_deadline(&st).await);
-                }
-                Err(_) => {
-                    tracing::warn!(task = %task_id, "a2a: SubscribeToTask went unanswered for an idle period");
-                    recovery_failed = Some(format!(
-                        "SubscribeToTask: no answer within {:?}",
-                        opts.idle_timeout
-                    ));
-                }
+            match tokio::time::timeout_at(deadline, self.subscribe(&task_id)).await {
+                Err(_) => return Err(self.abandon_at_deadline(&st).await),
                 Ok(Ok(s)) => {
                     stream = Some(s);
                     st.lead = Lead::Resubscribed;
@@ -1352,16 +1330,8 @@ impl A2aClient {
                         e.code,
                         a2a::error_code::UNSUPPORTED_OPERATION | a2a::error_code::TASK_NOT_FOUND
                     );
-                    match tokio::time::timeout_at(
-                        look_until(deadline, opts),
-                        self.get_task(&task_id),
-                    )
-                    .await
-                    {
-                        Err(_) if Instant::now() >= deadline => {
-                            return Err(self.abandon_at_deadline(&st).await);
-                        }
-                        Err(_) => {}
+                    match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                        Err(_) => return Err(self.abandon_at_deadline(&st).await),
                         Ok(Ok(task)) => {
                             st.apply_task(&task);
                             if let Some(e) = self.too_large(&st, opts).await {
@@ -1426,36 +1396,25 @@ impl A2aClient {
                 return Err(self.abandon_at_deadline(st).await);
             }
             backoff = (backoff * 2).min(opts.max_backoff);
-            // A look the remote leaves unanswered for an idle period is a
-            // failed look, like one it answers with an error; past the
-            // deadline the task is abandoned.
-            let task = match tokio::time::timeout_at(
-                look_until(deadline, opts),
-                self.get_task(&task_id),
-            )
-            .await
-            {
-                Ok(Ok(task)) => task,
+            // A look answered slowly is still one answered (a large
+            // snapshot takes its time to arrive): only the deadline bounds
+            // it, as it bounds the call.
+            let task = match tokio::time::timeout_at(deadline, self.get_task(&task_id)).await {
+                Err(_) => return Err(self.abandon_at_deadline(st).await),
                 Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(st, e)),
                 Ok(Err(e)) if permanent(&e) => {
                     return Err(lost_or_refused(st, task_id, "GetTask", e));
                 }
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(self.abandon_at_deadline(st).await);
-                }
-                failed => {
-                    let failure = match failed {
-                        Ok(Err(e)) => e.message,
-                        _ => format!("no answer within {:?}", opts.idle_timeout),
-                    };
+                Ok(Err(e)) => {
                     failed_in_a_row += 1;
-                    tracing::warn!(task = %task_id, attempt = failed_in_a_row, error = %failure, "a2a: GetTask failed while following the task by GetTask");
+                    tracing::warn!(task = %task_id, attempt = failed_in_a_row, error = %e.message, "a2a: GetTask failed while following the task by GetTask");
                     if failed_in_a_row >= opts.max_recoveries.max(1) {
-                        let cause = format!("GetTask failed: {failure}");
+                        let cause = format!("GetTask failed: {}", e.message);
                         return Err(self.give_up(st, task_id, cause, failed_in_a_row).await);
                     }
                     continue;
                 }
+                Ok(Ok(task)) => task,
             };
             failed_in_a_row = 0;
             let event = StreamResponse::Task(task);
@@ -1603,13 +1562,15 @@ impl A2aClient {
         end_of(st, None).unwrap_or(end)
     }
 
-    /// Past `max_artifact_bytes`: the remote task is cancelled, and the
-    /// error to end the call with.
+    /// Past `max_artifact_bytes`: the remote task is cancelled (unless it
+    /// was seen ended), and the error to end the call with.
     async fn too_large(&self, st: &CallState, opts: &CallOptions) -> Option<CallError> {
         if st.artifact_bytes <= opts.max_artifact_bytes {
             return None;
         }
+        let ended = st.last_state.as_ref().is_some_and(|s| s.is_terminal());
         let cancel = match &st.task_id {
+            Some(_) if ended => Cancellation::Ended,
             Some(id) => {
                 self.cancel_logged(id, st, "its artifacts outgrew the limit")
                     .await
@@ -1667,10 +1628,11 @@ impl A2aClient {
     }
 }
 
-/// How long one request a call makes to look at its task (GetTask,
-/// SubscribeToTask) may go unanswered: an idle period, as a stream may stay
-/// silent, and never past the call's deadline. An unanswered look counts as
-/// a failed one.
+/// How long a look at a task whose fate does not hang on it (the settling
+/// look at a completed task, the look before a reply) may take: an idle
+/// period, never past the deadline; past it the call goes on without it.
+/// Looks at a running task take up to the deadline: a large snapshot is
+/// slow to arrive, and giving up on it would cancel a healthy task.
 fn look_until(deadline: Instant, opts: &CallOptions) -> Instant {
     deadline.min(Instant::now() + opts.idle_timeout)
 }
@@ -2658,13 +2620,14 @@ mod tests {
         assert_eq!(result(out), ("123".to_owned(), false));
     }
 
-    /// A GetTask the remote leaves unanswered holds a call one idle period
-    /// at most wherever the client looks: following a task by GetTask
-    /// alone (a failed look, retried: the task is not cancelled), settling
-    /// a completed task's gap (the result stays flagged), and before a
-    /// reply turn is sent (the reply goes out).
+    /// A slow GetTask is waited for where the task's fate hangs on it
+    /// (following a running task by GetTask alone: giving up would cancel a
+    /// healthy task), and for one idle period at most where it does not:
+    /// settling a completed task's gap (the result stays flagged) and the
+    /// look before a reply turn (the reply goes out without it).
     #[tokio::test]
-    async fn an_unanswered_get_task_holds_a_call_one_idle_period() {
+    async fn a_slow_get_task_is_waited_for_only_where_the_task_needs_it() {
+        const NEVER: Duration = Duration::from_secs(3600);
         let quick = CallOptions {
             idle_timeout: Duration::from_millis(100),
             deadline: Duration::from_secs(30),
@@ -2674,11 +2637,11 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(10), call)
                 .await
                 .unwrap_or_else(|_| {
-                    panic!("{what}: the call waited for a GetTask past its idle period")
+                    panic!("{what}: the call waited for a GetTask it needs no answer from")
                 })
         }
         // Followed by GetTask alone (the remote does not offer
-        // SubscribeToTask); its third look goes unanswered.
+        // SubscribeToTask); its third look takes three idle periods.
         let remote = Arc::new(Remote {
             get: Box::new(|n| {
                 Ok(snapshot(
@@ -2690,30 +2653,18 @@ mod tests {
                     None,
                 ))
             }),
-            get_stalls: |n| n == 2,
+            get_wait: |n| match n {
+                2 => Duration::from_millis(300),
+                _ => Duration::ZERO,
+            },
             ..dropped(Box::new(|_| {
                 Err(A2AError::new(a2a::error_code::METHOD_NOT_FOUND, "no"))
             }))
         });
-        let out = bounded("one look", go_with(&remote, &quick)).await;
+        let out = bounded("a slow look", go_with(&remote, &quick)).await;
         assert!(matches!(out, Ok(Outcome::Completed { .. })), "{out:?}");
         assert_eq!(remote.count(&remote.got), 5);
         assert_eq!(remote.count(&remote.cancelled), 0);
-        // Every look unanswered: given up after `max_recoveries`, cancelled.
-        let remote = Arc::new(Remote {
-            get_stalls: |n| n >= 1,
-            ..dropped(Box::new(|_| {
-                Err(A2AError::new(a2a::error_code::METHOD_NOT_FOUND, "no"))
-            }))
-        });
-        let err = bounded("every look", go_with(&remote, &quick))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(&err, CallError::Unrecoverable { cause, .. } if cause.contains("no answer within")),
-            "{err:?}"
-        );
-        assert_eq!(remote.count(&remote.cancelled), 1);
         // A completed task whose gap the last GetTask would settle: the
         // result, flagged, comes back after one idle period.
         let remote = Arc::new(Remote {
@@ -2724,7 +2675,7 @@ mod tests {
                 ]))
             }),
             get: Box::new(|_| Ok(snapshot(TaskState::Working, Some(vec![art("a", &["1"])])))),
-            get_stalls: |n| n >= 1,
+            get_wait: |n| if n >= 1 { NEVER } else { Duration::ZERO },
             subscribe: Box::new(|_| {
                 Ok(stream(vec![
                     chunk("a", "3", true, true),
@@ -2748,12 +2699,45 @@ mod tests {
         // unanswered: the reply is sent all the same.
         let remote = Arc::new(Remote {
             send: Box::new(|_| Ok(stream(vec![status(TaskState::Completed)]))),
-            get_stalls: |_| true,
+            get_wait: |_| NEVER,
             ..Remote::new()
         });
         let out = bounded("the reply", client_of(&remote).send(reply(), &quick, None)).await;
         assert!(matches!(out, Ok(Outcome::Completed { .. })), "{out:?}");
         assert_eq!(remote.count(&remote.sent), 1);
+    }
+
+    /// A task seen ended by a snapshot over the limit is not cancelled: the
+    /// call ends TooLarge saying so.
+    #[tokio::test]
+    async fn an_ended_tasks_snapshot_over_the_limit_sends_no_cancel() {
+        let remote = Arc::new(Remote {
+            get: Box::new(|_| {
+                Ok(snapshot(
+                    TaskState::Completed,
+                    Some(vec![art("a", &[&"x".repeat(32 << 10)])]),
+                ))
+            }),
+            ..dropped(Box::new(|_| {
+                Err(A2AError::new(a2a::error_code::METHOD_NOT_FOUND, "no"))
+            }))
+        });
+        let o = CallOptions {
+            max_artifact_bytes: 16 << 10,
+            ..opts()
+        };
+        let err = go_with(&remote, &o).await.unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CallError::TooLarge {
+                    cancel: Cancellation::Ended,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 0);
     }
 
     /// A completed task whose settling snapshot is over the limit ends the
@@ -3135,8 +3119,8 @@ mod tests {
         get: Reply<Task>,
         subscribe: Reply<Stream>,
         cancel: Reply<Task>,
-        /// Which GetTasks (counted from 0) are never answered.
-        get_stalls: fn(usize) -> bool,
+        /// How long each GetTask (counted from 0) takes to be answered.
+        get_wait: fn(usize) -> Duration,
         sent: std::sync::atomic::AtomicUsize,
         got: std::sync::atomic::AtomicUsize,
         subscribed: std::sync::atomic::AtomicUsize,
@@ -3154,7 +3138,7 @@ mod tests {
                 get: no(),
                 subscribe: no(),
                 cancel: Box::new(|_| Ok(snapshot(TaskState::Canceled, None))),
-                get_stalls: |_| false,
+                get_wait: |_| Duration::ZERO,
                 sent: Default::default(),
                 got: Default::default(),
                 subscribed: Default::default(),
@@ -3200,9 +3184,7 @@ mod tests {
             _: &GetTaskRequest,
         ) -> Result<Task, A2AError> {
             let n = self.0.got.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if (self.0.get_stalls)(n) {
-                std::future::pending::<()>().await;
-            }
+            tokio::time::sleep((self.0.get_wait)(n)).await;
             (self.0.get)(n)
         }
         async fn list_tasks(
