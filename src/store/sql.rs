@@ -529,6 +529,10 @@ pub(super) struct Dialect {
     pub fail_one_expired: Option<&'static str>,
 }
 
+/// How long the lease sweep waits for a turn's row another transaction
+/// holds (PostgreSQL, [`Dialect::fail_one_expired`]).
+pub(super) const SWEEP_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '1s'";
+
 /// The running turns whose lease ran out before $1: those
 /// [`Dialect::fail_expired`] passed over.
 pub(super) const EXPIRED_TURNS: &str =
@@ -1195,23 +1199,44 @@ macro_rules! sql_store {
                         };
                         // The turns passed over, one at a time: each waits
                         // for the one row it ends (a commit's moment),
-                        // holding no other, so no wait can close a cycle.
-                        let left: Vec<(String, String)> = sqlx::query_as($crate::store::sql::EXPIRED_TURNS)
+                        // holding no other, so no wait can close a cycle;
+                        // and no longer than `lock_timeout` (a row held by a
+                        // long transaction is left to the next sweep), so
+                        // the turns ended so far are answered. So is a
+                        // failure here: those are ended all the same.
+                        let left: Vec<(String, String)> = match sqlx::query_as($crate::store::sql::EXPIRED_TURNS)
                             .bind(to_micros(now))
                             .fetch_all(&pool)
-                            .await?;
+                            .await
+                        {
+                            Ok(left) => left,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "lease sweep: cannot read the expired turns left; the next sweep ends them");
+                                return Ok(rows);
+                            }
+                        };
                         for (sid, rid) in left {
-                            rows.extend(
-                                sqlx::query(one)
+                            let ended = async {
+                                let mut tx = pool.begin().await?;
+                                sqlx::query($crate::store::sql::SWEEP_LOCK_TIMEOUT).execute(&mut *tx).await?;
+                                let row = sqlx::query(one)
                                     .bind(outcome.state.as_str())
                                     .bind(outcome.code as i64)
                                     .bind(&outcome.message)
                                     .bind(to_micros(now))
-                                    .bind(sid)
-                                    .bind(rid)
-                                    .fetch_optional(&pool)
-                                    .await?,
-                            );
+                                    .bind(&sid)
+                                    .bind(&rid)
+                                    .fetch_optional(&mut *tx)
+                                    .await?;
+                                tx.commit().await?;
+                                Ok::<_, sqlx::Error>(row)
+                            };
+                            match ended.await {
+                                Ok(row) => rows.extend(row),
+                                Err(e) => {
+                                    tracing::warn!(session = %sid, request = %rid, error = %e, "lease sweep: cannot end an expired turn another transaction holds; the next sweep tries again");
+                                }
+                            }
                         }
                         Ok(rows)
                     }
