@@ -103,7 +103,7 @@ fn otlp_exporter() -> anyhow::Result<LoggedExporter> {
     })
 }
 
-/// TLS for an `https://` OTLP endpoint: the system's trust roots, plus the
+/// TLS for an `https://` OTLP endpoint: the system's trust roots, or the
 /// CA in `OTEL_EXPORTER_OTLP_CERTIFICATE` (a collector with a private CA)
 /// and the client certificate and key in `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`
 /// and `OTEL_EXPORTER_OTLP_CLIENT_KEY` (a collector that asks for one), each
@@ -130,14 +130,16 @@ fn otlp_tls() -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
             .map(Some)
             .map_err(|e| anyhow::anyhow!("cannot read the {what} in {path}: {e}"))
     };
-    let mut tls = ClientTlsConfig::new().with_enabled_roots();
-    if let Some(ca) = read(
+    // The CA given is the one trusted, as OTLP exporters take it (an image
+    // without a system CA bundle can still reach a private collector).
+    let mut tls = match read(
         "collector's CA certificate",
         "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
         "OTEL_EXPORTER_OTLP_CERTIFICATE",
     )? {
-        tls = tls.ca_certificate(Certificate::from_pem(ca));
-    }
+        Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+        None => ClientTlsConfig::new().with_enabled_roots(),
+    };
     let cert = read(
         "client certificate",
         "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",

@@ -206,7 +206,8 @@ async fn with_an_otlp_endpoint_the_spans_of_a_run_reach_the_collector() {
 }
 
 /// An `https` endpoint is dialled over TLS, trusting the CA in
-/// OTEL_EXPORTER_OTLP_CERTIFICATE; and a service name given in
+/// OTEL_EXPORTER_OTLP_CERTIFICATE (on a host with no CA bundle of its own,
+/// as in a minimal image); and a service name given in
 /// OTEL_RESOURCE_ATTRIBUTES is the one the spans carry.
 #[tokio::test]
 async fn an_https_endpoint_with_a_private_ca_gets_the_spans_under_the_configured_name() {
@@ -214,6 +215,9 @@ async fn an_https_endpoint_with_a_private_ca_gets_the_spans_under_the_configured
     let dir = tempfile::tempdir().unwrap();
     let ca_file = dir.path().join("ca.pem");
     std::fs::write(&ca_file, &ca.pem).unwrap();
+    let (no_bundle, no_certs) = (dir.path().join("none.pem"), dir.path().join("none"));
+    std::fs::write(&no_bundle, "").unwrap();
+    std::fs::create_dir(&no_certs).unwrap();
     let collector = Collector::default();
     let endpoint = start_collector(&collector, Some(&ca.server())).await;
     let (status, log) = one_run_exported(vec![
@@ -226,6 +230,8 @@ async fn an_https_endpoint_with_a_private_ca_gets_the_spans_under_the_configured
             "OTEL_RESOURCE_ATTRIBUTES",
             "service.name=billing-agents,deployment.environment=test".into(),
         ),
+        ("SSL_CERT_FILE", no_bundle.display().to_string()),
+        ("SSL_CERT_DIR", no_certs.display().to_string()),
     ])
     .await;
     assert!(status.success(), "server exited with {status}: {log:?}");
