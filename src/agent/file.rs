@@ -814,8 +814,9 @@ fn read_key(path: &Path) -> Result<String, String> {
     read_secret(path, "api_key_file")
 }
 
-/// Whether `s` can be the name of an environment variable: what shells
-/// and Kubernetes' `env` entries use.
+/// Whether `s` reads as the name of an environment variable, as shells
+/// write them (Kubernetes and Docker take others too, which are looked up
+/// all the same: this only decides whether a missing one is quoted).
 fn env_name(s: &str) -> bool {
     let mut chars = s.chars();
     chars
@@ -826,16 +827,19 @@ fn env_name(s: &str) -> bool {
 
 /// The secret in environment variable `var` (named by `field`). Errors go
 /// to the log, so one never quotes what may be the secret itself: a key
-/// pasted where its variable's name belongs is not a variable's name.
+/// pasted where its variable's name belongs is no set variable, and reads
+/// as no shell variable's name.
 fn env_secret(var: &str, opts: &LoadOptions, field: &str) -> Result<String, String> {
-    if !env_name(var) {
-        return Err(format!(
-            "{field} is not the name of an environment variable (letters, digits and _): give the variable's name, not the secret itself"
-        ));
+    if let Some(v) = (opts.env)(var).filter(|v| !v.trim().is_empty()) {
+        return Ok(v);
     }
-    (opts.env)(var)
-        .filter(|v| !v.trim().is_empty())
-        .ok_or_else(|| format!("environment variable {var} is not set"))
+    if env_name(var) {
+        Err(format!("environment variable {var} is not set"))
+    } else {
+        Err(format!(
+            "{field} names no environment variable that is set (give the variable's name, not the secret itself)"
+        ))
+    }
 }
 
 /// The secret in the file at `path` (named by `field`). A path that is not
@@ -1185,6 +1189,14 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
             assert!(!e.contains(PASTED), "{field}: {e}");
             assert!(e.contains("not the secret itself"), "{field}: {e}");
         }
+        // A set variable is read whatever its name (Kubernetes and Docker
+        // take dashes and dots).
+        let dashed = GOOD.replace("\"MODEL_KEY\"", "\"MODEL-KEY.v2\"");
+        let o = LoadOptions {
+            env: Box::new(|v| (v == "MODEL-KEY.v2").then(|| "sk-test".to_owned())),
+            ..opts()
+        };
+        assert!(parse(&dashed, Path::new("agents.toml"), &o).is_ok());
         // A path with a directory is quoted: it is no key.
         let e = err(&GOOD.replace(
             "api_key_env = \"MODEL_KEY\"",
