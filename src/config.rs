@@ -102,7 +102,8 @@ pub struct ServeArgs {
 
     /// When a client does not read and the buffer is full: `wait` back-pressures
     /// the agent; `fail` ends the call with RESOURCE_EXHAUSTED after
-    /// --stall-timeout and cancels the agent.
+    /// --stall-timeout and cancels the agent (a Run with on_disconnect
+    /// CONTINUE goes on without the client, its events stored).
     #[arg(long, env = "AGENTD_SLOW_CONSUMER", value_enum, default_value_t = SlowConsumer::Fail)]
     pub slow_consumer: SlowConsumer,
 

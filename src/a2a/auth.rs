@@ -158,7 +158,11 @@ pub fn card_security(
             BEARER_SCHEME.to_owned(),
             a2a::SecurityScheme::HttpAuth(a2a::HttpAuthSecurityScheme {
                 scheme: "Bearer".into(),
-                description: Some("A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata).".into()),
+                description: Some(if creds.mtls {
+                    "A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata). The gRPC interface also needs a client certificate (its TLS asks every client for one), so a token alone serves on the JSON-RPC interface only.".into()
+                } else {
+                    "A token from the server's --auth-tokens file, sent as \"authorization: Bearer <token>\" (HTTP header or gRPC metadata).".into()
+                }),
                 bearer_format: None,
             }),
         );

@@ -44,7 +44,8 @@ use crate::store::{Claim, Deletion, NewTurn, Session, Store, StoreError, TurnOut
 pub enum SlowConsumer {
     /// Back-pressure the agent until the client reads (or the deadline).
     Wait,
-    /// End the call with RESOURCE_EXHAUSTED after `stall_timeout`.
+    /// End the call with RESOURCE_EXHAUSTED after `stall_timeout`, and
+    /// cancel the run (a CONTINUE run goes on without the client).
     Fail,
 }
 
