@@ -1209,12 +1209,21 @@ impl A2aClient {
             Ok(Ok(s)) => Some(s),
             Ok(Err(e)) if unreceivable(&e) => return Err(too_large_to_receive(&st, e)),
             Ok(Err(e)) => return Err(CallError::Refused(e)),
+            // A reply names its task: that one is cancelled, as at any
+            // deadline; a new task's id was never known.
             Err(_) => {
+                let (task_id, cancel) = match req.message.task_id.clone() {
+                    Some(id) => {
+                        let cancel = self.cancel_logged(&id, &st, "the deadline passed").await;
+                        (Some(id), cancel)
+                    }
+                    None => (None, Cancellation::NotSent),
+                };
                 return Err(CallError::Deadline {
-                    task_id: None,
+                    task_id,
                     last_state: None,
                     artifacts: vec![],
-                    cancel: Cancellation::NotSent,
+                    cancel,
                 });
             }
         };
@@ -2707,6 +2716,38 @@ mod tests {
         assert_eq!(remote.count(&remote.sent), 1);
     }
 
+    /// A reply whose sending outlasts the deadline names its task in the
+    /// error and cancels it, as any call past its deadline does.
+    #[tokio::test]
+    async fn a_reply_past_its_deadline_cancels_the_task_it_names() {
+        let remote = Arc::new(Remote {
+            get: Box::new(|_| Ok(snapshot(TaskState::InputRequired, None))),
+            send: Box::new(|_| Ok(stream(vec![status(TaskState::Completed)]))),
+            send_wait: |_| Duration::from_secs(3600),
+            ..Remote::new()
+        });
+        let o = CallOptions {
+            deadline: Duration::from_millis(300),
+            ..opts()
+        };
+        let err = client_of(&remote)
+            .send(reply(), &o, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CallError::Deadline {
+                    task_id: Some(t),
+                    cancel: Cancellation::Acknowledged(TaskState::Canceled),
+                    ..
+                } if t == "t"
+            ),
+            "{err:?}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 1);
+    }
+
     /// A task seen ended by a snapshot over the limit is not cancelled: the
     /// call ends TooLarge saying so.
     #[tokio::test]
@@ -3121,6 +3162,8 @@ mod tests {
         cancel: Reply<Task>,
         /// How long each GetTask (counted from 0) takes to be answered.
         get_wait: fn(usize) -> Duration,
+        /// How long each SendStreamingMessage takes to be answered.
+        send_wait: fn(usize) -> Duration,
         sent: std::sync::atomic::AtomicUsize,
         got: std::sync::atomic::AtomicUsize,
         subscribed: std::sync::atomic::AtomicUsize,
@@ -3139,6 +3182,7 @@ mod tests {
                 subscribe: no(),
                 cancel: Box::new(|_| Ok(snapshot(TaskState::Canceled, None))),
                 get_wait: |_| Duration::ZERO,
+                send_wait: |_| Duration::ZERO,
                 sent: Default::default(),
                 got: Default::default(),
                 subscribed: Default::default(),
@@ -3176,7 +3220,12 @@ mod tests {
             _: &a2a_client::transport::ServiceParams,
             _: &SendMessageRequest,
         ) -> Result<Stream, A2AError> {
-            next(&self.0.sent, &self.0.send)
+            let n = self
+                .0
+                .sent
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep((self.0.send_wait)(n)).await;
+            (self.0.send)(n)
         }
         async fn get_task(
             &self,
