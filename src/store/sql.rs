@@ -240,6 +240,27 @@ where
 
 /// Batches the committer takes into one transaction at most.
 pub(super) const GROUP_MAX: usize = 256;
+/// Encoded event bytes one group's statement carries at most; the rest of
+/// the group goes in the next ([`split_over`]). A group's events are bound
+/// together (PostgreSQL: one array), and PostgreSQL refuses a message of a
+/// gigabyte or more, closing the connection: every batch of the group
+/// would have failed as if the database were away.
+pub(super) const GROUP_MAX_BYTES: usize = 256 << 20;
+
+/// Splits off the end of `group` past `max` bytes (each item's `size`),
+/// keeping at least its first item: the part one statement takes, and the
+/// rest, for the next.
+pub(super) fn split_over<T>(group: &mut Vec<T>, max: usize, size: impl Fn(&T) -> usize) -> Vec<T> {
+    let mut total = 0usize;
+    let cut = group
+        .iter()
+        .position(|t| {
+            total = total.saturating_add(size(t));
+            total > max
+        })
+        .map_or(group.len(), |i| i.max(1));
+    group.split_off(cut)
+}
 /// Batches waiting for the committer; a full queue holds turn writers back.
 pub(super) const GROUP_QUEUE: usize = 1024;
 
@@ -259,6 +280,13 @@ pub(super) struct PendingBatch {
     /// Whether the outcome was recorded: true without one; false when the
     /// turn was no longer running (its lease ran out and it was failed).
     pub done: tokio::sync::oneshot::Sender<Result<bool, Failed>>,
+}
+
+impl PendingBatch {
+    /// Its events' encoded bytes.
+    pub fn bytes(&self) -> usize {
+        self.events.iter().map(|e| e.as_bytes().len()).sum()
+    }
 }
 
 /// A turn's outcome as the committer writes it (`finish_turn`'s binds).
@@ -842,7 +870,7 @@ macro_rules! sql_store {
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) {
-                    use $crate::store::sql::{Failed, GROUP_MAX, LINGER, PendingBatch};
+                    use $crate::store::sql::{Failed, GROUP_MAX, GROUP_MAX_BYTES, LINGER, PendingBatch};
                     // A turn's end reaches the cache before its writer hears
                     // the outcome is stored (and a follow-up Run can come).
                     // An outcome not recorded, or not known to be, leaves
@@ -859,23 +887,29 @@ macro_rules! sql_store {
                         let _ = p.done.send(r);
                     };
                     let mut group = Vec::with_capacity(GROUP_MAX);
+                    // What a group past GROUP_MAX_BYTES left for the next.
+                    let mut carried: Vec<PendingBatch> = Vec::new();
                     let mut last = tokio::time::Instant::now();
                     loop {
-                        let mut queue = rx.lock().await;
-                        if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
-                            break;
-                        }
-                        // A few events alone, with the last commit moments
-                        // ago: they wait out the rest of the interval, joined
-                        // by what comes meanwhile ([`lingers`]).
-                        while group.len() < GROUP_MAX && $crate::store::sql::lingers(&group) {
-                            let room = GROUP_MAX - group.len();
-                            let more = tokio::time::timeout_at(last + LINGER, queue.recv_many(&mut group, room));
-                            if !matches!(more.await, Ok(n) if n > 0) {
+                        if carried.is_empty() {
+                            let mut queue = rx.lock().await;
+                            if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
                                 break;
                             }
+                            // A few events alone, with the last commit moments
+                            // ago: they wait out the rest of the interval, joined
+                            // by what comes meanwhile ([`lingers`]).
+                            while group.len() < GROUP_MAX && $crate::store::sql::lingers(&group) {
+                                let room = GROUP_MAX - group.len();
+                                let more = tokio::time::timeout_at(last + LINGER, queue.recv_many(&mut group, room));
+                                if !matches!(more.await, Ok(n) if n > 0) {
+                                    break;
+                                }
+                            }
+                        } else {
+                            group.append(&mut carried);
                         }
-                        drop(queue);
+                        carried = $crate::store::sql::split_over(&mut group, GROUP_MAX_BYTES, PendingBatch::bytes);
                         last = tokio::time::Instant::now();
                         let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
                         $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
@@ -1610,6 +1644,23 @@ mod tests {
                 created_unix_nanos: 0,
             },
         })
+    }
+
+    /// A group past its bytes is cut before the item that crosses them,
+    /// keeping at least one; the rest goes to the next statement, in order.
+    #[test]
+    fn a_group_past_its_bytes_is_split_in_order() {
+        let mut group = vec![10, 20, 30, 40];
+        assert_eq!(split_over(&mut group, 35, |n| *n), vec![30, 40]);
+        assert_eq!(group, vec![10, 20]);
+        let mut group = vec![100, 1];
+        assert_eq!(split_over(&mut group, 35, |n| *n), vec![1]);
+        assert_eq!(group, vec![100], "one item over the limit goes alone");
+        let mut group = vec![10, 20];
+        assert!(split_over(&mut group, 30, |n| *n).is_empty());
+        assert_eq!(group, vec![10, 20]);
+        let mut group: Vec<usize> = vec![];
+        assert!(split_over(&mut group, 30, |n| *n).is_empty());
     }
 
     #[test]
