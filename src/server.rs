@@ -897,11 +897,21 @@ mod tests {
                 bind_socket(a)
             }
         };
-        let port = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            probe.local_addr().unwrap().port()
-        };
-        let (l, why) = bind_with(format!("[::]:{port}").parse().unwrap(), no_v6).unwrap();
+        // A free port (another process may take it between the probe and
+        // the bind: then another one).
+        let (port, (l, why)) = (0..10)
+            .find_map(|_| {
+                let port = {
+                    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                    probe.local_addr().unwrap().port()
+                };
+                match bind_with(format!("[::]:{port}").parse().unwrap(), no_v6) {
+                    Ok(bound) => Some((port, bound)),
+                    Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => None,
+                    Err(e) => panic!("{e}"),
+                }
+            })
+            .expect("a free port in ten tries");
         assert_eq!(
             l.local_addr().unwrap(),
             format!("0.0.0.0:{port}").parse().unwrap()

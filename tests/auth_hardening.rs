@@ -121,7 +121,12 @@ fn serve_refuses_to_open_a_service_other_than_health_and_reflection() {
             std::thread::sleep(Duration::from_millis(20));
         };
         assert!(!status.success(), "{open}");
-        let said: Vec<serde_json::Value> = rx.try_iter().collect();
+        // Every line it wrote: the reader thread ends at the pipe's end.
+        let mut said: Vec<serde_json::Value> = Vec::new();
+        let until = Instant::now() + WAIT;
+        while let Ok(v) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            said.push(v);
+        }
         let error = said
             .iter()
             .find(|v| v["level"] == "ERROR")

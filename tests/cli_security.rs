@@ -239,19 +239,23 @@ fn tokens_with_the_health_service_closed_are_warned_about_at_start_up() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut warned = Vec::new();
+        let (mut warned, mut lines, mut started) = (Vec::new(), Vec::new(), false);
         for line in BufReader::new(child.stderr.take().unwrap()).lines() {
             let line = line.unwrap();
             let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             if v["message"] == "agentd starting" {
+                started = true;
                 break;
             }
             if v["level"] == "WARN" {
                 warned.push(v["message"].as_str().unwrap_or_default().to_owned());
             }
+            lines.push(line);
         }
         let _ = child.kill();
         let _ = child.wait();
+        // A server that failed to start warned of nothing either.
+        assert!(started, "{open:?}: the server did not start: {lines:#?}");
         warned
     };
     for open in ["", "grpc.reflection.v1.ServerReflection"] {

@@ -1178,7 +1178,11 @@ async fn the_per_call_timeout_bounds_a_model_call() {
 
 #[tokio::test]
 async fn an_unreachable_model_server_is_unavailable() {
-    let port = openai_support::free_port();
+    // A port that refuses connections, held for the test (bound, not
+    // listening), so that no other test's server takes it meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     let mut d = Agentd::start(&agents_file(&format!("http://127.0.0.1:{port}/v1"), "")).await;
     let s = d.session("u1").await;
     let st = d

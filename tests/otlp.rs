@@ -241,12 +241,11 @@ async fn an_https_endpoint_with_a_private_ca_gets_the_spans_under_the_configured
 /// Spans that cannot be exported are dropped, and the log says so (once).
 #[tokio::test]
 async fn an_unreachable_collector_is_logged() {
-    // A port nothing listens on: bound, then closed.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port that refuses connections: bound, not listening, and held
+    // for the test, so that no other test's server takes it meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     let (status, log) = one_run_exported(vec![(
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         format!("http://127.0.0.1:{port}"),
