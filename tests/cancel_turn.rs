@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use agentd::agent::{Agent, AgentRegistry, Event, EventStream, RunContext, synthetic};
+use agentd::grpc::agents::TURN_MODE_HEADER;
 use agentd::grpc::status::TURN_OUTCOME_HEADER;
 use agentd::pb;
 use agentd::store::Store;
@@ -172,12 +173,10 @@ impl Replica {
             .expect("the turn is listed")
     }
 
-    /// An Attach, collected to its end on a task of its own.
-    fn attach(
-        &self,
-        session: &str,
-        request_id: &str,
-    ) -> tokio::task::JoinHandle<(Vec<pb::AgentEvent>, Result<(), Status>)> {
+    /// An Attach, collected to its end on a task of its own: the mode it
+    /// was answered with ("attach" while the turn runs, "replay" once it
+    /// has ended), its events and its end.
+    fn attach(&self, session: &str, request_id: &str) -> tokio::task::JoinHandle<Attached> {
         let req = pb::AttachRequest {
             user_id: ALICE.into(),
             session_id: session.into(),
@@ -187,8 +186,15 @@ impl Replica {
         let req = self.client.request(req, DEADLINE);
         let mut raw = self.client.raw();
         tokio::spawn(async move {
-            let mut stream = raw.attach(req).await.unwrap().into_inner();
-            collect(&mut stream).await
+            let resp = raw.attach(req).await.unwrap();
+            let mode = resp
+                .metadata()
+                .get(TURN_MODE_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            let (events, end) = collect(&mut resp.into_inner()).await;
+            (mode, events, end)
         })
     }
 
@@ -210,6 +216,22 @@ impl Replica {
         .await;
         drop(call);
     }
+}
+
+/// What [`Replica::attach`] got: the mode, the events and the end.
+type Attached = (String, Vec<pb::AgentEvent>, Result<(), Status>);
+
+/// Waits (bounded) until each of `replicas` serves one follower: an
+/// Attach sent before the cancel is then following the running turn (its
+/// read found it running), not replaying a turn that had been cancelled.
+async fn following(replicas: &[&Replica]) {
+    eventually("the Attach follows the turn", || async {
+        replicas
+            .iter()
+            .all(|r| r.turns.followers_in_flight() == 1)
+            .then_some(())
+    })
+    .await;
 }
 
 /// The status a stream ended with, which must be the recorded CANCELLED
@@ -261,7 +283,9 @@ async fn a_continue_run_whose_client_went_away_is_stopped_by_cancel_turn(backend
     let Some(db) = TestDb::fresh(backend).await else {
         return;
     };
-    let server = Replica::start(db.open().await, "replica-a", Duration::from_secs(10)).await;
+    // Renewed every 10 s, first at 10 s from the claim: a stop within the
+    // bound below is the cancel's own, not the lease renewal's.
+    let server = Replica::start(db.open().await, "replica-a", Duration::from_secs(30)).await;
     let s = server.session(ALICE).await;
     server.left_running(&s, "r1").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -272,8 +296,7 @@ async fn a_continue_run_whose_client_went_away_is_stopped_by_cancel_turn(backend
     );
     assert_eq!(server.counts.stopped(), 0);
     let follower = server.attach(&s, "r1");
-    // The follower is following the turn before it is cancelled.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    following(&[&server]).await;
 
     let r = server.cancel(ALICE, &s, "r1").await.unwrap();
     let acknowledged = tokio::time::Instant::now();
@@ -282,21 +305,24 @@ async fn a_continue_run_whose_client_went_away_is_stopped_by_cancel_turn(backend
     assert_eq!(t.request_id, "r1");
     assert_cancelled_turn(&t);
     // On the replica running it, the run stops at once, not at its next
-    // lease renewal (a third of the 10 s lease).
+    // lease renewal (a third of the 30 s lease; the margin is for a loaded
+    // machine).
     let counts = server.counts.clone();
     eventually("the tool sees the cancellation", || async {
         (counts.stopped() == 1).then_some(())
     })
     .await;
     assert!(
-        acknowledged.elapsed() < Duration::from_secs(1),
+        acknowledged.elapsed() < Duration::from_millis(2500),
         "promptly: {:?}",
         acknowledged.elapsed()
     );
 
-    let (_, end) = follower.await.unwrap();
+    let (mode, _, end) = follower.await.unwrap();
+    assert_eq!(mode, "attach", "the follower followed the running turn");
     assert_cancelled(&end, "the Attach following the turn");
-    let (events, end) = server.attach(&s, "r1").await.unwrap();
+    let (mode, events, end) = server.attach(&s, "r1").await.unwrap();
+    assert_eq!(mode, "replay");
     assert_cancelled(&end, "an Attach after the cancel");
     assert_eq!(events[0].tool_name, "wait", "the events stored before it");
     assert_replays_cancelled(&server, &s, "r1").await;
@@ -370,11 +396,17 @@ async fn the_run_still_streaming_to_its_client_ends_cancelled_recorded() {
     server.stop().await;
 }
 
-/// A store that fails the turn reads made right after CancelTurn's write
-/// (while `armed`): the store blinking between the cancel and its answer.
+/// A store that fails the turn read made right after CancelTurn's write
+/// (the first cancel written while `armed`): the store blinking between
+/// the cancel and its answer.
 struct ReadsFailAfterCancel {
+    /// Cleared by the first cancel written: the run's own write of the
+    /// outcome, after it stopped, arms nothing more.
     armed: std::sync::atomic::AtomicBool,
+    /// Set by that write, cleared by the next turn read, which fails.
     failing: std::sync::atomic::AtomicBool,
+    /// Turn reads failed.
+    injected: AtomicU64,
 }
 
 #[async_trait::async_trait]
@@ -387,7 +419,9 @@ impl store_wrap::Hooks for ReadsFailAfterCancel {
         a: Option<agentd::store::FinalAnswer<'_>>,
     ) -> agentd::store::StoreResult<bool> {
         let done = inner.finish_turn(k, o, a).await;
-        if *o == agentd::grpc::status::cancelled_by_request() && self.armed.load(Ordering::SeqCst) {
+        if *o == agentd::grpc::status::cancelled_by_request()
+            && self.armed.swap(false, Ordering::SeqCst)
+        {
             self.failing.store(true, Ordering::SeqCst);
         }
         done
@@ -398,6 +432,7 @@ impl store_wrap::Hooks for ReadsFailAfterCancel {
         k: &agentd::domain::TurnKey,
     ) -> agentd::store::StoreResult<Option<agentd::store::TurnRecord>> {
         if self.failing.swap(false, Ordering::SeqCst) {
+            self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
                 "the test's store blinked"
             )));
@@ -415,6 +450,7 @@ async fn a_recorded_cancel_is_answered_done_whatever_the_store_does_next() {
     let hooks = Arc::new(ReadsFailAfterCancel {
         armed: true.into(),
         failing: false.into(),
+        injected: AtomicU64::new(0),
     });
     let store = Arc::new(store_wrap::Wrapped {
         inner: db.open().await,
@@ -424,8 +460,17 @@ async fn a_recorded_cancel_is_answered_done_whatever_the_store_does_next() {
     let s = server.session(ALICE).await;
     server.left_running(&s, "r1").await;
     let r = server.cancel(ALICE, &s, "r1").await.unwrap();
-    hooks.armed.store(false, Ordering::SeqCst);
-    hooks.failing.store(false, Ordering::SeqCst);
+    // The cancel's write armed the failure and its read, the next one made
+    // (nothing in between yields to another task on this thread), met it.
+    assert!(
+        !hooks.armed.load(Ordering::SeqCst),
+        "the cancel was written"
+    );
+    assert!(
+        !hooks.failing.load(Ordering::SeqCst),
+        "the failure armed by the cancel's write was met by a read"
+    );
+    assert_eq!(hooks.injected.load(Ordering::SeqCst), 1, "reads failed");
     assert!(r.cancelled_now, "{r:?}");
     assert_cancelled_turn(r.turn.as_ref().unwrap());
     assert_cancelled_turn(&server.turn(ALICE, &s, "r1").await);
@@ -580,7 +625,9 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_ren
     // Both replicas run on this thread: their logs are captured here.
     let logs = Logs::default();
     let _capture = logs.capture();
-    let lease = Duration::from_millis(1500);
+    // Long enough that a renewal held up on this busy thread does not let B
+    // end the turn as "replica stopped" before the cancel.
+    let lease = Duration::from_secs(6);
     let a = Replica::start(db.open().await, "replica-a", lease).await;
     let b_store = Arc::new(store_wrap::Wrapped {
         inner: db.open().await,
@@ -590,7 +637,7 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_ren
     let s = a.session(ALICE).await;
     a.left_running(&s, "r1").await;
     let (on_a, on_b) = (a.attach(&s, "r1"), b.attach(&s, "r1"));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    following(&[&a, &b]).await;
 
     let r = b.cancel(ALICE, &s, "r1").await.unwrap();
     let acknowledged = tokio::time::Instant::now();
@@ -611,12 +658,15 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_within_its_lease_ren
         "within A's lease renewal period (plus a margin): {took:?}"
     );
 
-    let (_, end) = on_b.await.unwrap();
+    let (mode, _, end) = on_b.await.unwrap();
+    assert_eq!(mode, "attach", "B's Attach followed the running turn");
     assert_cancelled(&end, "the Attach on B");
-    let (_, end) = on_a.await.unwrap();
+    let (mode, _, end) = on_a.await.unwrap();
+    assert_eq!(mode, "attach", "A's Attach followed the running turn");
     assert_cancelled(&end, "the Attach on A");
     for r in [&a, &b] {
-        let (_, end) = r.attach(&s, "r1").await.unwrap();
+        let (mode, _, end) = r.attach(&s, "r1").await.unwrap();
+        assert_eq!(mode, "replay");
         assert_cancelled(&end, "an Attach after the cancel");
         assert_cancelled_turn(&r.turn(ALICE, &s, "r1").await);
         assert_replays_cancelled(r, &s, "r1").await;
@@ -657,7 +707,7 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
     let s = a.session(ALICE).await;
     a.left_running(&s, "r1").await;
     let on_a = a.attach(&s, "r1");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    following(&[&a]).await;
 
     let r = b.cancel(ALICE, &s, "r1").await.unwrap();
     assert!(r.cancelled_now);
@@ -665,7 +715,8 @@ async fn a_turn_running_on_a_cancelled_through_b_stops_on_a_at_once() {
         stops_within(&a.counts, 1, Duration::from_secs(5)).await,
         "A stopped the run long before its lease renewal"
     );
-    let (_, end) = on_a.await.unwrap();
+    let (mode, _, end) = on_a.await.unwrap();
+    assert_eq!(mode, "attach", "A's Attach followed the running turn");
     assert_cancelled(&end, "the Attach on A");
     for r in [&a, &b] {
         assert_replays_cancelled(r, &s, "r1").await;
