@@ -35,6 +35,52 @@ async fn two_replicas(opts: Opts) -> Option<(TestDb, Server, Server)> {
     Some((db, a, b))
 }
 
+/// A `stream` turn of half a minute (600 events at 20/s): still running
+/// when a follower attaches on a loaded machine; [`end_turn`] ends it.
+const LONG_TURN: &str = "n=600 size=8 rate=20";
+
+/// Attach to turn "r1" of `session` on `server`: the mode it is answered
+/// with, and its stream.
+async fn attach_on(server: &Server, session: &str) -> (String, tonic::Streaming<pb::AgentEvent>) {
+    let req = pb::AttachRequest {
+        user_id: ALICE.into(),
+        session_id: session.into(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    let resp = server.raw().attach(req).await.unwrap();
+    let mode = resp
+        .metadata()
+        .get("agentd-turn-mode")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (mode, resp.into_inner())
+}
+
+/// Ends turn "r1" of `session` (a [`LONG_TURN`]) with CancelTurn, so that
+/// the test does not wait for it to run its course.
+async fn end_turn(server: &Server, session: &str) {
+    let r = server
+        .client
+        .clone()
+        .cancel_turn(ALICE, session, "r1")
+        .await
+        .unwrap();
+    assert!(r.cancelled_now, "the turn was still running: {r:?}");
+}
+
+/// A stream on the turn [`end_turn`] ended: CANCELLED, as recorded.
+fn assert_ended(end: &Result<(), tonic::Status>, what: &str) {
+    let status = end.as_ref().expect_err(what);
+    assert_eq!(status.code(), Code::Cancelled, "{what}: {status:?}");
+    assert!(
+        status.metadata().get("agentd-turn-outcome").is_some(),
+        "{what}: {status:?}"
+    );
+}
+
 fn stream_request(
     session: &str,
     request_id: &str,
@@ -116,48 +162,39 @@ async fn the_same_request_id_sent_to_two_replicas_at_once_runs_the_tool_exactly_
     b.stop().await;
 }
 
+/// The turn runs for half a minute, far longer than B takes to attach: B
+/// follows it live whatever the load, and the test ends it once B has
+/// followed part of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_attached_on_b_gets_every_event_of_a_turn_running_on_a_in_order() {
     let Some((_db, a, b)) = two_replicas(Opts::default()).await else {
         return;
     };
     let sid = a.session(ALICE).await;
-    let req = stream_request(&sid, "r1", "n=60 size=8 rate=120", pb::OnDisconnect::Cancel);
+    let req = stream_request(&sid, "r1", LONG_TURN, pb::OnDisconnect::Cancel);
     let mut on_a = a
         .client
         .clone()
-        .run(req, Duration::from_secs(30))
+        .run(req, Duration::from_secs(60))
         .await
         .unwrap();
     let first = on_a.events.message().await.unwrap().unwrap();
-    let attached = tokio::spawn({
-        let sid = sid.clone();
-        let mut raw = b.raw();
-        async move {
-            let req = pb::AttachRequest {
-                user_id: ALICE.into(),
-                session_id: sid,
-                request_id: "r1".into(),
-                after_seq: None,
-            };
-            let resp = raw.attach(req).await.unwrap();
-            let mode = resp
-                .metadata()
-                .get("agentd-turn-mode")
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .to_owned();
-            (mode, collect(&mut resp.into_inner()).await)
-        }
-    });
-    let (mut from_a, ok) = collect(&mut on_a.events).await;
-    ok.unwrap();
+    let (mode, mut on_b) = attach_on(&b, &sid).await;
+    assert_eq!(mode, "attach", "B follows the turn while it runs on A");
+    // B gets events as A makes them, then the turn is ended.
+    let mut from_b = Vec::new();
+    while from_b.len() < 10 {
+        from_b.push(on_b.message().await.unwrap().unwrap());
+    }
+    end_turn(&a, &sid).await;
+    let (mut from_a, end) = collect(&mut on_a.events).await;
+    assert_ended(&end, "A's Run");
     from_a.insert(0, first);
-    let (mode, (from_b, ok)) = attached.await.unwrap();
-    ok.unwrap();
-    assert_eq!(mode, "attach", "B followed the turn while it ran on A");
-    assert_eq!(seqs(&from_b), (0..=60).collect::<Vec<u64>>());
+    let (rest, end) = collect(&mut on_b).await;
+    assert_ended(&end, "B's Attach");
+    from_b.extend(rest);
+    let n = from_b.len() as u64;
+    assert_eq!(seqs(&from_b), (0..n).collect::<Vec<u64>>());
     assert_eq!(from_b, from_a);
     a.stop().await;
     b.stop().await;
@@ -209,21 +246,16 @@ async fn a_follower_cut_by_its_replicas_shutdown_is_retryable_and_the_turn_goes_
         return;
     };
     let sid = a.session(ALICE).await;
-    let req = stream_request(&sid, "r1", "n=40 size=8 rate=40", pb::OnDisconnect::Cancel);
+    let req = stream_request(&sid, "r1", LONG_TURN, pb::OnDisconnect::Cancel);
     let mut on_a = a
         .client
         .clone()
-        .run(req, Duration::from_secs(30))
+        .run(req, Duration::from_secs(60))
         .await
         .unwrap();
-    on_a.events.message().await.unwrap().unwrap();
-    let attach = pb::AttachRequest {
-        user_id: ALICE.into(),
-        session_id: sid.clone(),
-        request_id: "r1".into(),
-        after_seq: None,
-    };
-    let mut on_b = b.raw().attach(attach.clone()).await.unwrap().into_inner();
+    let mut from_a = vec![on_a.events.message().await.unwrap().unwrap()];
+    let (mode, mut on_b) = attach_on(&b, &sid).await;
+    assert_eq!(mode, "attach", "B follows the running turn");
     on_b.message().await.unwrap().unwrap();
     b.turns.cut_all();
     let (_, cut) = collect(&mut on_b).await;
@@ -236,12 +268,27 @@ async fn a_follower_cut_by_its_replicas_shutdown_is_retryable_and_the_turn_goes_
     );
     assert!(agentd::client::retry::run_is_retryable(&cut));
 
-    let (_, ok) = collect(&mut on_a.events).await;
-    ok.unwrap();
-    let again = a.raw().attach(attach).await.unwrap().into_inner();
-    let (events, ok) = collect(&mut { again }).await;
-    ok.unwrap();
-    assert_eq!(seqs(&events), (0..=40).collect::<Vec<u64>>());
+    // The turn goes on: A's Run gets more of it, and the Attach sent
+    // again follows it from its start.
+    let (mode, mut again) = attach_on(&a, &sid).await;
+    assert_eq!(mode, "attach", "the turn still runs");
+    let mut events = Vec::new();
+    while events.len() < 10 {
+        events.push(again.message().await.unwrap().unwrap());
+    }
+    while from_a.len() < 10 {
+        from_a.push(on_a.events.message().await.unwrap().unwrap());
+    }
+    end_turn(&a, &sid).await;
+    let (rest, end) = collect(&mut on_a.events).await;
+    assert_ended(&end, "A's Run");
+    from_a.extend(rest);
+    let (rest, end) = collect(&mut again).await;
+    assert_ended(&end, "the Attach sent again");
+    events.extend(rest);
+    let n = events.len() as u64;
+    assert_eq!(seqs(&events), (0..n).collect::<Vec<u64>>());
+    assert_eq!(events, from_a, "all of the turn");
     a.stop().await;
     b.stop().await;
 }
