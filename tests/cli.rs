@@ -578,9 +578,12 @@ fn a_second_sigterm_during_the_drain_cuts_the_runs_in_flight() {
 }
 
 /// `agentd run` into a reader that stops (`| head -1`) ends quietly when
-/// the pipe closes: no panic, no backtrace, and the run is dropped.
+/// the pipe closes: no panic, no backtrace, and the run is dropped as at
+/// Ctrl-C: the CLI exits at once rather than reading the rest of the
+/// stream (50 s of it), and its turn ends cancelled, not completed.
 #[test]
 fn run_into_a_closed_pipe_ends_quietly() {
+    use std::io::Read as _;
     let served = Served::start(&["--stream-agent"]);
     let session = text(&served.cli(&["session", "create", "--user", "alice"]).stdout)
         .trim()
@@ -593,6 +596,8 @@ fn run_into_a_closed_pipe_ends_quietly() {
             "alice",
             "--session",
             &session,
+            "--request-id",
+            "r1",
             "--agent",
             "stream",
         ])
@@ -607,10 +612,49 @@ fn run_into_a_closed_pipe_ends_quietly() {
     out.read_line(&mut first).unwrap();
     assert!(first.contains("partial_text"), "{first}");
     drop(out);
-    let ran = run.wait_with_output().unwrap();
-    let stderr = text(&ran.stderr);
+    let closed = Instant::now();
+    let status = loop {
+        if let Some(s) = run.try_wait().unwrap() {
+            break s;
+        }
+        if closed.elapsed() > Duration::from_secs(10) {
+            let _ = run.kill();
+            let _ = run.wait();
+            panic!("the run went on for 10 s after its reader went away");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    run.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(ran.status.success(), "{:?}: {stderr}", ran.status);
+    assert!(status.success(), "{status:?}: {stderr}");
+
+    // The server hears the call dropped and records the turn cancelled.
+    let state = |session: &str| {
+        let got = served.cli(&["session", "get", "--user", "alice", "--session", session]);
+        assert!(got.status.success(), "{}", text(&got.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
+        let turn = &v["turns"][0];
+        assert_eq!(turn["request_id"], "r1", "{v}");
+        turn["state"].as_str().unwrap().to_owned()
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    let ended = loop {
+        let now = state(&session);
+        if now != "running" {
+            break now;
+        }
+        assert!(
+            Instant::now() < until,
+            "the turn still runs 10 s after its caller left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(ended, "cancelled", "the dropped run's turn is cancelled");
 }
 
 /// Every command that prints, into a pipe whose reader is gone, exits as
