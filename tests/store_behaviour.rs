@@ -2,6 +2,7 @@
 //! backend: `memory::`, `sqlite::` (a fresh file) and `postgres::` (a fresh
 //! database on AGENTD_TEST_POSTGRES_URL).
 
+mod log_capture;
 mod prom;
 mod support;
 
@@ -10,6 +11,7 @@ use std::time::{Duration, SystemTime};
 use agentd::domain::{RequestId, SessionId, TurnKey, UserId};
 use agentd::pb;
 use agentd::store::NewTurn;
+use log_capture::Logs;
 use support::*;
 use tonic::{Code, Request};
 
@@ -1918,6 +1920,9 @@ async fn reads_made_together_each_get_their_own_session_and_history(db: TestDb) 
 /// be replayed to a caller who never asked for one). (The memory store
 /// claims without waiting.)
 async fn a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn(db: TestDb) {
+    // On a current-thread runtime: the server's tasks log under the capture.
+    let logs = Logs::default();
+    let _capture = logs.capture();
     let s = Server::start(db.open().await, Opts::default()).await;
     let sid = s.session(ALICE).await;
     let held = db.hold_writes().await;
@@ -1937,12 +1942,23 @@ async fn a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn
     tokio::time::sleep(Duration::from_millis(200)).await;
     held.release().await;
     // The claim is written, then removed when its caller is found gone.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    eventually("the abandoned claim to be removed", || async {
-        let info = s.get_session(ALICE, &sid).await.unwrap();
-        info.turns.is_empty().then_some(())
+    // (No turn is listed before the write either: the withdrawal's log
+    // line is what says the claim was written and deleted.)
+    eventually("the abandoned claim to be withdrawn", || async {
+        logs.lines_from(0)
+            .iter()
+            .any(|l| {
+                l["session"] == sid.as_str()
+                    && l["request_id"] == "r1"
+                    && l["message"]
+                        .as_str()
+                        .is_some_and(|m| m.ends_with("; the claim is released for a retry"))
+            })
+            .then_some(())
     })
     .await;
+    let info = s.get_session(ALICE, &sid).await.unwrap();
+    assert!(info.turns.is_empty(), "{:?}", info.turns);
     assert_eq!(s.stats.started(), 0, "the agent never started");
 
     let (events, end) = s.run(ALICE, &sid, "r1", ORDER_Q).await;
@@ -2827,17 +2843,25 @@ async fn a_replay_whose_turn_is_pruned_meanwhile_ends_not_found(db: TestDb) {
 }
 
 /// Each behaviour as a test on SQLite (module `$sqlite`) and on PostgreSQL
-/// (module `$postgres`).
+/// (module `$postgres`), on a runtime of two worker threads unless a flavor
+/// comes first: `(flavor = "current_thread")` for a test that captures what
+/// the server logs, whose tasks then run on the test's thread, under the
+/// capture.
 macro_rules! on_sqlite_and_postgres {
     ($sqlite:ident, $postgres:ident; $($name:ident),* $(,)?) => {
+        on_sqlite_and_postgres!(
+            (flavor = "multi_thread", worker_threads = 2) $sqlite, $postgres; $($name),*
+        );
+    };
+    ($runtime:tt $sqlite:ident, $postgres:ident; $($name:ident),* $(,)?) => {
         mod $sqlite {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            $(#[tokio::test $runtime]
             async fn $name() {
                 super::$name(super::TestDb::fresh(super::Backend::Sqlite).await.unwrap()).await
             })*
         }
         mod $postgres {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            $(#[tokio::test $runtime]
             async fn $name() {
                 if let Some(db) = super::TestDb::fresh(super::Backend::Postgres).await {
                     super::$name(db).await
@@ -3023,8 +3047,14 @@ on_sqlite_and_postgres!(
     durable_postgres;
     a2a_tasks_that_ended_are_pruned_after_the_retention,
     a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live,
-    a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn,
     a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may_retry,
     a_claim_answered_but_never_read_is_removed,
     a_database_migrated_by_a_later_release_is_served,
+);
+
+on_sqlite_and_postgres!(
+    (flavor = "current_thread")
+    logged_sqlite,
+    logged_postgres;
+    a_caller_gone_during_its_claim_leaves_nothing_and_a_retry_runs_the_turn,
 );

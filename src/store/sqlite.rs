@@ -1545,6 +1545,38 @@ mod tests {
         c
     }
 
+    /// Log lines kept in memory, for what the store logs.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logs {
+        /// Captures the logs at info and above of everything this thread
+        /// runs for as long as the guard lives.
+        fn capture(&self) -> tracing::subscriber::DefaultGuard {
+            let logs = self.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || logs.clone())
+                .finish();
+            tracing::subscriber::set_default(subscriber)
+        }
+
+        fn text(&self) -> String {
+            String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+        }
+    }
+
     /// A claim whose statement was cut off by the group timeout (the
     /// database slow to answer) but that SQLite's thread wrote all the same
     /// is withdrawn: its caller was told UNAVAILABLE, retry with the same
@@ -1570,21 +1602,27 @@ mod tests {
             lease: std::time::Duration::from_secs(60),
         };
         let mut held = hold_main(&url).await;
-        // The claimer runs on this thread (a current-thread runtime): its
-        // statement is cut off well within SQLite's busy timeout.
+        // The claimer and the withdrawal run on this thread (a
+        // current-thread runtime): the withdrawal logs under the capture,
+        // and the claimer's statement is cut off well within SQLite's busy
+        // timeout.
+        let logs = Logs::default();
+        let _capture = logs.capture();
         crate::store::sql::GROUP_TIMEOUT_HERE.set(Some(std::time::Duration::from_secs(2)));
         let cut = store.claim_turn(&turn).await;
         assert!(
             matches!(cut, Err(crate::store::StoreError::Unavailable(_))),
             "{cut:?}"
         );
-        // SQLite's thread writes the claim once the lock is free.
+        // SQLite's thread writes the claim once the lock is free, and the
+        // withdrawal deletes it. (The row is absent before the write too:
+        // only the withdrawal's log line says it was written and deleted.)
         sqlx::query("ROLLBACK").execute(&mut held).await.unwrap();
+        let withdrawal = "a claim whose statement was cut off was written all the same; \
+                          the claim is released for a retry";
         let mut withdrawn = false;
         for _ in 0..500 {
-            if store.get_turn(&turn.key).await.unwrap().is_none()
-                && count(&store.write, "SELECT COUNT(*) FROM turns").await == 0
-            {
+            if logs.text().contains(withdrawal) {
                 withdrawn = true;
                 break;
             }
@@ -1592,8 +1630,11 @@ mod tests {
         }
         assert!(
             withdrawn,
-            "the claim written after it was cut off is withdrawn"
+            "the claim written after it was cut off is withdrawn: {}",
+            logs.text()
         );
+        assert!(store.get_turn(&turn.key).await.unwrap().is_none());
+        assert_eq!(count(&store.write, "SELECT COUNT(*) FROM turns").await, 0);
         crate::store::sql::GROUP_TIMEOUT_HERE.set(None);
         assert_eq!(
             store.claim_turn(&turn).await.unwrap(),
