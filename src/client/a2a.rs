@@ -2748,6 +2748,26 @@ mod tests {
         assert_eq!(remote.count(&remote.cancelled), 1);
     }
 
+    /// `err` ends the call TooLarge with no cancel sent, and says so.
+    fn assert_too_large_without_a_cancel(err: &CallError, remote: &Remote) {
+        assert!(
+            matches!(
+                err,
+                CallError::TooLarge {
+                    cancel: Cancellation::Ended,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("had already ended") && !text.contains("CancelTask was sent"),
+            "{text}"
+        );
+        assert_eq!(remote.count(&remote.cancelled), 0);
+    }
+
     /// A task seen ended by a snapshot over the limit is not cancelled: the
     /// call ends TooLarge saying so.
     #[tokio::test]
@@ -2768,17 +2788,7 @@ mod tests {
             ..opts()
         };
         let err = go_with(&remote, &o).await.unwrap_err();
-        assert!(
-            matches!(
-                &err,
-                CallError::TooLarge {
-                    cancel: Cancellation::Ended,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        assert_eq!(remote.count(&remote.cancelled), 0);
+        assert_too_large_without_a_cancel(&err, &remote);
     }
 
     /// A completed task whose settling snapshot is over the limit ends the
@@ -2812,22 +2822,7 @@ mod tests {
             ..opts()
         };
         let err = go_with(&remote, &o).await.unwrap_err();
-        assert!(
-            matches!(
-                &err,
-                CallError::TooLarge {
-                    cancel: Cancellation::Ended,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        let text = err.to_string();
-        assert!(
-            text.contains("had already ended") && !text.contains("CancelTask was sent"),
-            "{text}"
-        );
-        assert_eq!(remote.count(&remote.cancelled), 0);
+        assert_too_large_without_a_cancel(&err, &remote);
     }
 
     /// A reply turn's stream begins with the task as the turn began (A2A;
