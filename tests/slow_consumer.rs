@@ -30,6 +30,23 @@ fn opts(policy: SlowConsumer) -> Options {
     o
 }
 
+/// An Attach to alice's turn r1 of session `session`, from its first event.
+async fn attach_r1(server: &TestServer, session: &str) -> tonic::Streaming<agentd::pb::AgentEvent> {
+    let attach = agentd::pb::AttachRequest {
+        user_id: "alice".into(),
+        session_id: session.to_owned(),
+        request_id: "r1".into(),
+        after_seq: None,
+    };
+    server
+        .client
+        .raw()
+        .attach(attach)
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 async fn stored_events(server: &TestServer, session: &str, rid: &str) -> u64 {
     let key = agentd::domain::TurnKey {
         session_id: agentd::domain::SessionId::parse(session).unwrap(),
@@ -139,19 +156,7 @@ async fn an_attached_reader_that_stalls_under_fail_gets_resource_exhausted() {
     let mut call = server.client.run(req, DEADLINE).await.unwrap();
     while call.events.message().await.unwrap().is_some() {}
 
-    let attach = agentd::pb::AttachRequest {
-        user_id: "alice".into(),
-        session_id: s.clone(),
-        request_id: "r1".into(),
-        after_seq: None,
-    };
-    let mut attached = server
-        .client
-        .raw()
-        .attach(attach)
-        .await
-        .unwrap()
-        .into_inner();
+    let mut attached = attach_r1(&server, &s).await;
     attached.message().await.unwrap().unwrap();
     // Stop reading for longer than the stall timeout.
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -214,19 +219,7 @@ async fn a_continue_run_whose_reader_stalls_goes_on_and_attach_replays_every_eve
     );
     assert!(received < n, "received {received} of {n}");
 
-    let attach = agentd::pb::AttachRequest {
-        user_id: "alice".into(),
-        session_id: s.clone(),
-        request_id: "r1".into(),
-        after_seq: None,
-    };
-    let mut attached = server
-        .client
-        .raw()
-        .attach(attach)
-        .await
-        .unwrap()
-        .into_inner();
+    let mut attached = attach_r1(&server, &s).await;
     let mut replayed = 0u64;
     while let Some(e) = attached.message().await.unwrap() {
         assert_eq!(e.seq, replayed);
