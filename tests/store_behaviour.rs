@@ -461,15 +461,12 @@ async fn a_run_whose_lease_was_lost_stops_and_ends_as_recorded(db: TestDb) {
         .await
         .unwrap();
     call.events.message().await.unwrap().unwrap();
-    // Another replica finds the lease expired (as by its clock).
-    let failed = store
-        .fail_expired(
-            SystemTime::now() + Duration::from_secs(3600),
-            &agentd::grpc::status::replica_stopped(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(failed.len(), 1);
+    // The lease lapses, and another replica's sweep finds it so.
+    let key = TurnKey {
+        session_id: SessionId::parse(&sid).unwrap(),
+        request_id: RequestId::parse("r1").unwrap(),
+    };
+    lapse_and_sweep(&*store, &key).await;
     let started = std::time::Instant::now();
     let (events, end) = collect(&mut call.events).await;
     let status = end.unwrap_err();
@@ -484,6 +481,34 @@ async fn a_run_whose_lease_was_lost_stops_and_ends_as_recorded(db: TestDb) {
     let (_, replayed) = s.attach(ALICE, &sid, "r1", None).await.unwrap();
     assert_eq!(replayed.unwrap_err().code(), Code::Unavailable);
     s.stop().await;
+}
+
+/// Long enough for a lease of no time to have run out by every store's
+/// clock (SQLite's counts milliseconds).
+async fn lapse() {
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
+/// A running turn's lease made to lapse, as a replica's late renewals let
+/// it, then found so by a sweep (another replica's, say). Leases are judged
+/// by the store's clock alone, so the lease is ended through its owner
+/// (renewed for no time); tried again if the owner's own renewal came in
+/// between.
+async fn lapse_and_sweep(store: &dyn agentd::store::Store, key: &TurnKey) {
+    let stopped = agentd::grpc::status::replica_stopped();
+    eventually("the turn's lease lapsed and swept", || async {
+        let owner = store.get_turn(key).await.unwrap().unwrap().owner;
+        assert!(
+            store
+                .renew_lease(key, &owner, Duration::ZERO)
+                .await
+                .unwrap()
+        );
+        lapse().await;
+        let swept = store.fail_expired(&stopped).await.unwrap();
+        (swept == [key.clone()]).then_some(())
+    })
+    .await;
 }
 
 /// A run whose task dies (an agent's panic) ends INTERNAL for its caller,
@@ -838,11 +863,11 @@ async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb
         .count();
     assert_eq!(winners, 1, "exactly one claim wins");
     let owner = store.get_turn(&key).await.unwrap().unwrap().owner;
-    let later = SystemTime::now() + Duration::from_secs(60);
-    assert!(store.renew_lease(&key, &owner, later).await.unwrap());
+    let minute = Duration::from_secs(60);
+    assert!(store.renew_lease(&key, &owner, minute).await.unwrap());
     assert!(
         !store
-            .renew_lease(&key, "someone-else", later)
+            .renew_lease(&key, "someone-else", Duration::ZERO)
             .await
             .unwrap()
     );
@@ -850,18 +875,20 @@ async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb
     assert!(rec.lease_expires_at > SystemTime::now() + Duration::from_secs(50));
     let outcome = agentd::grpc::status::replica_stopped();
     assert_eq!(
-        store
-            .fail_expired(SystemTime::now(), &outcome)
-            .await
-            .unwrap(),
+        store.fail_expired(&outcome).await.unwrap(),
         Vec::<TurnKey>::new(),
         "a live lease is left alone"
     );
-    assert_eq!(
+    // Renewed for no time, the lease runs out.
+    assert!(
         store
-            .fail_expired(later + Duration::from_secs(1), &outcome)
+            .renew_lease(&key, &owner, Duration::ZERO)
             .await
-            .unwrap(),
+            .unwrap()
+    );
+    lapse().await;
+    assert_eq!(
+        store.fail_expired(&outcome).await.unwrap(),
         vec![key.clone()],
         "the turn it failed, named"
     );
@@ -870,7 +897,7 @@ async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb
         Some(outcome)
     );
     assert!(
-        !store.renew_lease(&key, &owner, later).await.unwrap(),
+        !store.renew_lease(&key, &owner, minute).await.unwrap(),
         "a failed turn is not renewed"
     );
     store.ping().await.unwrap();
@@ -1573,7 +1600,8 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
         code: 14,
         message: "the serving replica stopped".into(),
     };
-    assert_eq!(store.fail_expired(later, &failed).await.unwrap().len(), 1);
+    lapse().await;
+    assert_eq!(store.fail_expired(&failed).await.unwrap().len(), 1);
     same(b, &["r1"]).await;
     // Read again from the database (on SQLite, and held again from that
     // read), with a turn that was running at the read ending after it.
@@ -1587,8 +1615,8 @@ async fn the_history_a_run_reads_follows_every_change_to_its_session(db: TestDb)
         ..new_turn(&key(c, "r1"), "a")
     };
     store.claim_turn(&lapsing).await.unwrap();
-    let later = SystemTime::now() + Duration::from_secs(1);
-    assert_eq!(store.fail_expired(later, &failed).await.unwrap().len(), 1);
+    lapse().await;
+    assert_eq!(store.fail_expired(&failed).await.unwrap().len(), 1);
     same(b, &["r1"]).await;
     end(key(b, "r2"), Some("answer 2")).await;
     same(b, &["r1", "r2"]).await;
@@ -2685,10 +2713,8 @@ async fn a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with(
         .await
         .unwrap();
     let stopped = agentd::grpc::status::replica_stopped();
-    let swept = store
-        .fail_expired(SystemTime::now() + Duration::from_secs(1), &stopped)
-        .await
-        .unwrap();
+    lapse().await;
+    let swept = store.fail_expired(&stopped).await.unwrap();
     assert_eq!(swept.len(), 1);
 
     let ok = TurnOutcome {
@@ -2779,15 +2805,8 @@ async fn a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded(db: Test
         async move { (store.events_after(&key, None, 10).await.unwrap().len() == 1).then_some(()) }
     })
     .await;
-    // Another replica finds the lease expired (as by its clock).
-    let swept = store
-        .fail_expired(
-            SystemTime::now() + Duration::from_secs(3600),
-            &agentd::grpc::status::replica_stopped(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(swept.len(), 1);
+    // The lease lapses, and another replica's sweep finds it so.
+    lapse_and_sweep(&*store, &key).await;
     let (_, end) = collect(&mut call.events).await;
     let status = end.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
@@ -2948,7 +2967,7 @@ async fn a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live(db: Te
     held.release().await;
     assert_eq!(claim.await.unwrap().unwrap(), agentd::store::Claim::New);
     let swept = store
-        .fail_expired(SystemTime::now(), &agentd::grpc::status::replica_stopped())
+        .fail_expired(&agentd::grpc::status::replica_stopped())
         .await
         .unwrap();
     assert!(swept.is_empty(), "the new turn's lease is live");

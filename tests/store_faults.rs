@@ -309,8 +309,13 @@ async fn every_store_call_on_a_database_that_stopped_answering_fails_within_the_
             async { store.history(s, 5).await.map(drop) },
             async { store.list_sessions(&alice, 10, None).await.map(drop) },
             async { store.list_turns(s, None, 10).await.map(drop) },
-            async { store.renew_lease(k, "a", now).await.map(drop) },
-            async { store.fail_expired(now, &failed).await.map(drop) },
+            async {
+                store
+                    .renew_lease(k, "a", Duration::from_secs(30))
+                    .await
+                    .map(drop)
+            },
+            async { store.fail_expired(&failed).await.map(drop) },
             async { store.prune(now, 10).await.map(drop) },
             async { store.delete_session(s).await.map(drop) },
         )

@@ -84,6 +84,20 @@ async fn with_turns(db: &TestDb, rids: &[&str]) -> (std::sync::Arc<dyn Store>, S
     (store, session)
 }
 
+/// The turns' leases run out: renewed by their owner for no time, then
+/// outlived by every store's clock (SQLite's counts milliseconds).
+async fn lapsed(store: &dyn Store, keys: &[&TurnKey]) {
+    for k in keys {
+        assert!(
+            store
+                .renew_lease(k, "replica-a", Duration::ZERO)
+                .await
+                .unwrap()
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
 fn is_unavailable<T: std::fmt::Debug>(r: &StoreResult<T>) -> bool {
     matches!(r, Err(StoreError::Unavailable(_)))
 }
@@ -224,13 +238,10 @@ async fn on_sqlite_leases_expired_by_a_sweep_its_caller_left_reach_the_history_a
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let (store, session) = with_turns(&db, &["r1"]).await;
     let k = key(session, "r1");
+    lapsed(&*store, &[&k]).await;
     let held = db.hold_writes().await;
-    let later = SystemTime::now() + Duration::from_secs(3600);
-    let left = tokio::time::timeout(
-        Duration::from_millis(300),
-        store.fail_expired(later, &UNAVAILABLE),
-    )
-    .await;
+    let left =
+        tokio::time::timeout(Duration::from_millis(300), store.fail_expired(&UNAVAILABLE)).await;
     assert!(left.is_err(), "the sweep waits for the held lock");
     held.release().await;
     eventually("the expired turn in the history a Run reads", || async {
@@ -336,6 +347,7 @@ async fn on_postgres_the_lease_sweep_answers_what_it_ended_around_a_held_turn() 
     };
     let (store, session) = with_turns(&db, &["a", "b"]).await;
     let (a, b) = (key(session, "a"), key(session, "b"));
+    lapsed(&*store, &[&a, &b]).await;
     let mut writer = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut writer).await.unwrap();
     sqlx::query("SELECT 1 FROM turns WHERE session_id = $1 AND request_id = 'a' FOR SHARE")
@@ -343,14 +355,10 @@ async fn on_postgres_the_lease_sweep_answers_what_it_ended_around_a_held_turn() 
         .execute(&mut writer)
         .await
         .unwrap();
-    let later = SystemTime::now() + Duration::from_secs(120);
-    let swept = tokio::time::timeout(
-        Duration::from_secs(10),
-        store.fail_expired(later, &UNAVAILABLE),
-    )
-    .await
-    .expect("the sweep waited for the held turn")
-    .unwrap();
+    let swept = tokio::time::timeout(Duration::from_secs(10), store.fail_expired(&UNAVAILABLE))
+        .await
+        .expect("the sweep waited for the held turn")
+        .unwrap();
     assert_eq!(swept, vec![b.clone()]);
     assert_eq!(
         store.get_turn(&a).await.unwrap().unwrap().state,
@@ -358,7 +366,7 @@ async fn on_postgres_the_lease_sweep_answers_what_it_ended_around_a_held_turn() 
     );
     sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
     assert_eq!(
-        store.fail_expired(later, &UNAVAILABLE).await.unwrap(),
+        store.fail_expired(&UNAVAILABLE).await.unwrap(),
         vec![a.clone()]
     );
     assert_eq!(

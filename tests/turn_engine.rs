@@ -393,12 +393,7 @@ async fn a_sweep_that_hangs_holds_up_no_health_check() {
     }
     #[async_trait::async_trait]
     impl store_wrap::Hooks for Hanging {
-        async fn fail_expired(
-            &self,
-            _: &dyn Store,
-            _: std::time::SystemTime,
-            _: &TurnOutcome,
-        ) -> StoreResult<Vec<TurnKey>> {
+        async fn fail_expired(&self, _: &dyn Store, _: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
             std::future::pending().await
         }
         async fn ping(&self, inner: &dyn Store) -> StoreResult<()> {
@@ -439,4 +434,69 @@ async fn a_sweep_that_hangs_holds_up_no_health_check() {
     .expect("the health check saw the store go down")
     .unwrap();
     upkeep.abort();
+}
+
+/// A follower of a turn running elsewhere whose lease looks expired by this
+/// replica's clock, while the store (whose clock decides, and here runs
+/// behind it) ends nothing: the follower waits its poll interval as for a
+/// live turn instead of asking the store to end it again at once, in a
+/// loop that used to hammer the store for as long as the clocks disagreed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_clock_runs_ahead_of_the_stores_does_not_hammer_the_sweep() {
+    use agentd::store::{NewTurn, StoreResult, TurnOutcome};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Behind {
+        sweeps: AtomicUsize,
+    }
+    #[async_trait::async_trait]
+    impl store_wrap::Hooks for Behind {
+        async fn fail_expired(&self, _: &dyn Store, _: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+            self.sweeps.fetch_add(1, Ordering::SeqCst);
+            tokio::task::yield_now().await;
+            Ok(Vec::new())
+        }
+    }
+    let inner = Arc::new(MemoryStore::new());
+    let hooks = Arc::new(Behind {
+        sweeps: AtomicUsize::new(0),
+    });
+    let store = Arc::new(store_wrap::Wrapped {
+        inner: inner.clone(),
+        hooks: hooks.clone(),
+    });
+    let agents = AgentRegistry::new(vec![Arc::new(Echo) as Arc<dyn Agent>], "echo").unwrap();
+    let config = TurnConfig::default();
+    let poll = config.follow_poll;
+    let turns = Turns::new(store, agents, config);
+    let (input, key) = first_turn(&*inner, "hi").await;
+    // Claimed by another replica, its lease already past by this clock.
+    inner
+        .claim_turn(&NewTurn {
+            key: key.clone(),
+            user_text: "hi".into(),
+            agent: "echo".into(),
+            owner: "replica-elsewhere".into(),
+            lease: std::time::Duration::ZERO,
+        })
+        .await
+        .unwrap();
+    let started = turns
+        .attach(
+            &input.user_id,
+            key,
+            None,
+            Some(std::time::Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(started.mode, agentd::turn::Mode::Attach);
+    let watched = std::time::Duration::from_millis(500);
+    tokio::time::sleep(watched).await;
+    let sweeps = hooks.sweeps.load(Ordering::SeqCst);
+    drop(started);
+    let most = (watched.as_millis() / poll.as_millis()) as usize + 3;
+    assert!(
+        (1..=most).contains(&sweeps),
+        "one sweep per poll at most ({most} in {watched:?}), got {sweeps}"
+    );
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
@@ -361,27 +361,19 @@ impl Store for MemoryStore {
         Ok(turns)
     }
 
-    async fn renew_lease(
-        &self,
-        key: &TurnKey,
-        owner: &str,
-        until: SystemTime,
-    ) -> StoreResult<bool> {
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
         let mut inner = self.lock();
         match inner.turns.get_mut(key).and_then(|t| t.record.as_mut()) {
             Some(r) if r.state == TurnState::Running && r.owner == owner => {
-                r.lease_expires_at = until;
+                r.lease_expires_at = SystemTime::now() + lease;
                 Ok(true)
             }
             _ => Ok(false),
         }
     }
 
-    async fn fail_expired(
-        &self,
-        now: SystemTime,
-        outcome: &TurnOutcome,
-    ) -> StoreResult<Vec<TurnKey>> {
+    async fn fail_expired(&self, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+        let now = SystemTime::now();
         let mut inner = self.lock();
         let mut failed = Vec::new();
         for r in inner.turns.values_mut().filter_map(|t| t.record.as_mut()) {

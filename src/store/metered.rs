@@ -387,22 +387,13 @@ impl Store for Metered {
             .await
     }
 
-    async fn renew_lease(
-        &self,
-        key: &TurnKey,
-        owner: &str,
-        until: SystemTime,
-    ) -> StoreResult<bool> {
-        self.timed(Op::RenewLease, self.inner.renew_lease(key, owner, until))
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
+        self.timed(Op::RenewLease, self.inner.renew_lease(key, owner, lease))
             .await
     }
 
-    async fn fail_expired(
-        &self,
-        now: SystemTime,
-        outcome: &TurnOutcome,
-    ) -> StoreResult<Vec<TurnKey>> {
-        self.timed(Op::FailExpired, self.inner.fail_expired(now, outcome))
+    async fn fail_expired(&self, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+        self.timed(Op::FailExpired, self.inner.fail_expired(outcome))
             .await
     }
 

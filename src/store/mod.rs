@@ -613,18 +613,21 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         after: Option<&TurnCursor>,
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>>;
-    /// Extends the lease of a turn `owner` runs; false when the turn is no
-    /// longer running under that owner.
-    async fn renew_lease(&self, key: &TurnKey, owner: &str, until: SystemTime)
-    -> StoreResult<bool>;
-    /// Ends every running turn whose lease expired before `now` with
-    /// `outcome`; returns those turns (each is returned to one caller
-    /// only). Such a turn is never run again.
-    async fn fail_expired(
-        &self,
-        now: SystemTime,
-        outcome: &TurnOutcome,
-    ) -> StoreResult<Vec<TurnKey>>;
+    /// Extends the lease of a turn `owner` runs to `lease` from now, by the
+    /// store's clock; false when the turn is no longer running under that
+    /// owner.
+    ///
+    /// A lease is written (claim, renewal) and judged expired
+    /// ([`Store::fail_expired`]) by one clock, the store's (the
+    /// database's, where it is shared by replicas), so replicas whose
+    /// clocks disagree never end a turn whose lease is live, nor keep one
+    /// whose lease ran out.
+    async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool>;
+    /// Ends every running turn whose lease expired, by the store's clock
+    /// (see [`Store::renew_lease`]), with `outcome`; returns those turns
+    /// (each is returned to one caller only). Such a turn is never run
+    /// again.
+    async fn fail_expired(&self, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>>;
     /// Deletes at most `limit` of the terminal turns (and their events)
     /// last updated before `before`, oldest first; returns how many. A
     /// bounded batch keeps each call short: on SQLite the writer is held

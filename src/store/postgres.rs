@@ -10,6 +10,15 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
+/// The clock leases are written and judged by, in microseconds: the
+/// database's, which every replica shares (their own may disagree).
+/// `clock_timestamp()`, not `now()`: a transaction's start can be long past.
+macro_rules! db_now {
+    () => {
+        "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8"
+    };
+}
+
 /// How long a query waits for a connection: short, so that a lost database
 /// turns into UNAVAILABLE quickly instead of a hanging call.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -181,20 +190,35 @@ impl PostgresStore {
         // refuses every write: not healthy for a server that must write.
         ping: "SELECT current_setting('transaction_read_only') = 'off'",
         // Turns whose rows another transaction holds are passed over, then
-        // ended one at a time (`fail_one_expired`): a committer storing a
+        // ended one at a time (`passed_over`): a committer storing a
         // turn's events share-locks its row (see `write_group`), a lease
         // renewal updates it. One statement waiting for them while holding
         // the rows it had already updated could deadlock with a committer
         // storing several of those turns, both kept a second
         // (`deadlock_timeout`) before one gave up.
-        fail_expired: "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-             WHERE (session_id, request_id) IN (SELECT session_id, request_id FROM turns \
-                 WHERE state = 'running' AND lease_expires_at < $4 FOR UPDATE SKIP LOCKED) \
-             RETURNING session_id, request_id",
-        fail_one_expired: Some(
+        fail_expired: concat!(
             "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-             WHERE session_id = $5 AND request_id = $6 AND state = 'running' AND lease_expires_at < $4 \
-             RETURNING session_id, request_id",
+             WHERE (session_id, request_id) IN (SELECT session_id, request_id FROM turns \
+                 WHERE state = 'running' AND lease_expires_at < ",
+            db_now!(),
+            " FOR UPDATE SKIP LOCKED) RETURNING session_id, request_id"
+        ),
+        passed_over: Some(super::sql::PassedOver {
+            expired: concat!(
+                "SELECT session_id, request_id FROM turns WHERE state = 'running' AND lease_expires_at < ",
+                db_now!()
+            ),
+            end_one: concat!(
+                "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+                 WHERE session_id = $5 AND request_id = $6 AND state = 'running' AND lease_expires_at < ",
+                db_now!(),
+                " RETURNING session_id, request_id"
+            ),
+        }),
+        renew_lease: concat!(
+            "UPDATE turns SET lease_expires_at = ",
+            db_now!(),
+            " + $1 WHERE session_id = $2 AND request_id = $3 AND owner = $4 AND state = 'running'"
         ),
     };
 }
@@ -751,11 +775,12 @@ impl PostgresStore {
         let col = |f: fn(&super::sql::PendingClaim) -> &str| -> Vec<&str> {
             order.iter().map(|c| f(c)).collect()
         };
-        let rows = sqlx::query(
+        let rows = sqlx::query(concat!(
             "WITH claimed AS ( \
                INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, created_at, updated_at) \
-               SELECT c.session_id, c.request_id, c.user_text, c.agent, 'running', c.owner, \
-                 (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8 + c.lease, c.at, c.at \
+               SELECT c.session_id, c.request_id, c.user_text, c.agent, 'running', c.owner, ",
+            db_now!(),
+            " + c.lease, c.at, c.at \
                FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[], $7::int8[]) \
                AS c(session_id, request_id, user_text, agent, owner, lease, at) \
                ON CONFLICT (session_id, request_id) DO NOTHING \
@@ -764,7 +789,7 @@ impl PostgresStore {
                UPDATE sessions s SET updated_at = GREATEST(s.updated_at, c.created_at) FROM claimed c WHERE s.id = c.session_id \
              ) \
              SELECT session_id, request_id FROM claimed",
-        )
+        ))
         .bind(col(|c| &c.sid))
         .bind(col(|c| &c.rid))
         .bind(col(|c| &c.user_text))

@@ -547,24 +547,34 @@ pub(super) struct Dialect {
     pub kinds: super::KindEncoding,
     /// The health check: one boolean, whether the database takes writes.
     pub ping: &'static str,
-    /// Ends the running turns whose lease ran out before $4 with ($1 state,
-    /// $2 code, $3 message, $4 now), returning each one's key.
+    /// Sets the lease of the turn ($2 session, $3 request) its owner ($4)
+    /// runs to $1 microseconds from now by the database's clock, if it is
+    /// still running. Leases are written and judged by that one clock
+    /// (claims and [`Dialect::fail_expired`] read it too), so that replicas
+    /// whose clocks disagree agree on which leases ran out.
+    pub renew_lease: &'static str,
+    /// Ends the running turns whose lease ran out by the database's clock
+    /// with ($1 state, $2 code, $3 message, $4 updated_at), returning each
+    /// one's key.
     pub fail_expired: &'static str,
     /// Where [`Dialect::fail_expired`] passes over turns whose rows another
-    /// transaction holds: the statement that ends one such turn ($5
-    /// session, $6 request, with the binds above), returning its key if it
-    /// did, run for each turn left expired, one at a time.
-    pub fail_one_expired: Option<&'static str>,
+    /// transaction holds: how those are then ended, one at a time.
+    pub passed_over: Option<PassedOver>,
+}
+
+/// The lease sweep's second pass ([`Dialect::passed_over`]).
+pub(super) struct PassedOver {
+    /// The running turns whose lease ran out (no binds): session and
+    /// request of each.
+    pub expired: &'static str,
+    /// Ends one of them ($5 session, $6 request, with
+    /// [`Dialect::fail_expired`]'s binds), returning its key if it did.
+    pub end_one: &'static str,
 }
 
 /// How long the lease sweep waits for a turn's row another transaction
-/// holds (PostgreSQL, [`Dialect::fail_one_expired`]).
+/// holds (PostgreSQL, [`Dialect::passed_over`]).
 pub(super) const SWEEP_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '1s'";
-
-/// The running turns whose lease ran out before $1: those
-/// [`Dialect::fail_expired`] passed over.
-pub(super) const EXPIRED_TURNS: &str =
-    "SELECT session_id, request_id FROM turns WHERE state = 'running' AND lease_expires_at < $1";
 
 /// A session's event log deleted after the session, in chunks: a large
 /// session's log deleted in the session's transaction held SQLite's one
@@ -1202,12 +1212,9 @@ macro_rules! sql_store {
                 rows.iter().map(turn_from_row).collect()
             }
 
-            async fn renew_lease(&self, key: &TurnKey, owner: &str, until: std::time::SystemTime) -> StoreResult<bool> {
-                let done = sqlx::query(
-                    "UPDATE turns SET lease_expires_at = $1 \
-                     WHERE session_id = $2 AND request_id = $3 AND owner = $4 AND state = 'running'",
-                )
-                .bind(to_micros(until))
+            async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: std::time::Duration) -> StoreResult<bool> {
+                let done = sqlx::query(Self::SQL.renew_lease)
+                .bind(i64::try_from(lease.as_micros()).unwrap_or(i64::MAX))
                 .bind(key.session_id.to_string())
                 .bind(key.request_id.as_str())
                 .bind(owner)
@@ -1217,7 +1224,8 @@ macro_rules! sql_store {
                 Ok(done.rows_affected() == 1)
             }
 
-            async fn fail_expired(&self, now: std::time::SystemTime, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+            async fn fail_expired(&self, outcome: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+                let now = std::time::SystemTime::now();
                 let update = {
                     let (pool, outcome) = (self.write.clone(), outcome.clone());
                     async move {
@@ -1228,7 +1236,7 @@ macro_rules! sql_store {
                         .bind(to_micros(now))
                         .fetch_all(&pool)
                         .await?;
-                        let Some(one) = Self::SQL.fail_one_expired else {
+                        let Some(rest) = Self::SQL.passed_over else {
                             return Ok(rows);
                         };
                         // The turns passed over, one at a time: each waits
@@ -1238,8 +1246,7 @@ macro_rules! sql_store {
                         // long transaction is left to the next sweep), so
                         // the turns ended so far are answered. So is a
                         // failure here: those are ended all the same.
-                        let left: Vec<(String, String)> = match sqlx::query_as($crate::store::sql::EXPIRED_TURNS)
-                            .bind(to_micros(now))
+                        let left: Vec<(String, String)> = match sqlx::query_as(rest.expired)
                             .fetch_all(&pool)
                             .await
                         {
@@ -1253,7 +1260,7 @@ macro_rules! sql_store {
                             let ended = async {
                                 let mut tx = pool.begin().await?;
                                 sqlx::query($crate::store::sql::SWEEP_LOCK_TIMEOUT).execute(&mut *tx).await?;
-                                let row = sqlx::query(one)
+                                let row = sqlx::query(rest.end_one)
                                     .bind(outcome.state.as_str())
                                     .bind(outcome.code as i64)
                                     .bind(&outcome.message)

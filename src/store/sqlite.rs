@@ -41,6 +41,14 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
+/// The clock leases are written and judged by, in microseconds: SQLite's,
+/// the machine's (the one replica's) own.
+macro_rules! db_now {
+    () => {
+        "CAST(unixepoch('subsec') * 1000000 AS INTEGER)"
+    };
+}
+
 /// The most bytes of events one row of the event log holds: a little under
 /// an eighth of its 64 KiB page. A row of 32 to 64 KiB (a busy turn's share
 /// of one group commit) fits one to a page, and the rest of the page,
@@ -604,14 +612,15 @@ impl SqliteStore {
         pool: &SqlitePool,
         claims: &[super::sql::PendingClaim],
     ) -> Result<Vec<bool>, sqlx::Error> {
-        let mut q = sqlx::QueryBuilder::new(
+        let mut q = sqlx::QueryBuilder::new(concat!(
             "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
              created_at, updated_at, turn_no) \
-             SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, \
-             CAST(unixepoch('subsec') * 1000000 AS INTEGER) + v.column6, v.column7, v.column7, \
+             SELECT v.column1, v.column2, v.column3, v.column4, 'running', v.column5, ",
+            db_now!(),
+            " + v.column6, v.column7, v.column7, \
              MAX(IFNULL((SELECT MAX(turn_no) FROM turns), 0), IFNULL((SELECT MAX(turn_no) FROM event_log), 0)) \
              + ROW_NUMBER() OVER () FROM (",
-        );
+        ));
         q.push_values(claims, |mut b, c| {
             b.push_bind(c.sid.as_str())
                 .push_bind(c.rid.as_str())
@@ -677,11 +686,19 @@ impl SqliteStore {
         // started on it cannot replay the turns stored since (see README).
         kinds: super::KindEncoding::Code,
         ping: "SELECT 1 = 1",
+        renew_lease: concat!(
+            "UPDATE turns SET lease_expires_at = ",
+            db_now!(),
+            " + $1 WHERE session_id = $2 AND request_id = $3 AND owner = $4 AND state = 'running'"
+        ),
+        fail_expired: concat!(
+            "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
+             WHERE state = 'running' AND lease_expires_at < ",
+            db_now!(),
+            " RETURNING session_id, request_id"
+        ),
         // The one writer connection never waits for another's row lock.
-        fail_expired: "UPDATE turns SET state = $1, status_code = $2, status_message = $3, updated_at = $4 \
-             WHERE state = 'running' AND lease_expires_at < $4 \
-             RETURNING session_id, request_id",
-        fail_one_expired: None,
+        passed_over: None,
     };
 }
 

@@ -103,15 +103,16 @@ impl Follower {
             }
             *sent += self.drain().await?;
             let record = self.record().await?;
+            // Its replica seems to have stopped renewing (by this replica's
+            // clock): end it for everyone, then re-read (another follower
+            // may have done so first). The store judges by its own clock,
+            // which this one's may run ahead of: when it ended nothing, the
+            // follower waits as for a live turn instead of asking again.
             if !record.state.is_terminal()
                 && self.live.is_none()
                 && record.lease_expires_at < std::time::SystemTime::now()
+                && self.turns.fail_expired().await? > 0
             {
-                // Its replica stopped renewing: end it for everyone, then
-                // re-read (another follower may have done so first).
-                self.turns
-                    .fail_expired(std::time::SystemTime::now())
-                    .await?;
                 continue;
             }
             if let Some(outcome) = record.outcome.filter(|_| record.state.is_terminal()) {

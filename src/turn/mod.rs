@@ -422,12 +422,12 @@ impl Turns {
         self.expired.subscribe()
     }
 
-    /// Ends every turn whose lease expired (as of `now`) with "the serving
-    /// replica stopped", and tells [`Self::expired_turns`] which.
-    async fn fail_expired(&self, now: std::time::SystemTime) -> Result<usize, StoreError> {
+    /// Ends every turn whose lease expired (by the store's clock) with "the
+    /// serving replica stopped", and tells [`Self::expired_turns`] which.
+    async fn fail_expired(&self) -> Result<usize, StoreError> {
         let failed = self
             .store
-            .fail_expired(now, &crate::grpc::status::replica_stopped())
+            .fail_expired(&crate::grpc::status::replica_stopped())
             .await?;
         for key in &failed {
             // No listener (the A2A face off) is not an error.

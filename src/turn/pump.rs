@@ -700,7 +700,7 @@ struct Stops {
 /// under the run, the renewal fails, and the run is stopped: the turn was
 /// cancelled by a CancelTurn another replica served (which recorded it
 /// CANCELLED in the store), or the lease was lost anyway (the turn was
-/// marked failed: a store stall or a clock jump longer than two thirds of
+/// marked failed: a store stall or a jump of the store's clock longer than two thirds of
 /// the lease). Not once the outcome is being written (`finishing`): a
 /// renewal then finds the turn ended by that write, which tells itself
 /// whether the turn had been ended under it.
@@ -719,10 +719,9 @@ async fn keep_lease(
             _ = renewing.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let until = std::time::SystemTime::now() + lease;
         let renewed = tokio::select! {
             _ = renewing.cancelled() => return,
-            r = turns.store.renew_lease(&key, &turns.cfg.replica_id, until) => r,
+            r = turns.store.renew_lease(&key, &turns.cfg.replica_id, lease) => r,
         };
         match renewed {
             Ok(true) => {}

@@ -93,7 +93,7 @@ async fn sweep(turns: Arc<Turns>) {
         if healthy.wait_for(|ok| *ok).await.is_err() {
             return;
         }
-        match turns.fail_expired(SystemTime::now()).await {
+        match turns.fail_expired().await {
             Ok(0) => {}
             Ok(n) => tracing::warn!(
                 turns = n,

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use agentd::agent::PriorTurn;
 use agentd::domain::{SessionId, TurnKey, UserId};
@@ -46,13 +46,8 @@ pub trait Hooks: Send + Sync + 'static {
     fn a2a_tasks(&self, inner: &dyn Store) -> Arc<dyn A2aTasks> {
         inner.a2a_tasks()
     }
-    async fn fail_expired(
-        &self,
-        inner: &dyn Store,
-        now: SystemTime,
-        o: &TurnOutcome,
-    ) -> StoreResult<Vec<TurnKey>> {
-        inner.fail_expired(now, o).await
+    async fn fail_expired(&self, inner: &dyn Store, o: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+        inner.fail_expired(o).await
     }
     async fn ping(&self, inner: &dyn Store) -> StoreResult<()> {
         inner.ping().await
@@ -140,11 +135,11 @@ impl Store for Wrapped {
     ) -> StoreResult<Vec<TurnRecord>> {
         self.inner.list_turns(s, after, limit).await
     }
-    async fn renew_lease(&self, k: &TurnKey, owner: &str, until: SystemTime) -> StoreResult<bool> {
-        self.inner.renew_lease(k, owner, until).await
+    async fn renew_lease(&self, k: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
+        self.inner.renew_lease(k, owner, lease).await
     }
-    async fn fail_expired(&self, now: SystemTime, o: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
-        self.hooks.fail_expired(&*self.inner, now, o).await
+    async fn fail_expired(&self, o: &TurnOutcome) -> StoreResult<Vec<TurnKey>> {
+        self.hooks.fail_expired(&*self.inner, o).await
     }
     async fn prune(&self, before: SystemTime, limit: usize) -> StoreResult<u64> {
         self.inner.prune(before, limit).await
