@@ -483,12 +483,6 @@ async fn a_run_whose_lease_was_lost_stops_and_ends_as_recorded(db: TestDb) {
     s.stop().await;
 }
 
-/// Long enough for a lease of no time to have run out by every store's
-/// clock (SQLite's counts milliseconds).
-async fn lapse() {
-    tokio::time::sleep(Duration::from_millis(5)).await;
-}
-
 /// A running turn's lease made to lapse, as a replica's late renewals let
 /// it, then found so by a sweep (another replica's, say). Leases are judged
 /// by the store's clock alone, so the lease is ended through its owner

@@ -85,7 +85,7 @@ async fn with_turns(db: &TestDb, rids: &[&str]) -> (std::sync::Arc<dyn Store>, S
 }
 
 /// The turns' leases run out: renewed by their owner for no time, then
-/// outlived by every store's clock (SQLite's counts milliseconds).
+/// outlived ([`lapse`]).
 async fn lapsed(store: &dyn Store, keys: &[&TurnKey]) {
     for k in keys {
         assert!(
@@ -95,7 +95,7 @@ async fn lapsed(store: &dyn Store, keys: &[&TurnKey]) {
                 .unwrap()
         );
     }
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    lapse().await;
 }
 
 fn is_unavailable<T: std::fmt::Debug>(r: &StoreResult<T>) -> bool {

@@ -573,6 +573,12 @@ pub fn code<T>(r: &Result<T, Status>) -> Code {
     }
 }
 
+/// Long enough for a lease of no time to have run out by every store's
+/// clock (SQLite's counts milliseconds), which alone judges leases.
+pub async fn lapse() {
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
 /// Polls `probe` every 20ms until it yields `Some`, for at most 15 s.
 pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
 where
