@@ -193,33 +193,58 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
 }
 
 /// How long a few events wait, at most, to share a commit with what follows
-/// them, when the committer committed less than this long ago: a turn
-/// streaming a model's tokens hands its writer a few events at a time, and a
-/// commit for each of them rewrote the event log's last page (64 KiB on
-/// SQLite) and its checksum every time. Events still reach the client at
-/// once; only their storage (and followers reading it) waits. A turn's last
-/// events, which go with its outcome, never wait.
-pub(super) const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
+/// them, when the committer's last commit was small too and began less than
+/// this long ago: turns streaming a model's tokens hand their writers a few
+/// events at a time, and a commit costs about the same whatever it holds.
+/// On SQLite a commit rewrites the event log's first page (its change
+/// counter), the table's root page and its last leaf, each 64 KiB, and
+/// journals all three first: some 400 KB written and four `fsync`s for a
+/// few kilobytes of events. At 2 ms, 64 turns streaming 16 events each had
+/// the server write about 100 times their bytes to disk (`model_overhead`,
+/// `store=sqlite`: 15 MB a round; 9 MB at 10 ms), and that work, on the
+/// server's core, held up every stream: time to last token 1.58x direct at
+/// 2 ms, 1.27-1.35x at 10 ms, no better at 25 ms. Events still reach the
+/// client at once; only their storage (and followers reading it) waits. A
+/// turn's last events, which go with its outcome, never wait, nor does a
+/// group large enough to stream flat out ([`LINGER_BELOW`]).
+pub(super) const LINGER: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// [`LINGER`] after a large commit: streams going flat out. A small group
+/// there is the first few writers that commit answered, whose batches the
+/// others' join within moments: they are not held for long.
+pub(super) const LINGER_AFTER_LARGE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A group holding at least this many bytes of events is committed at once.
 const LINGER_BELOW: usize = 16 * 1024;
+
+/// How long the group after `group` may wait for more ([`LINGER`],
+/// [`LINGER_AFTER_LARGE`]), counted from `group`'s commit.
+pub(super) fn linger_after(group: &[PendingBatch]) -> std::time::Duration {
+    if event_bytes_below(group, LINGER_BELOW) {
+        LINGER
+    } else {
+        LINGER_AFTER_LARGE
+    }
+}
+
+/// Whether `group`'s events hold fewer than `limit` bytes.
+fn event_bytes_below(group: &[PendingBatch], limit: usize) -> bool {
+    let mut bytes = 0;
+    for p in group {
+        bytes += p.events.iter().map(|e| e.as_bytes().len()).sum::<usize>();
+        if bytes >= limit {
+            return false;
+        }
+    }
+    true
+}
 
 /// Whether `group` may wait for more ([`LINGER`]): it holds only events (an
 /// outcome, a turn's end, is never kept waiting, nor is anything queued with
 /// one), and few of them. A group of streams going flat out is large and is
 /// committed at once, as before.
 pub(super) fn lingers(group: &[PendingBatch]) -> bool {
-    let mut bytes = 0;
-    for p in group {
-        if p.outcome.is_some() {
-            return false;
-        }
-        bytes += p.events.iter().map(|e| e.as_bytes().len()).sum::<usize>();
-        if bytes >= LINGER_BELOW {
-            return false;
-        }
-    }
-    true
+    group.iter().all(|p| p.outcome.is_none()) && event_bytes_below(group, LINGER_BELOW)
 }
 
 /// A queue shared by `workers` tasks, each running `work` on it (the
@@ -880,7 +905,7 @@ macro_rules! sql_store {
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
             ) {
-                    use $crate::store::sql::{Failed, GROUP_MAX, GROUP_MAX_BYTES, LINGER, PendingBatch};
+                    use $crate::store::sql::{Failed, GROUP_MAX, GROUP_MAX_BYTES, LINGER_AFTER_LARGE, PendingBatch};
                     // A turn's end reaches the cache before its writer hears
                     // the outcome is stored (and a follow-up Run can come).
                     // An outcome not recorded, or not known to be, leaves
@@ -900,6 +925,7 @@ macro_rules! sql_store {
                     // What a group past GROUP_MAX_BYTES left for the next.
                     let mut carried: Vec<PendingBatch> = Vec::new();
                     let mut last = tokio::time::Instant::now();
+                    let mut linger = LINGER_AFTER_LARGE;
                     loop {
                         if carried.is_empty() {
                             let mut queue = rx.lock().await;
@@ -911,7 +937,7 @@ macro_rules! sql_store {
                             // by what comes meanwhile ([`lingers`]).
                             while group.len() < GROUP_MAX && $crate::store::sql::lingers(&group) {
                                 let room = GROUP_MAX - group.len();
-                                let more = tokio::time::timeout_at(last + LINGER, queue.recv_many(&mut group, room));
+                                let more = tokio::time::timeout_at(last + linger, queue.recv_many(&mut group, room));
                                 if !matches!(more.await, Ok(n) if n > 0) {
                                     break;
                                 }
@@ -921,6 +947,7 @@ macro_rules! sql_store {
                         }
                         carried = $crate::store::sql::split_over(&mut group, GROUP_MAX_BYTES, PendingBatch::bytes);
                         last = tokio::time::Instant::now();
+                        linger = $crate::store::sql::linger_after(&group);
                         let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
                         $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
                         let e = match written {
@@ -1720,7 +1747,9 @@ mod tests {
             },
             None,
         ));
-        assert!(!lingers(&[batch(&[10]), ending]));
+        let ending = [batch(&[10]), ending];
+        assert!(!lingers(&ending));
+        let [_, ending] = ending;
         let mut alone = batch(&[]);
         alone.outcome = Some(PendingOutcome::new(
             &crate::store::TurnOutcome {
@@ -1731,6 +1760,15 @@ mod tests {
             None,
         ));
         assert!(!lingers(&[alone]));
+
+        // After a small commit, ending turns' included, the next small
+        // group waits longer than after a large one.
+        assert_eq!(linger_after(&[batch(&[10]), ending]), LINGER);
+        assert_eq!(
+            linger_after(&[batch(&[10]), batch(&[8 * 1024, 8 * 1024])]),
+            LINGER_AFTER_LARGE
+        );
+        assert!(LINGER > LINGER_AFTER_LARGE);
     }
 
     /// A row's blob is the batch encoding of its events: the same bytes the
