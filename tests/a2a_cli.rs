@@ -2,6 +2,7 @@
 //! runs them.
 
 mod a2a_support;
+mod serve_cmd;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -59,13 +60,16 @@ impl Served {
         }
     }
 
+    /// `agentd a2a` against this server, bounded (see
+    /// [`serve_cmd::output_within`]).
     fn a2a(&self, args: &[&str]) -> std::process::Output {
-        Command::new(BIN)
-            .arg("a2a")
-            .args(args)
-            .env("AGENTD_A2A_URL", &self.a2a_url)
-            .output()
-            .unwrap()
+        serve_cmd::output_within(
+            Command::new(BIN)
+                .arg("a2a")
+                .args(args)
+                .env("AGENTD_A2A_URL", &self.a2a_url),
+            Duration::from_secs(60),
+        )
     }
 
     fn terminate(mut self) -> std::process::ExitStatus {

@@ -56,12 +56,13 @@ impl Served {
         }
     }
 
+    /// The CLI against this server, bounded: its calls have deadlines of
+    /// their own, but a hang anywhere else fails the test here.
     fn cli(&self, args: &[&str]) -> std::process::Output {
-        Command::new(BIN)
-            .args(args)
-            .env("AGENTD_SERVER", &self.url)
-            .output()
-            .unwrap()
+        serve_cmd::output_within(
+            Command::new(BIN).args(args).env("AGENTD_SERVER", &self.url),
+            Duration::from_secs(60),
+        )
     }
 
     fn terminate(mut self) -> std::process::ExitStatus {
