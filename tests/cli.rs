@@ -692,22 +692,8 @@ fn commands_that_print_into_a_closed_pipe_exit_without_a_panic() {
 /// stderr. One still running after 30 s has started: it is killed and the
 /// test fails (rather than waiting for ever on a server).
 fn start_up_error(cmd: &mut Command) -> String {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let until = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > until {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("the server started: {}", text(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = serve_cmd::try_output_within(cmd, Duration::from_secs(30))
+        .unwrap_or_else(|out| panic!("the server started: {}", text(&out.stderr)));
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     stderr

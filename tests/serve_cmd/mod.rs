@@ -22,6 +22,16 @@ pub fn output_within(
     cmd: &mut std::process::Command,
     limit: std::time::Duration,
 ) -> std::process::Output {
+    let shown = format!("{cmd:?}");
+    try_output_within(cmd, limit).unwrap_or_else(|_| panic!("{shown} did not end within {limit:?}"))
+}
+
+/// [`output_within`], with a process still running at `limit` killed and
+/// what it wrote until then returned as the error.
+pub fn try_output_within(
+    cmd: &mut std::process::Command,
+    limit: std::time::Duration,
+) -> Result<std::process::Output, std::process::Output> {
     use std::io::Read as _;
     use std::process::Stdio;
     let mut child = cmd
@@ -40,20 +50,20 @@ pub fn output_within(
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
     let until = std::time::Instant::now() + limit;
-    let status = loop {
+    let (status, ended) = loop {
         if let Some(status) = child.try_wait().unwrap() {
-            break status;
+            break (status, true);
         }
         if std::time::Instant::now() >= until {
             let _ = child.kill();
-            let _ = child.wait();
-            panic!("{cmd:?} did not end within {limit:?}");
+            break (child.wait().unwrap(), false);
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     };
-    std::process::Output {
+    let out = std::process::Output {
         status,
         stdout: stdout.join().unwrap(),
         stderr: stderr.join().unwrap(),
-    }
+    };
+    if ended { Ok(out) } else { Err(out) }
 }
