@@ -36,6 +36,12 @@ async fn serve(store: &str, extra: &[&str]) -> Child {
     Child::serve(&args).await
 }
 
+/// Replica A on `store`, whose tool calls take a minute: its tasks stay
+/// working while a test looks at them from elsewhere.
+async fn slow_replica_a(store: &str) -> Child {
+    serve(store, &["--replica-id", "replica-a", "--tool-delay", "60s"]).await
+}
+
 fn user_message(text: &str, context_id: Option<&str>) -> Message {
     Message {
         context_id: context_id.map(str::to_owned),
@@ -274,11 +280,7 @@ async fn a_task_run_on_one_replica_is_answered_and_followed_by_another() {
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    let a = serve(
-        &db.url,
-        &["--replica-id", "replica-a", "--tool-delay", "60s"],
-    )
-    .await;
+    let a = slow_replica_a(&db.url).await;
     let b = serve(&db.url, &["--replica-id", "replica-b", "--stream-agent"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
 
@@ -416,11 +418,7 @@ async fn a_replica_that_stops_following_a_task_does_not_end_it_for_its_subscribe
     let Some(db) = TestDb::fresh(Backend::Postgres).await else {
         return;
     };
-    let a = serve(
-        &db.url,
-        &["--replica-id", "replica-a", "--tool-delay", "60s"],
-    )
-    .await;
+    let a = slow_replica_a(&db.url).await;
     let b = serve(&db.url, &["--replica-id", "replica-b"]).await;
     let (on_a, on_b) = (a2a_at(a.addr).await, a2a_at(b.addr).await);
     let (running, _on_a_stream) = start_working(&on_a).await;
@@ -440,16 +438,7 @@ async fn a_replica_that_stops_following_a_task_does_not_end_it_for_its_subscribe
 
     // B drains (the follower holds it), then a second signal cuts what it
     // still serves: its follower among them.
-    let pid = b.child.id().expect("B runs").to_string();
-    let term = || async {
-        let sent = tokio::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .await
-            .expect("run kill");
-        assert!(sent.success(), "kill -TERM {pid}");
-    };
-    term().await;
+    b.sigterm().await;
     eventually("B to drain", || async {
         b.log_lines()
             .iter()
@@ -457,7 +446,7 @@ async fn a_replica_that_stops_following_a_task_does_not_end_it_for_its_subscribe
             .then_some(())
     })
     .await;
-    term().await;
+    b.sigterm().await;
     let mut rest = vec![];
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), followed.next())
         .await

@@ -792,9 +792,8 @@ impl Child {
         self.child.kill().await.expect("kill -9");
     }
 
-    /// SIGTERM, as the kubelet sends, and the exit status once the process
-    /// has shut down by itself (within 60 s).
-    pub async fn terminate(mut self) -> std::process::ExitStatus {
+    /// Sends SIGTERM, as the kubelet does (a second one cuts a drain short).
+    pub async fn sigterm(&self) {
         let pid = self.child.id().expect("still running").to_string();
         let sent = tokio::process::Command::new("kill")
             .args(["-TERM", &pid])
@@ -802,6 +801,12 @@ impl Child {
             .await
             .expect("run kill");
         assert!(sent.success(), "kill -TERM {pid}");
+    }
+
+    /// SIGTERM, as the kubelet sends, and the exit status once the process
+    /// has shut down by itself (within 60 s).
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        self.sigterm().await;
         tokio::time::timeout(Duration::from_secs(60), self.child.wait())
             .await
             .expect("agentd stops within 60 s of SIGTERM")
