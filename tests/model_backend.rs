@@ -6,6 +6,7 @@
 //! server as a closed connection.
 
 mod openai_support;
+mod support;
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -348,6 +349,59 @@ async fn the_sessions_earlier_turns_are_sent_as_history() {
         want.map(|(a, b)| (a.to_owned(), b.to_owned())).to_vec()
     );
     d.stop().await;
+}
+
+/// PostgreSQL, two replicas: replica A keeps the session's history in
+/// memory and starts its model call beside the claim; when B ran a turn in
+/// the session since, A's claim says so, the call started with the old
+/// history is dropped, and the model is called again with every turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_call_started_with_a_history_another_replica_changed_is_made_again_with_all_of_it()
+{
+    let Some(db) = support::TestDb::fresh(support::Backend::Postgres).await else {
+        return;
+    };
+    let ok = || Reply::Sse(vec![text("Answer."), stop(), DONE.into()]);
+    // Enough replies for a dropped call besides the three that answer.
+    let f = fake(vec![ok(), ok(), ok(), ok()]).await;
+    let file = agents_file(&f.url, "");
+    let mut a = Agentd::start_with(&file, db.open().await, Default::default()).await;
+    let mut b = Agentd::start_with(&file, db.open().await, Default::default()).await;
+    let s = a.session("u1").await;
+    for (d, q) in [(&mut a, "first question"), (&mut b, "second question")] {
+        d.run("u1", &s, "helper", q, Duration::from_secs(20))
+            .await
+            .1
+            .unwrap();
+    }
+    a.run(
+        "u1",
+        &s,
+        "helper",
+        "third question",
+        Duration::from_secs(20),
+    )
+    .await
+    .1
+    .unwrap();
+    let users = |m: &Value| -> Vec<String> {
+        m["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    let seen = f.seen.lock().unwrap().clone();
+    let last = users(seen.last().unwrap());
+    assert_eq!(
+        last,
+        ["first question", "second question", "third question"],
+        "the call that answered has B's turn: {seen:#?}"
+    );
+    a.stop().await;
+    b.stop().await;
 }
 
 /// The crate's client sends a request_id of its own, which a resend

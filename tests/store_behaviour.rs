@@ -1865,12 +1865,19 @@ async fn a_runs_read_tells_whether_its_turn_is_stored(db: TestDb) {
 /// that does not exist is `None` among sessions that do.
 async fn reads_made_together_each_get_their_own_session_and_history(db: TestDb) {
     let store = db.open().await;
+    // On PostgreSQL the sessions are made through another replica's store,
+    // so that this one reads them from the database, not from its memory
+    // of the sessions it made.
+    let other = match db.backend {
+        Backend::Postgres => db.open().await,
+        _ => store.clone(),
+    };
     let alice = UserId::parse(ALICE).unwrap();
     let bob = UserId::parse("bob").unwrap();
     let mut sessions = Vec::new();
     for i in 0..12usize {
         let user = if i % 2 == 0 { &alice } else { &bob };
-        let id = store.create_session(user).await.unwrap().id;
+        let id = other.create_session(user).await.unwrap().id;
         // Session i: i % 6 ended turns, every third one failed (no
         // answer), and one still running when i is odd.
         for t in 0..i % 6 + i % 2 {
@@ -1878,12 +1885,12 @@ async fn reads_made_together_each_get_their_own_session_and_history(db: TestDb) 
                 session_id: id,
                 request_id: RequestId::parse(format!("s{i}-t{t}")).unwrap(),
             };
-            store.claim_turn(&new_turn(&key, "a")).await.unwrap();
+            other.claim_turn(&new_turn(&key, "a")).await.unwrap();
             if t == i % 6 {
                 continue;
             }
             let answer = (t % 3 != 2).then(|| format!("answer {i}.{t}"));
-            end_turn(store.as_ref(), &key, answer.as_deref()).await;
+            end_turn(other.as_ref(), &key, answer.as_deref()).await;
         }
         sessions.push(id);
     }
@@ -2640,6 +2647,119 @@ async fn on_postgres_a_claim_never_moves_its_sessions_update_time_back() {
         .unwrap();
     let now = store.get_session(session.id).await.unwrap().unwrap();
     assert_eq!(now.updated_at, later, "not moved back by the claim");
+}
+
+/// PostgreSQL, two replicas on one database: the history replica A keeps
+/// in memory of a session (one it created, or read while none of its turns
+/// ran) answers A's Runs until A's next claim in the session finds a claim
+/// A did not make (replica B's). That Run then reads the history again, and
+/// A keeps the session again only once none of its turns runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_history_kept_in_memory_holds_until_another_replica_claims_in_its_session() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let (a, b) = (db.open().await, db.open().await);
+    let alice = UserId::parse(ALICE).unwrap();
+    let key = |id: SessionId, r: &str| TurnKey {
+        session_id: id,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    let ids = |read: &agentd::store::RunRead| -> Vec<String> {
+        read.history.iter().map(|t| t.request_id.clone()).collect()
+    };
+    let s = a.create_session(&alice).await.unwrap().id;
+    let read = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    let held = read.remembered.expect("created here: from memory");
+    assert!(read.history.is_empty());
+    // B runs r1 to its end; A's memory does not know.
+    b.claim_turn(&new_turn(&key(s, "r1"), "b")).await.unwrap();
+    end_turn(b.as_ref(), &key(s, "r1"), Some("answer 1")).await;
+    let read = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(read.remembered, Some(held));
+    assert!(read.history.is_empty(), "what A knew");
+    // A's claim finds B's: the history A served does not hold.
+    assert!(matches!(
+        a.claim_turn(&new_turn(&key(s, "r2"), "a")).await.unwrap(),
+        agentd::store::Claim::New
+    ));
+    assert!(!a.history_current(s, held));
+    let again = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(ids(&again), ["r1"]);
+    assert_eq!(again.remembered, None, "read from the database");
+    // r2 runs: a read now is not kept (r2's end would go unseen by one
+    // read while it ran, were it B's).
+    let again = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(again.remembered, None);
+    end_turn(a.as_ref(), &key(s, "r2"), Some("answer 2")).await;
+    let read = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(ids(&read), ["r1", "r2"]);
+    assert_eq!(read.remembered, None, "read, and kept from now on");
+    let read = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(ids(&read), ["r1", "r2"]);
+    let held = read.remembered.expect("kept");
+    // A's own claims keep it: the count is the one A holds.
+    a.claim_turn(&new_turn(&key(s, "r3"), "a")).await.unwrap();
+    assert!(a.history_current(s, held));
+    end_turn(a.as_ref(), &key(s, "r3"), None).await;
+    let read = a.session_for_run(s, None, 5).await.unwrap().unwrap();
+    assert_eq!(ids(&read), ["r1", "r2", "r3"]);
+    assert_eq!(read.remembered, Some(held));
+    // Which turns are stored, A's memory tells of those it knows (B's r1,
+    // read from the database)...
+    let r1 = RequestId::parse("r1").unwrap();
+    assert!(
+        a.session_for_run(s, Some(&r1), 5)
+            .await
+            .unwrap()
+            .unwrap()
+            .turn_stored
+    );
+    // ... and not of one B stored since, still running: said not stored,
+    // it is found by A's claim, which stores nothing.
+    b.claim_turn(&new_turn(&key(s, "r4"), "b")).await.unwrap();
+    let r4 = RequestId::parse("r4").unwrap();
+    let read = a.session_for_run(s, Some(&r4), 5).await.unwrap().unwrap();
+    assert!(!read.turn_stored);
+    assert_eq!(read.remembered, Some(held));
+    assert!(matches!(
+        a.claim_turn(&new_turn(&key(s, "r4"), "a")).await.unwrap(),
+        agentd::store::Claim::Existing(t) if t.owner == "b"
+    ));
+    a.claim_turn(&new_turn(&key(s, "r5"), "a")).await.unwrap();
+    assert!(!a.history_current(s, held));
+    // Deleted by B: A's next claim fails for the session and lets it go.
+    let t = b.create_session(&alice).await.unwrap().id;
+    let read = a.session_for_run(t, None, 5).await.unwrap().unwrap();
+    assert_eq!(read.remembered, None);
+    let read = a.session_for_run(t, None, 5).await.unwrap().unwrap();
+    assert!(read.remembered.is_some(), "no turn: kept");
+    b.delete_session(t).await.unwrap();
+    assert!(a.claim_turn(&new_turn(&key(t, "r1"), "a")).await.is_err());
+    assert!(a.session_for_run(t, None, 5).await.unwrap().is_none());
+}
+
+/// PostgreSQL, two replicas serving one session by turns: each Run's agent
+/// gets every earlier turn in its history, whichever replica ran it, though
+/// each replica keeps the session's history in memory between its Runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_each_replicas_runs_see_the_turns_the_other_ran() {
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let a = Server::start(db.open().await, Opts::default()).await;
+    let b = Server::start(db.open().await, Opts::default()).await;
+    let sid = a.session(ALICE).await;
+    let mut seen = Vec::new();
+    for (i, replica) in [&a, &a, &b, &a, &b, &b, &a].into_iter().enumerate() {
+        let rid = format!("r{i}");
+        let (events, ok) = run_agent(replica, &sid, &rid, "notes", &rid).await;
+        ok.unwrap();
+        assert_eq!(events.last().unwrap().text, seen.join("\n"), "turn {rid}");
+        seen.push(format!(r#"{rid} notes {{"note":"{rid}"}}"#));
+    }
+    a.stop().await;
+    b.stop().await;
 }
 
 mod slow_store {

@@ -165,15 +165,18 @@ async fn finish(
 async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable() {
     use agentd::domain::{RequestId, UserId};
     use agentd::store::{NewTurn, StoreError};
-    let Some((_db, proxy, store)) = store_behind_proxy().await else {
+    let Some((db, proxy, store)) = store_behind_proxy().await else {
         return;
     };
+    // Made through another replica's store: this one reads them from the
+    // database, holding none in memory.
+    let other = db.open().await;
     let alice = UserId::parse(ALICE).unwrap();
-    let sessions = futures::future::try_join_all((0..24).map(|_| store.create_session(&alice)))
+    let sessions = futures::future::try_join_all((0..24).map(|_| other.create_session(&alice)))
         .await
         .unwrap();
     for s in &sessions {
-        store.claim_turn(&new_turn(s.id, "r1")).await.unwrap();
+        other.claim_turn(&new_turn(s.id, "r1")).await.unwrap();
     }
 
     proxy.hang();
@@ -230,13 +233,16 @@ async fn calls_queued_together_on_a_lost_database_fail_together_as_unavailable()
 async fn calls_on_a_database_that_stopped_answering_fail_as_unavailable() {
     use agentd::domain::{RequestId, UserId};
     use agentd::store::StoreError;
-    let Some((_db, proxy, store)) = store_behind_proxy().await else {
+    let Some((db, proxy, store)) = store_behind_proxy().await else {
         return;
     };
+    // Made through another replica's store: this one reads it from the
+    // database, not holding it in memory.
+    let other = db.open().await;
     let alice = UserId::parse(ALICE).unwrap();
-    let session = store.create_session(&alice).await.unwrap();
+    let session = other.create_session(&alice).await.unwrap();
     let r1 = new_turn(session.id, "r1");
-    store.claim_turn(&r1).await.unwrap();
+    other.claim_turn(&r1).await.unwrap();
 
     proxy.freeze();
     let r2 = RequestId::parse("r2").unwrap();

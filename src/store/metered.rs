@@ -359,6 +359,10 @@ impl Store for Metered {
         .await
     }
 
+    fn history_current(&self, session: SessionId, remembered: u64) -> bool {
+        self.inner.history_current(session, remembered)
+    }
+
     async fn list_sessions(
         &self,
         user_id: &UserId,

@@ -228,8 +228,22 @@ pub struct RunRead {
     pub session: Session,
     /// The session's last ended turns, oldest first: the agent's history.
     pub history: Vec<PriorTurn>,
-    /// The Run's turn is stored already: its request id is a repeat.
+    /// The Run's turn is stored already: its request id is a repeat. With
+    /// a history remembered from a shared session (`remembered`), a turn
+    /// another replica stored may be said not stored: the claim finds it.
     pub turn_stored: bool,
+    /// The session's count of claims as the read found it, from a store
+    /// that counts them (PostgreSQL), when none of its turns was running
+    /// then: what lets the store keep the session in memory. `None`
+    /// elsewhere.
+    pub claims: Option<i64>,
+    /// The history came from this replica's memory of a session that other
+    /// replicas share: once the turn is claimed,
+    /// [`Store::history_current`] says whether it still holds (no other
+    /// replica claimed a turn in the session meanwhile). `None` for a
+    /// history read from the database, or from a store only this process
+    /// writes.
+    pub remembered: Option<u64>,
 }
 
 /// Where the next page of [`Store::list_sessions`] starts: sessions are
@@ -589,7 +603,19 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
             session,
             history,
             turn_stored: stored?,
+            claims: None,
+            remembered: None,
         }))
+    }
+
+    /// Whether a history [`Store::session_for_run`] gave from memory
+    /// (`RunRead::remembered`) still holds now that the Run's turn is
+    /// claimed: false when another replica claimed a turn in the session
+    /// since (or the store let go of the session), and the Run reads it
+    /// again. A store that never gives `remembered` keeps this default.
+    fn history_current(&self, session: SessionId, remembered: u64) -> bool {
+        let _ = (session, remembered);
+        true
     }
 
     /// A user's sessions, oldest first, at most `limit`, after `after`.

@@ -44,8 +44,11 @@ pub struct PostgresStore {
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
     /// The claimers' queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
-    /// Always `None`: any replica changes any session, so each Run reads
-    /// its session and history from the database.
+    /// The sessions this replica created or read, kept with their count of
+    /// claims: any replica changes any session, so a history served from
+    /// here is checked once the Run's claim says whether another replica
+    /// claimed a turn in the session since ([`SessionCache::shared`](super::session_cache::SessionCache::shared)).
+    /// Always `Some`.
     sessions: Option<Arc<super::session_cache::SessionCache>>,
     /// The readers' queue: a Run's read of its session goes through it.
     reads: tokio::sync::mpsc::Sender<PendingRead>,
@@ -286,13 +289,14 @@ impl PostgresStore {
             cancels.clone(),
             listening.clone(),
         );
+        let sessions = Arc::new(super::session_cache::SessionCache::shared());
         let store = Self {
             cancels,
             _stop_listening: listening.clone().drop_guard(),
             listening,
-            commits: Self::spawn_committer(pool.clone(), COMMITTERS, None),
-            claims: Self::spawn_claimer(pool.clone(), COMMITTERS, None),
-            sessions: None,
+            commits: Self::spawn_committer(pool.clone(), COMMITTERS, Some(sessions.clone())),
+            claims: Self::spawn_claimer(pool.clone(), COMMITTERS, Some(sessions.clone())),
+            sessions: Some(sessions),
             reads: super::sql::spawn_queue(READERS, |rx| Self::read_groups(pool.clone(), rx)),
             read: pool.clone(),
             a2a: Arc::new(super::a2a_tasks::PostgresTasks::new(
@@ -697,11 +701,15 @@ impl PostgresStore {
     ) -> Result<Vec<sqlx::postgres::PgRow>, sqlx::Error> {
         sqlx::query(
             "SELECT q.ord, t.request_id IS NOT NULL AS turn_stored, s.id, s.user_id, s.created_at, s.updated_at, \
+             CASE WHEN b.running IS NULL THEN s.claims END AS claims, \
              h.request_id AS h_request_id, h.agent AS h_agent, h.user_text AS h_user_text, h.answer AS h_answer, \
              h.answer_payload AS h_answer_payload \
              FROM UNNEST($1::text[], $2::int8[], $3::text[]) WITH ORDINALITY AS q(id, lim, turn, ord) \
              JOIN sessions s ON s.id = q.id \
              LEFT JOIN turns t ON t.session_id = q.id AND t.request_id = q.turn \
+             LEFT JOIN LATERAL ( \
+               SELECT 1 AS running FROM turns WHERE session_id = q.id AND state = 'running' LIMIT 1 \
+             ) b ON true \
              LEFT JOIN LATERAL ( \
                SELECT request_id, agent, user_text, COALESCE(answer, '') AS answer, \
                COALESCE(answer_payload, '') AS answer_payload, created_at FROM turns \
@@ -738,6 +746,8 @@ impl PostgresStore {
                     session: session_from_row(r)?,
                     history: Vec::new(),
                     turn_stored: r.try_get("turn_stored").map_err(super::sql::db_err)?,
+                    claims: r.try_get("claims").map_err(super::sql::db_err)?,
+                    remembered: None,
                 }),
             };
             let Some(request_id) = r
@@ -759,14 +769,16 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
-    /// Claims `claims` (distinct keys) in one statement, which also marks
-    /// their sessions updated; for each, whether it stored its turn. Race
-    /// free across replicas: of two inserts of one key, one finds the
-    /// other's row and does nothing.
+    /// Claims `claims` (distinct keys) in one statement; for each, whether
+    /// it stored its turn, and its session's count of claims before the
+    /// statement (read from the statement's snapshot; the insert's trigger
+    /// counts the claims, and marks their sessions updated, once the
+    /// statement is done). Race free across replicas: of two inserts of one
+    /// key, one finds the other's row and does nothing.
     async fn insert_claims(
         pool: &PgPool,
         claims: &[super::sql::PendingClaim],
-    ) -> Result<Vec<bool>, sqlx::Error> {
+    ) -> Result<Vec<super::sql::ClaimWritten>, sqlx::Error> {
         // Rows are locked in the order they are bound (the turns' keys, the
         // sessions' rows): every group binds in key order, so two groups
         // sharing sessions never wait for each other in a cycle.
@@ -784,11 +796,9 @@ impl PostgresStore {
                FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[], $7::int8[]) \
                AS c(session_id, request_id, user_text, agent, owner, lease, at) \
                ON CONFLICT (session_id, request_id) DO NOTHING \
-               RETURNING session_id, request_id, created_at \
-             ), touched AS ( \
-               UPDATE sessions s SET updated_at = GREATEST(s.updated_at, c.created_at) FROM claimed c WHERE s.id = c.session_id \
+               RETURNING session_id, request_id \
              ) \
-             SELECT session_id, request_id FROM claimed",
+             SELECT c.session_id, c.request_id, s.claims FROM claimed c JOIN sessions s ON s.id = c.session_id",
         ))
         .bind(col(|c| &c.sid))
         .bind(col(|c| &c.rid))
@@ -799,7 +809,7 @@ impl PostgresStore {
         .bind(order.iter().map(|c| c.at).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
-        super::sql::stored_claims(claims, &rows)
+        super::sql::stored_claims(claims, &rows, true)
     }
 }
 

@@ -1,6 +1,8 @@
 //! The sessions this process created, with their history, kept in memory
-//! so that a Run on SQLite reads its session and conversation history
-//! without a database read. SQLite's store is the only writer of its file,
+//! so that a Run reads its session and conversation history without a
+//! database read. On PostgreSQL other replicas change sessions too: see
+//! [`SessionCache::shared`] for how their claims are found out. SQLite's
+//! store is the only writer of its file,
 //! so every change to a session's history passes through it: the claimer
 //! tells the cache of each turn it stores, the committer of each outcome it
 //! records, pruning removes the turns it deletes, and the rarer changes (a
@@ -34,6 +36,19 @@ const STRIPES: usize = 256;
 #[derive(Default)]
 pub(super) struct SessionCache {
     inner: Mutex<Inner>,
+    /// The database is shared with other replicas (PostgreSQL), which
+    /// claim and end turns this cache never hears of. A session is then
+    /// held with its count of claims, which every claim made here checks
+    /// ([`SessionCache::claimed_counted`]): a count other than the one held
+    /// says another replica claimed a turn in it since, and the session is
+    /// forgotten. A history served from memory is checked after the Run's
+    /// claim ([`SessionCache::current`]), and read again if its session was
+    /// forgotten meanwhile. A session is taken from a read only while none
+    /// of its turns runs (one that ended elsewhere would go unseen); which
+    /// turns are stored is never answered "no" (another replica may have
+    /// stored it); and a prune by another replica reaches this one's memory
+    /// at this replica's own next prune.
+    shared: bool,
 }
 
 struct Inner {
@@ -45,6 +60,8 @@ struct Inner {
     /// Session ids oldest first; an id whose entry is gone is skipped.
     order: VecDeque<String>,
     bytes: usize,
+    /// The last entry's [`Entry::epoch`].
+    epochs: u64,
 }
 
 impl Default for Inner {
@@ -55,6 +72,7 @@ impl Default for Inner {
             generation: 0,
             order: VecDeque::new(),
             bytes: 0,
+            epochs: 0,
         }
     }
 }
@@ -92,6 +110,12 @@ struct Entry {
     /// Turns claimed and not yet ended: request id → what the claim
     /// stored of it.
     running: HashMap<String, Claimed>,
+    /// In a shared cache, the session's count of claims as of what is
+    /// held; `None` in one that is not shared.
+    claims: Option<i64>,
+    /// Which holding of the session this is: a session forgotten and held
+    /// again is held under another.
+    epoch: u64,
     /// Taken from a database read: when its turns ended is not known, so
     /// any prune forgets it.
     from_read: bool,
@@ -127,6 +151,14 @@ impl Ended {
 }
 
 impl SessionCache {
+    /// A cache of sessions other replicas share ([`SessionCache::shared`]).
+    pub fn shared() -> Self {
+        Self {
+            shared: true,
+            ..Self::default()
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -136,6 +168,8 @@ impl SessionCache {
         let mut inner = self.lock();
         let id = session.id.to_string();
         inner.order.push_back(id.clone());
+        inner.epochs += 1;
+        let epoch = inner.epochs;
         inner.entries.insert(
             id,
             Entry {
@@ -144,6 +178,8 @@ impl SessionCache {
                 truncated: false,
                 dropped: HashSet::new(),
                 running: HashMap::new(),
+                claims: self.shared.then_some(0),
+                epoch,
                 from_read: false,
                 bytes: 0,
             },
@@ -154,13 +190,40 @@ impl SessionCache {
     /// A claim stored turn `rid` of session `sid` at `at` (microseconds),
     /// for `agent`; the claim also marks the session updated then. Called
     /// in the order the claims were written.
+    #[cfg(test)]
     pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str, agent: &str) {
+        self.claimed_counted(sid, rid, at, user_text, agent, None);
+    }
+
+    /// [`SessionCache::claimed`], with what the claim's statement said of
+    /// its session's count of claims, in a store that counts them: the
+    /// count before the statement, and how many turns the statement stored
+    /// in the session. A shared cache keeps the session only if that count
+    /// is the one it held and the claim was the statement's only one there.
+    pub fn claimed_counted(
+        &self,
+        sid: &str,
+        rid: &str,
+        at: i64,
+        user_text: &str,
+        agent: &str,
+        counted: Option<(i64, i64)>,
+    ) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         inner.changed(sid);
         let Some(e) = inner.entries.get_mut(sid) else {
             return;
         };
+        if let Some(held) = e.claims {
+            match counted {
+                Some((before, 1)) if before == held => e.claims = Some(held + 1),
+                _ => {
+                    inner.forget(sid);
+                    return;
+                }
+            }
+        }
         e.session.updated_at = from_micros(at);
         let claimed = Claimed {
             at,
@@ -289,7 +352,19 @@ impl SessionCache {
 
     /// Session `id` and its last `limit` ended turns, oldest first; `None`
     /// when the cache cannot answer (the database must).
+    #[cfg(test)]
     pub fn get(&self, id: SessionId, limit: usize) -> Option<(Session, Vec<PriorTurn>)> {
+        self.get_checked(id, limit).map(|(s, h, _)| (s, h))
+    }
+
+    /// [`SessionCache::get`], and in a shared cache the holding the answer
+    /// came from, for [`SessionCache::current`] to check once the Run's
+    /// turn is claimed.
+    pub fn get_checked(
+        &self,
+        id: SessionId,
+        limit: usize,
+    ) -> Option<(Session, Vec<PriorTurn>, Option<u64>)> {
         let inner = self.lock();
         let e = inner.entries.get(&id.to_string())?;
         if e.truncated && limit > e.history.len() {
@@ -302,7 +377,18 @@ impl SessionCache {
             .skip(skip)
             .map(|h| h.turn.clone())
             .collect();
-        Some((e.session.clone(), history))
+        Some((e.session.clone(), history, self.shared.then_some(e.epoch)))
+    }
+
+    /// Whether session `sid` is still held as it was when
+    /// [`SessionCache::get_checked`] answered with `epoch`: no claim made
+    /// here since found another replica's claim between, and nothing else
+    /// made the cache forget it.
+    pub fn current(&self, sid: &str, epoch: u64) -> bool {
+        self.lock()
+            .entries
+            .get(sid)
+            .is_some_and(|e| e.epoch == epoch)
     }
 
     /// Whether turn `rid` of session `id` is stored: `None` when the cache
@@ -319,7 +405,7 @@ impl SessionCache {
         {
             return Some(true);
         }
-        (!e.from_read).then_some(false)
+        (!e.from_read && !self.shared).then_some(false)
     }
 
     /// Where session `sid`'s changes stand, taken before reading it from
@@ -337,11 +423,29 @@ impl SessionCache {
     /// is held says older ones exist). Held unless something changed the
     /// session's stripe since `mark`, or it is held already. Its running
     /// turns are unknown: when one ends, the session is forgotten.
+    #[cfg(test)]
     pub fn offer(&self, mark: Mark, session: &Session, history: &[PriorTurn]) {
+        self.offer_counted(mark, session, history, None);
+    }
+
+    /// [`SessionCache::offer`], with the session's count of claims as the
+    /// read found it, in a store that counts them: a shared cache holds the
+    /// session only with its count, which a read gives only when none of
+    /// the session's turns was running.
+    pub fn offer_counted(
+        &self,
+        mark: Mark,
+        session: &Session,
+        history: &[PriorTurn],
+        claims: Option<i64>,
+    ) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let sid = session.id.to_string();
-        if inner.mark_of(&sid) != mark || inner.entries.contains_key(&sid) {
+        if inner.mark_of(&sid) != mark
+            || inner.entries.contains_key(&sid)
+            || (self.shared && claims.is_none())
+        {
             return;
         }
         let truncated = history.len() > HISTORY_CAP;
@@ -358,6 +462,8 @@ impl SessionCache {
             .collect();
         let bytes = held.iter().map(Ended::bytes).sum();
         inner.order.push_back(sid.clone());
+        inner.epochs += 1;
+        let epoch = inner.epochs;
         inner.entries.insert(
             sid,
             Entry {
@@ -366,6 +472,8 @@ impl SessionCache {
                 truncated,
                 dropped: HashSet::new(),
                 running: HashMap::new(),
+                claims: if self.shared { claims } else { None },
+                epoch,
                 from_read: true,
                 bytes,
             },
@@ -694,5 +802,72 @@ mod tests {
         assert!(c.get(old.id, 1).is_none(), "the older session is dropped");
         assert!(c.get(new.id, 1).is_some());
         assert_eq!(c.held(), (1, big.len() + 2));
+    }
+
+    /// Shared with other replicas (PostgreSQL): a session is kept only
+    /// while every claim made here finds the count of claims it held, a
+    /// history served from memory is checked by [`SessionCache::current`]
+    /// once the Run's turn is claimed, and which turns are stored is never
+    /// answered "no".
+    #[test]
+    fn a_shared_cache_keeps_a_session_only_while_its_claims_are_all_its_own() {
+        let c = SessionCache::shared();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        let (_, history, held) = c.get_checked(s.id, 5).unwrap();
+        assert!(history.is_empty());
+        let held = held.expect("a shared cache says which holding answered");
+        assert_eq!(c.stored(s.id, "r9"), None, "another replica may have it");
+        // The first claim finds the count at 0, as held.
+        c.claimed_counted(&sid, "r1", 1, "q1", "x", Some((0, 1)));
+        assert!(c.current(&sid, held));
+        c.ended(&sid, "r1", Some("a1"), None, 2);
+        assert_eq!(c.stored(s.id, "r1"), Some(true));
+        let (_, history, again) = c.get_checked(s.id, 5).unwrap();
+        assert_eq!(ids(&history), ["r1"]);
+        assert_eq!(again, Some(held), "the same holding");
+        // Another replica claimed a turn meanwhile: the count is 2, not 1.
+        c.claimed_counted(&sid, "r3", 3, "q3", "x", Some((2, 1)));
+        assert!(!c.current(&sid, held), "the history served is stale");
+        assert!(c.get_checked(s.id, 5).is_none(), "forgotten");
+
+        // Read again, with a count: held under another holding.
+        c.offer_counted(c.mark(&sid), &s, &[prior("r1"), prior("r2")], Some(3));
+        let (_, history, next) = c.get_checked(s.id, 5).unwrap();
+        assert_eq!(ids(&history), ["r1", "r2"]);
+        assert_ne!(next, Some(held));
+        assert!(!c.current(&sid, held));
+        // Two claims of the session in one statement: not followed.
+        c.claimed_counted(&sid, "r4", 4, "q4", "x", Some((3, 2)));
+        assert!(c.get_checked(s.id, 5).is_none());
+        // A count not known (a claim's statement that does not count) is
+        // not followed either.
+        c.offer_counted(c.mark(&sid), &s, &[], Some(5));
+        assert!(c.get_checked(s.id, 5).is_some());
+        c.claimed_counted(&sid, "r5", 5, "q5", "x", None);
+        assert!(c.get_checked(s.id, 5).is_none());
+        // A read made while one of the session's turns ran (no count) is
+        // not held.
+        c.offer_counted(c.mark(&sid), &s, &[], None);
+        assert!(c.get_checked(s.id, 5).is_none());
+    }
+
+    /// A cache only this process writes through ignores counts and says
+    /// nothing to check.
+    #[test]
+    fn a_cache_not_shared_needs_no_check() {
+        let c = SessionCache::default();
+        let s = session();
+        let sid = s.id.to_string();
+        c.created(&s);
+        assert_eq!(c.get_checked(s.id, 5).unwrap().2, None);
+        c.claimed_counted(&sid, "r1", 1, "q1", "x", None);
+        c.ended(&sid, "r1", Some("a1"), None, 2);
+        assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1"]);
+        assert_eq!(c.stored(s.id, "r2"), Some(false));
+        let other = session();
+        c.offer_counted(c.mark(&other.id.to_string()), &other, &[], None);
+        assert!(c.get(other.id, 5).is_some(), "held without a count");
     }
 }

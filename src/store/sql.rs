@@ -436,24 +436,50 @@ impl PendingClaim {
     }
 }
 
-/// Which of `claims` stored their turn, from the (session_id, request_id)
-/// rows the claim statement returned for the turns it inserted.
+/// What a claim statement did with one claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ClaimWritten {
+    /// It stored its turn (else another claim's row was there).
+    pub stored: bool,
+    /// For a stored turn, where its session's count of claims stood before
+    /// the statement, in a store that counts them (PostgreSQL, whose
+    /// replicas share sessions: [`SessionCache`](super::session_cache::SessionCache)).
+    pub claims_before: Option<i64>,
+}
+
+/// What the claim statement did with each of `claims`, from the
+/// (session_id, request_id) rows it returned for the turns it inserted,
+/// each followed by its session's count of claims when `counted`.
 pub(super) fn stored_claims<R>(
     claims: &[PendingClaim],
     rows: &[R],
-) -> Result<Vec<bool>, sqlx::Error>
+    counted: bool,
+) -> Result<Vec<ClaimWritten>, sqlx::Error>
 where
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
     String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
-    let stored: std::collections::HashSet<(String, String)> = rows
+    let stored: std::collections::HashMap<(String, String), Option<i64>> = rows
         .iter()
-        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .map(|r| {
+            let before = if counted { Some(r.try_get(2)?) } else { None };
+            Ok(((r.try_get(0)?, r.try_get(1)?), before))
+        })
         .collect::<Result<_, sqlx::Error>>()?;
     Ok(claims
         .iter()
-        .map(|c| stored.contains(&(c.sid.clone(), c.rid.clone())))
+        .map(|c| match stored.get(&(c.sid.clone(), c.rid.clone())) {
+            Some(&claims_before) => ClaimWritten {
+                stored: true,
+                claims_before,
+            },
+            None => ClaimWritten {
+                stored: false,
+                claims_before: None,
+            },
+        })
         .collect())
 }
 
@@ -752,7 +778,7 @@ macro_rules! sql_store {
                     // nobody runs.
                     let withdrawn = |c: &$crate::store::sql::PendingClaim| (c.sid.clone(), c.rid.clone(), c.owner.clone(), c.at);
                     let mut cut = Vec::new();
-                    let results: Vec<Result<bool, Failed>> = match written {
+                    let results: Vec<Result<$crate::store::sql::ClaimWritten, Failed>> = match written {
                         Ok(stored) => stored.into_iter().map(Ok).collect(),
                         // One claim at a time, so that only a bad one fails
                         // (the database away fails them all at once, and
@@ -808,14 +834,35 @@ macro_rules! sql_store {
                                 .map_or(Ok(false), |(_, r)| r.clone().map(|_| false))
                         })
                         .collect();
+                    // How many turns the group stored in each session: a
+                    // session that took two at once is one whose count the
+                    // cache cannot follow claim by claim.
+                    let mut per_session: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+                    for (c, r) in first.iter().zip(&results) {
+                        if matches!(r, Ok(w) if w.stored) {
+                            *per_session.entry(c.sid.as_str()).or_default() += 1;
+                        }
+                    }
+                    let per_session: std::collections::HashMap<String, i64> =
+                        per_session.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
                     let mut abandoned = Vec::new();
                     for (c, r) in first.into_iter().zip(results) {
-                        let stored = matches!(r, Ok(true));
+                        let stored = matches!(r, Ok(w) if w.stored);
                         // Known to the cache before the claimant can run
-                        // (and end) the turn.
-                        if let (true, Some(cache)) = (stored, &sessions) {
-                            cache.claimed(&c.sid, &c.rid, c.at, &c.user_text, &c.agent);
+                        // (and end) the turn. A claim that failed may have
+                        // failed for its session (deleted): the cache lets
+                        // go of it.
+                        if let Some(cache) = &sessions {
+                            match &r {
+                                Ok(w) if w.stored => {
+                                    let counted = w.claims_before.map(|before| (before, per_session.get(&c.sid).copied().unwrap_or(1)));
+                                    cache.claimed_counted(&c.sid, &c.rid, c.at, &c.user_text, &c.agent, counted);
+                                }
+                                Ok(_) => {}
+                                Err(_) => cache.forget(&c.sid),
+                            }
                         }
+                        let r = r.map(|w| w.stored);
                         let $crate::store::sql::PendingClaim { sid, rid, owner, at, done, .. } = c;
                         if done.send(r).is_err() && stored {
                             abandoned.push((sid, rid, owner, at));
@@ -1140,6 +1187,10 @@ macro_rules! sql_store {
 
             async fn session_for_run(&self, session: SessionId, turn: Option<&RequestId>, limit: usize) -> StoreResult<Option<RunRead>> {
                 self.read_for_run(session, limit, turn.map(RequestId::as_str)).await
+            }
+
+            fn history_current(&self, session: SessionId, remembered: u64) -> bool {
+                self.sessions.as_ref().is_none_or(|cache| cache.current(&session.to_string(), remembered))
             }
 
             async fn list_sessions(&self, user_id: &UserId, limit: usize, after: Option<&PageCursor>) -> StoreResult<SessionPage> {
@@ -1498,24 +1549,28 @@ macro_rules! sql_store {
                 let Some(cache) = &self.sessions else {
                     return self.read_session(id, limit, turn).await;
                 };
-                if let Some((session, history)) = cache.get(id, limit) {
+                if let Some((session, history, remembered)) = cache.get_checked(id, limit) {
+                    // A turn the memory of a shared session does not know
+                    // may be stored by another replica: said not stored
+                    // here, and the claim finds it (see `RunRead`).
                     let turn_stored = match turn {
                         None => false,
                         Some(rid) => match cache.stored(id, rid) {
                             Some(known) => known,
+                            None if remembered.is_some() => false,
                             None => self.turn_stored(id, rid).await?,
                         },
                     };
-                    return Ok(Some(RunRead { session, history, turn_stored }));
+                    return Ok(Some(RunRead { session, history, turn_stored, claims: None, remembered }));
                 }
                 // Read with enough history to hold, and offered to the cache.
                 let sid = id.to_string();
                 let mark = cache.mark(&sid);
                 let cap = $crate::store::session_cache::HISTORY_CAP + 1;
-                let Some(mut read) = self.read_session_with_history(id, limit.max(cap), turn).await? else {
+                let Some(mut read) = self.read_session(id, limit.max(cap), turn).await? else {
                     return Ok(None);
                 };
-                cache.offer(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..]);
+                cache.offer_counted(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..], read.claims);
                 read.history.drain(..read.history.len().saturating_sub(limit));
                 Ok(Some(read))
             }
@@ -1563,6 +1618,7 @@ macro_rules! sql_store {
             /// The session, its last `limit` ended turns and whether turn
             /// `turn` is stored (false if `None`), from the database, in one
             /// statement.
+            #[allow(dead_code)] // PostgreSQL reads through its own batched readers.
             async fn read_session_with_history(&self, id: SessionId, limit: usize, turn: Option<&str>) -> StoreResult<Option<RunRead>> {
                 // One row per history turn, each with the session's columns
                 // (one row of NULL turn columns when it has none); no row at
@@ -1605,7 +1661,7 @@ macro_rules! sql_store {
                         answer_payload: r.try_get("h_answer_payload").map_err(db_err)?,
                     });
                 }
-                Ok(Some(RunRead { session, history, turn_stored }))
+                Ok(Some(RunRead { session, history, turn_stored, claims: None, remembered: None }))
             }
 
 

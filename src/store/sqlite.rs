@@ -611,7 +611,7 @@ impl SqliteStore {
     async fn insert_claims(
         pool: &SqlitePool,
         claims: &[super::sql::PendingClaim],
-    ) -> Result<Vec<bool>, sqlx::Error> {
+    ) -> Result<Vec<super::sql::ClaimWritten>, sqlx::Error> {
         let mut q = sqlx::QueryBuilder::new(concat!(
             "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
              created_at, updated_at, turn_no) \
@@ -640,7 +640,7 @@ impl SqliteStore {
             .persistent(claims.len() <= KEEP_PREPARED_UP_TO)
             .fetch_all(pool)
             .await?;
-        super::sql::stored_claims(claims, &rows)
+        super::sql::stored_claims(claims, &rows, false)
     }
 
     /// The statements that differ from PostgreSQL's: the event log, keyed

@@ -485,8 +485,11 @@ impl Turns {
             Some(read) if read.session.user_id == input.user_id => read,
             _ => return Err(RunError::SessionNotFound),
         };
+        // Where the read may not know (a history remembered by a replica
+        // of several), the turn is looked up before a Run is refused.
+        let maybe_stored = read.turn_stored || read.remembered.is_some();
         let Some(agent) = agent else {
-            return match self.stored_turn(&key, read.turn_stored).await? {
+            return match self.stored_turn(&key, maybe_stored).await? {
                 Some(existing) => self.join(existing, &input, deadline),
                 None => Err(RunError::UnknownAgent),
             };
@@ -496,7 +499,7 @@ impl Turns {
             Err(refused) => {
                 // At a cap, a repeated request id is still answered from the
                 // turn it names; only a new turn is refused.
-                return match self.stored_turn(&key, read.turn_stored).await? {
+                return match self.stored_turn(&key, maybe_stored).await? {
                     Some(existing) => self.join(existing, &input, deadline),
                     None => Err(refused),
                 };
@@ -513,14 +516,13 @@ impl Turns {
             crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id)
         };
         let cancel = CancellationToken::new();
-        let ctx = RunContext {
+        let context = |history: Vec<PriorTurn>| RunContext {
             user_id: input.user_id.clone(),
             session_id: key.session_id,
             request_id: key.request_id.clone(),
             cancel: cancel.clone(),
             deadline: deadline.at,
-            notes: read
-                .history
+            notes: history
                 .iter()
                 .map(|t| PriorTurn {
                     request_id: t.request_id.clone(),
@@ -529,8 +531,10 @@ impl Turns {
                     ..PriorTurn::default()
                 })
                 .collect(),
-            history: newest_within(read.history, self.cfg.history_bytes),
+            history: newest_within(history, self.cfg.history_bytes),
         };
+        let remembered = read.remembered;
+        let ctx = context(read.history);
         // An agent that only calls its model before its first event starts
         // now, beside the claim (unless `claim_first`, or the turn is stored
         // already: a repeat, which will replay, attach or follow, and whose
@@ -584,8 +588,24 @@ impl Turns {
                 self.join(existing, &input, deadline)
             }
             Claim::New => {
-                let (events, span) = run
-                    .unwrap_or_else(|ctx| (agent.run(ctx, input.text.as_str().to_owned()), span()));
+                // A history this replica remembered of a session other
+                // replicas share holds only if none of them claimed a turn
+                // in it since: the claim just told. If one did, the history
+                // is read again, and a run started beside the claim with
+                // the old one is dropped before its first event.
+                let stale =
+                    remembered.is_some_and(|r| !self.store.history_current(key.session_id, r));
+                let run = if stale {
+                    drop(run);
+                    tracing::debug!(turn = %key, "another replica claimed a turn in the session since its history was kept here; reading it again");
+                    Err(self.history_again(&key, context).await)
+                } else {
+                    run.map_err(Ok)
+                };
+                let (events, span) = run.unwrap_or_else(|ctx| match ctx {
+                    Ok(ctx) => (agent.run(ctx, input.text.as_str().to_owned()), span()),
+                    Err(failed) => (failed, span()),
+                });
                 let run = pump::AgentRun {
                     agent: agent.name().to_owned(),
                     events,
@@ -600,6 +620,37 @@ impl Turns {
                     mode: Mode::New,
                     stream,
                 })
+            }
+        }
+    }
+
+    /// The run context of a claimed turn whose session's history, kept in
+    /// memory, turned out stale: `context` of the history read again from
+    /// the store, or, if that read fails, a run that ends the turn
+    /// UNAVAILABLE at once (the turn is claimed: it must end).
+    async fn history_again(
+        &self,
+        key: &TurnKey,
+        context: impl FnOnce(Vec<PriorTurn>) -> RunContext,
+    ) -> Result<RunContext, EventStream> {
+        match self
+            .store
+            .session_for_run(key.session_id, None, self.cfg.history_turns)
+            .await
+        {
+            Ok(Some(read)) => Ok(context(read.history)),
+            failed => {
+                let why = match failed {
+                    Err(e) => format!("{e:#}"),
+                    _ => "the session is gone".to_owned(),
+                };
+                tracing::warn!(turn = %key, error = %why, "could not read the session's history again after its claim; the turn ends UNAVAILABLE");
+                Err(Box::pin(futures::stream::once(async {
+                    Err(crate::agent::AgentError::Unavailable {
+                        message: "the session's history could not be read".to_owned(),
+                        retry_after: None,
+                    })
+                })))
             }
         }
     }
