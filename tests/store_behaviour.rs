@@ -2232,6 +2232,49 @@ async fn a_turn_pruned_by_a_full_batch_leaves_the_history_a_run_reads(db: TestDb
     assert!(history.is_empty(), "{history:?}");
 }
 
+/// SQLite: a deleted session's event log goes after DeleteSession has
+/// answered, so the answer does not wait for it: not even while another
+/// connection holds the log's file, whose rows then go once it lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_deleted_sessions_event_log_goes_after_the_answer() {
+    use sqlx::Connection as _;
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let store = db.open().await;
+    let session = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap();
+    for r in ["r1", "r2"] {
+        let key = TurnKey {
+            session_id: session.id,
+            request_id: RequestId::parse(r).unwrap(),
+        };
+        store.claim_turn(&new_turn(&key, "a")).await.unwrap();
+        end_turn(&*store, &key, Some("done")).await;
+    }
+    assert_eq!(event_log_rows(&db).await, Some(2));
+    let mut holder = sqlx::SqliteConnection::connect(&format!("{}-events", db.url))
+        .await
+        .unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let deleted = tokio::time::timeout(Duration::from_secs(60), store.delete_session(session.id))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(deleted, agentd::store::Deletion::Deleted);
+    // Still held here: had the answer waited for the log, its delete would
+    // have given up on the lock by now, and its rows would stay.
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    drop(holder);
+    eventually("the deleted session's event log is gone", || async {
+        (event_log_rows(&db).await == Some(0)).then_some(())
+    })
+    .await;
+}
+
 /// SQLite: the two files commit one after the other, so a delete cut
 /// between them leaves events of a turn that is gone. A new turn never takes
 /// that turn's number (it would read those events as its own), and the next

@@ -628,7 +628,9 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// Removes a session with its turns and events, unless one of its turns
     /// is running: checked in the delete's own transaction, so that a turn
     /// claimed while the delete runs is either seen (`Busy`) or refused by
-    /// the session's absence, never deleted under its run.
+    /// the session's absence, never deleted under its run. (SQLite deletes
+    /// the event log, kept in a file of its own, after answering: no turn
+    /// reads it any more.)
     async fn delete_session(&self, id: SessionId) -> StoreResult<Deletion>;
     /// A session's turns after `after` (from its first with `None`), oldest
     /// first by (created_at, request_id), at most `limit`. Their `user_text`

@@ -1262,8 +1262,17 @@ macro_rules! sql_store {
                     cache.forget(&id.to_string());
                 }
                 committed?;
-                if let Some(events) = &Self::SQL.session_events {
-                    self.delete_turn_events(events, &numbers).await;
+                // The deleted turns' event log goes on the side: nothing
+                // reads it any more, and a large session's would keep the
+                // caller waiting, past its deadline or the store's call
+                // bound, for a deletion that is done.
+                if Self::SQL.session_events.is_some() && !numbers.is_empty() {
+                    let pool = self.write.clone();
+                    tokio::spawn(async move {
+                        if let Some(events) = &Self::SQL.session_events {
+                            Self::delete_turn_events(&pool, events, &numbers).await;
+                        }
+                    });
                 }
                 Ok(if done.rows_affected() > 0 { Deletion::Deleted } else { Deletion::NotFound })
             }
@@ -1576,13 +1585,14 @@ macro_rules! sql_store {
             }
 
             /// Deletes the event log of the turns numbered `numbers`, whose
-            /// session was just deleted: a bounded chunk of rows per
+            /// session was just deleted (on its own task, after the delete
+            /// has answered): a bounded chunk of rows per
             /// statement, each its own transaction, so that the claims and
             /// commits waiting for SQLite's one writer are written between
             /// them. What is left by an error, or a crash, is never read (no
             /// turn has those numbers, and none will get them) and goes at
             /// the next start.
-            async fn delete_turn_events(&self, sql: &$crate::store::sql::SessionEvents, numbers: &[i64]) {
+            async fn delete_turn_events(pool: &sqlx::Pool<$db>, sql: &$crate::store::sql::SessionEvents, numbers: &[i64]) {
                 use $crate::store::sql::{DELETE_EVENT_ROWS, DELETE_EVENT_TURNS};
                 for turns in numbers.chunks(DELETE_EVENT_TURNS) {
                     let list = format!("[{}]", turns.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
@@ -1591,7 +1601,7 @@ macro_rules! sql_store {
                         let done = sqlx::query(sql.delete_rows)
                             .bind(&list)
                             .bind(DELETE_EVENT_ROWS as i64)
-                            .execute(&self.write)
+                            .execute(pool)
                             .await;
                         match done {
                             Ok(d) if d.rows_affected() < DELETE_EVENT_ROWS as u64 => break,
