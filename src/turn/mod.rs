@@ -516,22 +516,29 @@ impl Turns {
             crate::telemetry::trace::run_span("new", agent.name(), &key.session_id, &key.request_id)
         };
         let cancel = CancellationToken::new();
-        let context = |history: Vec<PriorTurn>| RunContext {
-            user_id: input.user_id.clone(),
-            session_id: key.session_id,
-            request_id: key.request_id.clone(),
-            cancel: cancel.clone(),
-            deadline: deadline.at,
-            notes: history
-                .iter()
-                .map(|t| PriorTurn {
-                    request_id: t.request_id.clone(),
-                    agent: t.agent.clone(),
-                    answer_payload: t.answer_payload.clone(),
-                    ..PriorTurn::default()
-                })
-                .collect(),
-            history: newest_within(history, self.cfg.history_bytes),
+        // Owned, so that a history read again after the claim (below) can
+        // build its context on the pump's task.
+        let context = {
+            let (user_id, session_id) = (input.user_id.clone(), key.session_id);
+            let (request_id, cancel) = (key.request_id.clone(), cancel.clone());
+            let (at, history_bytes) = (deadline.at, self.cfg.history_bytes);
+            move |history: Vec<PriorTurn>| RunContext {
+                user_id: user_id.clone(),
+                session_id,
+                request_id: request_id.clone(),
+                cancel: cancel.clone(),
+                deadline: at,
+                notes: history
+                    .iter()
+                    .map(|t| PriorTurn {
+                        request_id: t.request_id.clone(),
+                        agent: t.agent.clone(),
+                        answer_payload: t.answer_payload.clone(),
+                        ..PriorTurn::default()
+                    })
+                    .collect(),
+                history: newest_within(history, history_bytes),
+            }
         };
         let remembered = read.remembered;
         let ctx = context(read.history);
@@ -590,22 +597,29 @@ impl Turns {
             Claim::New => {
                 // A history this replica remembered of a session other
                 // replicas share holds only if none of them claimed a turn
-                // in it since: the claim just told. If one did, the history
-                // is read again, and a run started beside the claim with
-                // the old one is dropped before its first event.
+                // in it since: the claim just told. If one did, a run
+                // started beside the claim with the old history is dropped
+                // before its first event, and the agent starts once the
+                // history is read again, on the pump's task (a client gone
+                // meanwhile then cancels the turn as it would the run).
                 let stale =
                     remembered.is_some_and(|r| !self.store.history_current(key.session_id, r));
-                let run = if stale {
-                    drop(run);
-                    tracing::debug!(turn = %key, "another replica claimed a turn in the session since its history was kept here; reading it again");
-                    Err(self.history_again(&key, context).await)
-                } else {
-                    run.map_err(Ok)
+                let (events, span) = match run {
+                    Ok(early) if !stale => early,
+                    Err(ctx) if !stale => (agent.run(ctx, input.text.as_str().to_owned()), span()),
+                    _ => {
+                        tracing::debug!(turn = %key, "another replica claimed a turn in the session since its history was kept here; reading it again");
+                        (
+                            self.history_again(
+                                &key,
+                                agent.clone(),
+                                context,
+                                input.text.as_str().to_owned(),
+                            ),
+                            span(),
+                        )
+                    }
                 };
-                let (events, span) = run.unwrap_or_else(|ctx| match ctx {
-                    Ok(ctx) => (agent.run(ctx, input.text.as_str().to_owned()), span()),
-                    Err(failed) => (failed, span()),
-                });
                 let run = pump::AgentRun {
                     agent: agent.name().to_owned(),
                     events,
@@ -624,35 +638,39 @@ impl Turns {
         }
     }
 
-    /// The run context of a claimed turn whose session's history, kept in
-    /// memory, turned out stale: `context` of the history read again from
-    /// the store, or, if that read fails, a run that ends the turn
-    /// UNAVAILABLE at once (the turn is claimed: it must end).
-    async fn history_again(
+    /// The run of a claimed turn whose session's history, kept in memory,
+    /// turned out stale: the history is read again from the store when the
+    /// run is first polled, then `agent` runs with `context` of it; if that
+    /// read fails, the run ends UNAVAILABLE (the turn is claimed: it must
+    /// end).
+    fn history_again(
         &self,
         key: &TurnKey,
-        context: impl FnOnce(Vec<PriorTurn>) -> RunContext,
-    ) -> Result<RunContext, EventStream> {
-        match self
-            .store
-            .session_for_run(key.session_id, None, self.cfg.history_turns)
-            .await
-        {
-            Ok(Some(read)) => Ok(context(read.history)),
-            failed => {
-                let why = match failed {
-                    Err(e) => format!("{e:#}"),
-                    _ => "the session is gone".to_owned(),
-                };
-                tracing::warn!(turn = %key, error = %why, "could not read the session's history again after its claim; the turn ends UNAVAILABLE");
-                Err(Box::pin(futures::stream::once(async {
-                    Err(crate::agent::AgentError::Unavailable {
-                        message: "the session's history could not be read".to_owned(),
-                        retry_after: None,
-                    })
-                })))
+        agent: Arc<dyn crate::agent::Agent>,
+        context: impl FnOnce(Vec<PriorTurn>) -> RunContext + Send + 'static,
+        text: String,
+    ) -> EventStream {
+        let (store, key, limit) = (self.store.clone(), key.clone(), self.cfg.history_turns);
+        let run = async move {
+            match store.session_for_run(key.session_id, None, limit).await {
+                Ok(Some(read)) => agent.run(context(read.history), text),
+                failed => {
+                    let why = match failed {
+                        Err(e) => format!("{e:#}"),
+                        _ => "the session is gone".to_owned(),
+                    };
+                    tracing::warn!(turn = %key, error = %why, "could not read the session's history again after its claim; the turn ends UNAVAILABLE");
+                    let failed: EventStream = Box::pin(futures::stream::once(async {
+                        Err(crate::agent::AgentError::Unavailable {
+                            message: "the session's history could not be read".to_owned(),
+                            retry_after: None,
+                        })
+                    }));
+                    failed
+                }
             }
-        }
+        };
+        Box::pin(futures::StreamExt::flatten(futures::stream::once(run)))
     }
 
     /// Streams the events of a turn after `after` (all with `None`), then
