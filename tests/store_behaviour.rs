@@ -4,6 +4,7 @@
 
 mod log_capture;
 mod prom;
+mod store_wrap;
 mod support;
 
 use std::time::{Duration, SystemTime};
@@ -2780,6 +2781,53 @@ async fn on_postgres_a_history_kept_in_memory_holds_until_another_replica_claims
     b.delete_session(t).await.unwrap();
     assert!(a.claim_turn(&new_turn(&key(t, "r1"), "a")).await.is_err());
     assert!(a.session_for_run(t, None, 5).await.unwrap().is_none());
+}
+
+/// PostgreSQL, two replicas: when replica A's memory of a session turns out
+/// stale at its claim and the history cannot be read again, the turn A
+/// claimed ends UNAVAILABLE, recorded, rather than running without the
+/// other replica's turn or staying claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_stale_history_that_cannot_be_read_again_ends_the_turn_unavailable() {
+    /// Fails the reads that name no turn: the second read of a stale
+    /// history (a Run's own read names its request id).
+    struct FailSecondRead;
+    #[async_trait::async_trait]
+    impl store_wrap::Hooks for FailSecondRead {
+        async fn session_for_run(
+            &self,
+            inner: &dyn agentd::store::Store,
+            s: SessionId,
+            t: Option<&RequestId>,
+            limit: usize,
+        ) -> agentd::store::StoreResult<Option<agentd::store::RunRead>> {
+            match t {
+                None => Err(agentd::store::StoreError::Unavailable(anyhow::anyhow!(
+                    "the test's read failed"
+                ))),
+                Some(_) => inner.session_for_run(s, t, limit).await,
+            }
+        }
+    }
+    let Some(db) = TestDb::fresh(Backend::Postgres).await else {
+        return;
+    };
+    let wrapped: std::sync::Arc<dyn agentd::store::Store> =
+        std::sync::Arc::new(store_wrap::Wrapped {
+            inner: db.open().await,
+            hooks: std::sync::Arc::new(FailSecondRead),
+        });
+    let a = Server::start(wrapped, Opts::default()).await;
+    let b = Server::start(db.open().await, Opts::default()).await;
+    let sid = a.session(ALICE).await;
+    run_agent(&a, &sid, "r1", "notes", "one").await.1.unwrap();
+    run_agent(&b, &sid, "r2", "notes", "two").await.1.unwrap();
+    let (_, ended) = run_agent(&a, &sid, "r3", "notes", "three").await;
+    assert_eq!(code(&ended), Code::Unavailable, "{ended:?}");
+    let turn = a.ended_turn(ALICE, &sid, "r3").await;
+    assert_eq!(turn.status_code, Some(Code::Unavailable as i32), "{turn:?}");
+    a.stop().await;
+    b.stop().await;
 }
 
 /// PostgreSQL, two replicas serving one session by turns: each Run's agent

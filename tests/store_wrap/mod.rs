@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use agentd::agent::PriorTurn;
-use agentd::domain::{SessionId, TurnKey, UserId};
+use agentd::domain::{RequestId, SessionId, TurnKey, UserId};
 use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
 use agentd::store::{
-    Claim, Deletion, EncodedEvent, FinalAnswer, NewTurn, PageCursor, SeqEvent, Session,
+    Claim, Deletion, EncodedEvent, FinalAnswer, NewTurn, PageCursor, RunRead, SeqEvent, Session,
     SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
 };
 
@@ -58,6 +58,15 @@ pub trait Hooks: Send + Sync + 'static {
     async fn announce_cancel(&self, inner: &dyn Store, k: &TurnKey) -> StoreResult<()> {
         inner.announce_cancel(k).await
     }
+    async fn session_for_run(
+        &self,
+        inner: &dyn Store,
+        s: SessionId,
+        t: Option<&RequestId>,
+        limit: usize,
+    ) -> StoreResult<Option<RunRead>> {
+        inner.session_for_run(s, t, limit).await
+    }
 }
 
 pub struct Wrapped {
@@ -81,6 +90,17 @@ impl Store for Wrapped {
     }
     async fn claim_turn(&self, t: &NewTurn) -> StoreResult<Claim> {
         self.inner.claim_turn(t).await
+    }
+    async fn session_for_run(
+        &self,
+        s: SessionId,
+        t: Option<&RequestId>,
+        limit: usize,
+    ) -> StoreResult<Option<RunRead>> {
+        self.hooks.session_for_run(&*self.inner, s, t, limit).await
+    }
+    fn history_current(&self, s: SessionId, remembered: u64) -> bool {
+        self.inner.history_current(s, remembered)
     }
     async fn get_turn(&self, k: &TurnKey) -> StoreResult<Option<TurnRecord>> {
         self.hooks.get_turn(&*self.inner, k).await
