@@ -871,6 +871,20 @@ mod tests {
         sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
     }
 
+    /// Waits (10 s at most) until `sql` counts `want`: a deleted session's
+    /// event log goes after the delete has answered.
+    async fn count_comes_to(pool: &SqlitePool, sql: &str, want: i64) {
+        let mut last = 0;
+        for _ in 0..1000 {
+            last = count(pool, sql).await;
+            if last == want {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("{sql}: {last}, not {want}");
+    }
+
     /// A running turn `rid` of a new session of alice's.
     async fn claimed_turn(store: &SqliteStore, rid: &str) -> TurnKey {
         let session = store
@@ -1125,7 +1139,7 @@ mod tests {
             store.delete_session(deleted.session_id).await.unwrap(),
             super::super::Deletion::Deleted
         );
-        assert_eq!(count(&store.read, batches).await, 2);
+        count_comes_to(&store.read, batches, 2).await;
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
         assert_eq!(store.prune(later, 10).await.unwrap(), 1);
         assert_eq!(count(&store.read, batches).await, 1);
@@ -1820,10 +1834,7 @@ mod tests {
             left > 0,
             "the claim was written before the log was all gone"
         );
-        assert_eq!(
-            count(&store.write, "SELECT COUNT(*) FROM event_log").await,
-            0
-        );
+        count_comes_to(&store.write, "SELECT COUNT(*) FROM event_log", 0).await;
         assert!(store.get_session(big.session_id).await.unwrap().is_none());
         assert!(store.get_turn(&big).await.unwrap().is_none());
     }
