@@ -163,7 +163,9 @@ pub struct ServeArgs {
     pub stream_agent: bool,
 
     /// Earlier turns given to an agent as conversation memory (at most
-    /// 10000).
+    /// 10000). The same turns carry what agents keep for their later turns
+    /// (a remote A2A agent's context and task): with 0 an agent gets no
+    /// history, and a remote A2A agent starts a new context every turn.
     #[arg(long, env = "AGENTD_HISTORY_TURNS", default_value_t = 20)]
     pub history_turns: usize,
 
