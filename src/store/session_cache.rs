@@ -39,7 +39,7 @@ pub(super) struct SessionCache {
     /// The database is shared with other replicas (PostgreSQL), which
     /// claim and end turns this cache never hears of. A session is then
     /// held with its count of claims, which every claim made here checks
-    /// ([`SessionCache::claimed_counted`]): a count other than the one held
+    /// ([`SessionCache::claimed`]): a count other than the one held
     /// says another replica claimed a turn in it since, and the session is
     /// forgotten. A history served from memory is checked after the Run's
     /// claim ([`SessionCache::current`]), and read again if its session was
@@ -168,8 +168,7 @@ impl SessionCache {
         let mut inner = self.lock();
         let id = session.id.to_string();
         inner.order.push_back(id.clone());
-        inner.epochs += 1;
-        let epoch = inner.epochs;
+        let epoch = inner.next_epoch();
         inner.entries.insert(
             id,
             Entry {
@@ -189,18 +188,13 @@ impl SessionCache {
 
     /// A claim stored turn `rid` of session `sid` at `at` (microseconds),
     /// for `agent`; the claim also marks the session updated then. Called
-    /// in the order the claims were written.
-    #[cfg(test)]
-    pub fn claimed(&self, sid: &str, rid: &str, at: i64, user_text: &str, agent: &str) {
-        self.claimed_counted(sid, rid, at, user_text, agent, None);
-    }
-
-    /// [`SessionCache::claimed`], with what the claim's statement said of
-    /// its session's count of claims, in a store that counts them: the
-    /// count before the statement, and how many turns the statement stored
-    /// in the session. A shared cache keeps the session only if that count
-    /// is the one it held and the claim was the statement's only one there.
-    pub fn claimed_counted(
+    /// in the order the claims were written. `counted` is what the claim's
+    /// statement said of its session's count of claims, in a store that
+    /// counts them: the count before the statement, and how many turns the
+    /// statement stored in the session. A shared cache keeps the session
+    /// only if that count is the one it held and the claim was the
+    /// statement's only one there.
+    pub fn claimed(
         &self,
         sid: &str,
         rid: &str,
@@ -350,17 +344,11 @@ impl SessionCache {
         inner.bytes = 0;
     }
 
-    /// Session `id` and its last `limit` ended turns, oldest first; `None`
-    /// when the cache cannot answer (the database must).
-    #[cfg(test)]
-    pub fn get(&self, id: SessionId, limit: usize) -> Option<(Session, Vec<PriorTurn>)> {
-        self.get_checked(id, limit).map(|(s, h, _)| (s, h))
-    }
-
-    /// [`SessionCache::get`], and in a shared cache the holding the answer
-    /// came from, for [`SessionCache::current`] to check once the Run's
-    /// turn is claimed.
-    pub fn get_checked(
+    /// Session `id` and its last `limit` ended turns, oldest first, and in
+    /// a shared cache the holding the answer came from, for
+    /// [`SessionCache::current`] to check once the Run's turn is claimed;
+    /// `None` when the cache cannot answer (the database must).
+    pub fn get(
         &self,
         id: SessionId,
         limit: usize,
@@ -381,7 +369,7 @@ impl SessionCache {
     }
 
     /// Whether session `sid` is still held as it was when
-    /// [`SessionCache::get_checked`] answered with `epoch`: no claim made
+    /// [`SessionCache::get`] answered with `epoch`: no claim made
     /// here since found another replica's claim between, and nothing else
     /// made the cache forget it.
     pub fn current(&self, sid: &str, epoch: u64) -> bool {
@@ -422,23 +410,12 @@ impl SessionCache {
     /// ended turns (at most `HISTORY_CAP + 1`, oldest first: one more than
     /// is held says older ones exist). Held unless something changed the
     /// session's stripe since `mark`, or it is held already. Its running
-    /// turns are unknown: when one ends, the session is forgotten.
-    #[cfg(test)]
-    pub fn offer(&self, mark: Mark, session: &Session, history: &[PriorTurn]) {
-        self.offer_counted(mark, session, history, None);
-    }
-
-    /// [`SessionCache::offer`], with the session's count of claims as the
-    /// read found it, in a store that counts them: a shared cache holds the
-    /// session only with its count, which a read gives only when none of
-    /// the session's turns was running.
-    pub fn offer_counted(
-        &self,
-        mark: Mark,
-        session: &Session,
-        history: &[PriorTurn],
-        claims: Option<i64>,
-    ) {
+    /// turns are unknown: when one ends, the session is forgotten. `claims`
+    /// is the session's count of claims as the read found it, in a store
+    /// that counts them: a shared cache holds the session only with its
+    /// count, which a read gives only when none of the session's turns was
+    /// running.
+    pub fn offer(&self, mark: Mark, session: &Session, history: &[PriorTurn], claims: Option<i64>) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let sid = session.id.to_string();
@@ -462,8 +439,7 @@ impl SessionCache {
             .collect();
         let bytes = held.iter().map(Ended::bytes).sum();
         inner.order.push_back(sid.clone());
-        inner.epochs += 1;
-        let epoch = inner.epochs;
+        let epoch = inner.next_epoch();
         inner.entries.insert(
             sid,
             Entry {
@@ -499,6 +475,12 @@ impl Entry {
 }
 
 impl Inner {
+    /// A new holding's [`Entry::epoch`].
+    fn next_epoch(&mut self) -> u64 {
+        self.epochs += 1;
+        self.epochs
+    }
+
     fn changed(&mut self, sid: &str) {
         self.changes[stripe(sid)] += 1;
     }
@@ -564,9 +546,9 @@ mod tests {
         let sid = s.id.to_string();
         c.created(&s);
         assert_eq!(c.get(s.id, 20).unwrap().1, vec![]);
-        c.claimed(&sid, "r1", 10, "q1", "x");
-        c.claimed(&sid, "r2", 20, "q2", "x");
-        c.claimed(&sid, "r3", 20, "q3", "y");
+        c.claimed(&sid, "r1", 10, "q1", "x", None);
+        c.claimed(&sid, "r2", 20, "q2", "x", None);
+        c.claimed(&sid, "r3", 20, "q3", "y", None);
         assert!(
             c.get(s.id, 20).unwrap().1.is_empty(),
             "running turns are no history"
@@ -574,7 +556,7 @@ mod tests {
         c.ended(&sid, "r3", Some("a3"), Some("{}"), 100);
         c.ended(&sid, "r1", None, None, 100);
         c.ended(&sid, "r2", Some("a2"), None, 100);
-        let (got, history) = c.get(s.id, 20).unwrap();
+        let (got, history, _) = c.get(s.id, 20).unwrap();
         assert_eq!(ids(&history), ["r1", "r2", "r3"]);
         assert_eq!(history[0].answer, "", "a turn without an answer");
         assert_eq!(
@@ -616,7 +598,7 @@ mod tests {
         c.ended(&sid, "unknown", Some("a"), None, 100);
         assert!(c.get(s.id, 5).is_none(), "a turn it never saw claimed");
         // Not held again once forgotten, not even by a claim.
-        c.claimed(&sid, "r1", 1, "q", "");
+        c.claimed(&sid, "r1", 1, "q", "", None);
         assert!(c.get(s.id, 5).is_none());
         let other = session();
         assert!(
@@ -624,7 +606,7 @@ mod tests {
             "a session it never saw created"
         );
         c.created(&other);
-        c.claimed(&other.id.to_string(), "r1", 1, "q", "");
+        c.claimed(&other.id.to_string(), "r1", 1, "q", "", None);
         c.clear();
         assert!(c.get(other.id, 5).is_none());
         assert_eq!(c.held(), (0, 0));
@@ -639,16 +621,16 @@ mod tests {
         let n = HISTORY_CAP + 6;
         for i in 0..n {
             let rid = format!("r{i:03}");
-            c.claimed(&sid, &rid, i as i64, "q", "");
+            c.claimed(&sid, &rid, i as i64, "q", "", None);
             c.ended(&sid, &rid, Some("a"), None, 100);
         }
-        let (_, last) = c.get(s.id, 3).unwrap();
+        let (_, last, _) = c.get(s.id, 3).unwrap();
         assert_eq!(ids(&last), ["r067", "r068", "r069"]);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1.len(), HISTORY_CAP);
         assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
         // A turn claimed before the oldest held, ending now, is among the
         // dropped ones.
-        c.claimed(&sid, "r000x", 0, "q", "");
+        c.claimed(&sid, "r000x", 0, "q", "", None);
         c.ended(&sid, "r000x", Some("a"), None, 100);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r006");
         let per_turn = "r000".len() + 2;
@@ -664,7 +646,7 @@ mod tests {
         c.created(&s);
         // Claimed in order; r1 ends last.
         for (rid, at) in [("r1", 1), ("r2", 2), ("r3", 3)] {
-            c.claimed(&sid, rid, at, "q", "");
+            c.claimed(&sid, rid, at, "q", "", None);
         }
         c.ended(&sid, "r2", Some("a"), None, 20);
         c.ended(&sid, "r3", Some("a"), None, 30);
@@ -682,7 +664,7 @@ mod tests {
         c.created(&long);
         for i in 0..HISTORY_CAP + 1 {
             let rid = format!("r{i:03}");
-            c.claimed(&lid, &rid, i as i64, "q", "");
+            c.claimed(&lid, &rid, i as i64, "q", "", None);
             c.ended(&lid, &rid, Some("a"), None, 100 + i as i64);
         }
         c.pruned(101);
@@ -708,10 +690,10 @@ mod tests {
         let read = [prior("r1"), prior("r2")];
 
         let mark = c.mark(&sid);
-        c.offer(mark, &s, &read);
+        c.offer(mark, &s, &read, None);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2"]);
         // A turn claimed from now on comes after them.
-        c.claimed(&sid, "r3", 5, "q", "");
+        c.claimed(&sid, "r3", 5, "q", "", None);
         c.ended(&sid, "r3", Some("a"), None, 6);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1", "r2", "r3"]);
         // A turn that was running at the read ends: unknown, forgotten.
@@ -723,15 +705,15 @@ mod tests {
         for change in 0..4 {
             let mark = c.mark(&sid);
             match change {
-                0 => c.claimed(&sid, "r9", 9, "q", ""),
+                0 => c.claimed(&sid, "r9", 9, "q", "", None),
                 1 => c.ended(&sid, "r9", None, None, 9),
                 2 => c.pruned(9),
                 _ => c.forget(&sid),
             }
-            c.offer(mark, &s, &read);
+            c.offer(mark, &s, &read, None);
             assert!(c.get(s.id, 5).is_none(), "change {change}");
         }
-        c.offer(c.mark(&sid), &s, &read);
+        c.offer(c.mark(&sid), &s, &read, None);
         assert!(c.get(s.id, 5).is_some());
         // Any prune forgets it: when its turns ended is not known.
         c.pruned(i64::MIN + 1);
@@ -741,7 +723,7 @@ mod tests {
         let long: Vec<PriorTurn> = (0..=HISTORY_CAP)
             .map(|i| prior(&format!("r{i:03}")))
             .collect();
-        c.offer(c.mark(&sid), &s, &long);
+        c.offer(c.mark(&sid), &s, &long, None);
         assert_eq!(c.get(s.id, HISTORY_CAP).unwrap().1[0].request_id, "r001");
         assert!(c.get(s.id, HISTORY_CAP + 1).is_none());
     }
@@ -755,7 +737,7 @@ mod tests {
         assert_eq!(c.stored(s.id, "r000"), Some(false));
         // Past the cap, in order and out of it: the dropped are still known.
         for i in 0..HISTORY_CAP + 3 {
-            c.claimed(&sid, &format!("r{i:03}"), i as i64, "q", "");
+            c.claimed(&sid, &format!("r{i:03}"), i as i64, "q", "", None);
         }
         for i in (1..HISTORY_CAP + 3).chain([0]) {
             assert_eq!(
@@ -782,7 +764,7 @@ mod tests {
 
         // Read from the database: only what it holds.
         let other = session();
-        c.offer(c.mark(&other.id.to_string()), &other, &[prior("r1")]);
+        c.offer(c.mark(&other.id.to_string()), &other, &[prior("r1")], None);
         assert_eq!(c.stored(other.id, "r1"), Some(true));
         assert_eq!(c.stored(other.id, "r2"), None);
         assert_eq!(c.stored(session().id, "r1"), None, "not held");
@@ -796,9 +778,9 @@ mod tests {
         c.created(&old);
         c.created(&new);
         let big = "x".repeat(BYTES_CAP / 2 + 1);
-        c.claimed(&old.id.to_string(), "r1", 1, &big, "");
+        c.claimed(&old.id.to_string(), "r1", 1, &big, "", None);
         assert!(c.get(old.id, 1).is_some());
-        c.claimed(&new.id.to_string(), "r1", 2, &big, "");
+        c.claimed(&new.id.to_string(), "r1", 2, &big, "", None);
         assert!(c.get(old.id, 1).is_none(), "the older session is dropped");
         assert!(c.get(new.id, 1).is_some());
         assert_eq!(c.held(), (1, big.len() + 2));
@@ -815,42 +797,42 @@ mod tests {
         let s = session();
         let sid = s.id.to_string();
         c.created(&s);
-        let (_, history, held) = c.get_checked(s.id, 5).unwrap();
+        let (_, history, held) = c.get(s.id, 5).unwrap();
         assert!(history.is_empty());
         let held = held.expect("a shared cache says which holding answered");
         assert_eq!(c.stored(s.id, "r9"), None, "another replica may have it");
         // The first claim finds the count at 0, as held.
-        c.claimed_counted(&sid, "r1", 1, "q1", "x", Some((0, 1)));
+        c.claimed(&sid, "r1", 1, "q1", "x", Some((0, 1)));
         assert!(c.current(&sid, held));
         c.ended(&sid, "r1", Some("a1"), None, 2);
         assert_eq!(c.stored(s.id, "r1"), Some(true));
-        let (_, history, again) = c.get_checked(s.id, 5).unwrap();
+        let (_, history, again) = c.get(s.id, 5).unwrap();
         assert_eq!(ids(&history), ["r1"]);
         assert_eq!(again, Some(held), "the same holding");
         // Another replica claimed a turn meanwhile: the count is 2, not 1.
-        c.claimed_counted(&sid, "r3", 3, "q3", "x", Some((2, 1)));
+        c.claimed(&sid, "r3", 3, "q3", "x", Some((2, 1)));
         assert!(!c.current(&sid, held), "the history served is stale");
-        assert!(c.get_checked(s.id, 5).is_none(), "forgotten");
+        assert!(c.get(s.id, 5).is_none(), "forgotten");
 
         // Read again, with a count: held under another holding.
-        c.offer_counted(c.mark(&sid), &s, &[prior("r1"), prior("r2")], Some(3));
-        let (_, history, next) = c.get_checked(s.id, 5).unwrap();
+        c.offer(c.mark(&sid), &s, &[prior("r1"), prior("r2")], Some(3));
+        let (_, history, next) = c.get(s.id, 5).unwrap();
         assert_eq!(ids(&history), ["r1", "r2"]);
         assert_ne!(next, Some(held));
         assert!(!c.current(&sid, held));
         // Two claims of the session in one statement: not followed.
-        c.claimed_counted(&sid, "r4", 4, "q4", "x", Some((3, 2)));
-        assert!(c.get_checked(s.id, 5).is_none());
+        c.claimed(&sid, "r4", 4, "q4", "x", Some((3, 2)));
+        assert!(c.get(s.id, 5).is_none());
         // A count not known (a claim's statement that does not count) is
         // not followed either.
-        c.offer_counted(c.mark(&sid), &s, &[], Some(5));
-        assert!(c.get_checked(s.id, 5).is_some());
-        c.claimed_counted(&sid, "r5", 5, "q5", "x", None);
-        assert!(c.get_checked(s.id, 5).is_none());
+        c.offer(c.mark(&sid), &s, &[], Some(5));
+        assert!(c.get(s.id, 5).is_some());
+        c.claimed(&sid, "r5", 5, "q5", "x", None);
+        assert!(c.get(s.id, 5).is_none());
         // A read made while one of the session's turns ran (no count) is
         // not held.
-        c.offer_counted(c.mark(&sid), &s, &[], None);
-        assert!(c.get_checked(s.id, 5).is_none());
+        c.offer(c.mark(&sid), &s, &[], None);
+        assert!(c.get(s.id, 5).is_none());
     }
 
     /// A cache only this process writes through ignores counts and says
@@ -861,13 +843,13 @@ mod tests {
         let s = session();
         let sid = s.id.to_string();
         c.created(&s);
-        assert_eq!(c.get_checked(s.id, 5).unwrap().2, None);
-        c.claimed_counted(&sid, "r1", 1, "q1", "x", None);
+        assert_eq!(c.get(s.id, 5).unwrap().2, None);
+        c.claimed(&sid, "r1", 1, "q1", "x", None);
         c.ended(&sid, "r1", Some("a1"), None, 2);
         assert_eq!(ids(&c.get(s.id, 5).unwrap().1), ["r1"]);
         assert_eq!(c.stored(s.id, "r2"), Some(false));
         let other = session();
-        c.offer_counted(c.mark(&other.id.to_string()), &other, &[], None);
+        c.offer(c.mark(&other.id.to_string()), &other, &[], None);
         assert!(c.get(other.id, 5).is_some(), "held without a count");
     }
 }

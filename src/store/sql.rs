@@ -843,10 +843,18 @@ macro_rules! sql_store {
                             *per_session.entry(c.sid.as_str()).or_default() += 1;
                         }
                     }
-                    let per_session: std::collections::HashMap<String, i64> =
-                        per_session.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                    // Each claim's (count before, claims in its session), in
+                    // `first`'s order.
+                    let counted: Vec<Option<(i64, i64)>> = first
+                        .iter()
+                        .zip(&results)
+                        .map(|(c, r)| {
+                            let before = r.as_ref().ok()?.claims_before?;
+                            Some((before, per_session.get(c.sid.as_str()).copied().unwrap_or(1)))
+                        })
+                        .collect();
                     let mut abandoned = Vec::new();
-                    for (c, r) in first.into_iter().zip(results) {
+                    for ((c, r), counted) in first.into_iter().zip(results).zip(counted) {
                         let stored = matches!(r, Ok(w) if w.stored);
                         // Known to the cache before the claimant can run
                         // (and end) the turn. A claim that failed may have
@@ -854,10 +862,7 @@ macro_rules! sql_store {
                         // go of it.
                         if let Some(cache) = &sessions {
                             match &r {
-                                Ok(w) if w.stored => {
-                                    let counted = w.claims_before.map(|before| (before, per_session.get(&c.sid).copied().unwrap_or(1)));
-                                    cache.claimed_counted(&c.sid, &c.rid, c.at, &c.user_text, &c.agent, counted);
-                                }
+                                Ok(w) if w.stored => cache.claimed(&c.sid, &c.rid, c.at, &c.user_text, &c.agent, counted),
                                 Ok(_) => {}
                                 Err(_) => cache.forget(&c.sid),
                             }
@@ -1558,7 +1563,7 @@ macro_rules! sql_store {
                 let Some(cache) = &self.sessions else {
                     return self.read_session(id, limit, turn).await;
                 };
-                if let Some((session, history, remembered)) = cache.get_checked(id, limit) {
+                if let Some((session, history, remembered)) = cache.get(id, limit) {
                     // A turn the memory of a shared session does not know
                     // may be stored by another replica: said not stored
                     // here, and the claim finds it (see `RunRead`).
@@ -1579,7 +1584,7 @@ macro_rules! sql_store {
                 let Some(mut read) = self.read_session(id, limit.max(cap), turn).await? else {
                     return Ok(None);
                 };
-                cache.offer_counted(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..], read.claims);
+                cache.offer(mark, &read.session, &read.history[read.history.len().saturating_sub(cap)..], read.claims);
                 read.history.drain(..read.history.len().saturating_sub(limit));
                 Ok(Some(read))
             }
