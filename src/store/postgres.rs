@@ -22,7 +22,7 @@ macro_rules! db_now {
 /// How long a query waits for a connection: short, so that a lost database
 /// turns into UNAVAILABLE quickly instead of a hanging call.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
-const MAX_CONNECTIONS: u32 = 16;
+const MAX_CONNECTIONS: u32 = 12;
 /// Event groups written at once: each waits for its commit's WAL flush.
 const COMMITTERS: usize = 4;
 /// A pooled connection idle for less than this is handed out without a
@@ -285,7 +285,7 @@ impl PostgresStore {
                 .acquire_timeout(ACQUIRE_TIMEOUT)
                 .max_lifetime(None)
                 .idle_timeout(None)
-                .connect_lazy_with(opts),
+                .connect_lazy_with(opts.clone()),
             cancels.clone(),
             listening.clone(),
         );
@@ -295,7 +295,10 @@ impl PostgresStore {
             _stop_listening: listening.clone().drop_guard(),
             listening,
             commits: Self::spawn_committer(pool.clone(), COMMITTERS, Some(sessions.clone())),
-            claims: Self::spawn_claimer(pool.clone(), COMMITTERS, Some(sessions.clone())),
+            claims: {
+                let opts = opts.clone();
+                Self::spawn_claimer(move || claim_pool(opts), COMMITTERS, Some(sessions.clone()))?
+            },
             sessions: Some(sessions),
             reads: super::sql::spawn_queue(READERS, |rx| Self::read_groups(pool.clone(), rx)),
             read: pool.clone(),
@@ -766,6 +769,28 @@ impl PostgresStore {
         }
         Ok(found)
     }
+}
+
+/// The claimers' own connections, opened on their own thread as they are
+/// first needed ([`super::sql::spawn_queue_on_thread`]). Kept while they
+/// work (a connection idle for long is pinged before use), so the pool
+/// starts no upkeep of its own on that thread.
+fn claim_pool(opts: PgConnectOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(COMMITTERS as u32)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PING_IF_IDLE_FOR {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+        .connect_lazy_with(opts)
 }
 
 impl PostgresStore {

@@ -255,12 +255,82 @@ where
     W: Fn(std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<T>>>) -> F,
     F: std::future::Future<Output = ()> + Send + 'static,
 {
+    spawn_queue_joined(workers, work).0
+}
+
+/// [`spawn_queue`], with the workers' handles.
+fn spawn_queue_joined<T, W, F>(
+    workers: usize,
+    work: W,
+) -> (
+    tokio::sync::mpsc::Sender<T>,
+    Vec<tokio::task::JoinHandle<()>>,
+)
+where
+    T: Send + 'static,
+    W: Fn(std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<T>>>) -> F,
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
     let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
     let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
-    for _ in 0..workers {
-        tokio::spawn(work(rx.clone()));
-    }
-    tx
+    let handles = (0..workers)
+        .map(|_| tokio::spawn(work(rx.clone())))
+        .collect();
+    (tx, handles)
+}
+
+/// [`spawn_queue`] on a thread of its own, with a runtime of its own: the
+/// queue's workers (and the connections they open there, whose readiness
+/// that runtime's own driver reports) wait for no task of the server's.
+/// Under load the server's runtime has hundreds of streams ready to run,
+/// and a worker woken by its database's answer would queue behind them,
+/// its callers with it. `setup` runs on the new thread, inside its runtime
+/// (a pool made there opens its connections there), and gives the work.
+/// The thread logs where the thread that started it logs. It ends when
+/// the queue's senders are all gone and its workers have ended, giving
+/// what they started on the side (a claim's withdrawal) up to
+/// [`GROUP_TIMEOUT`] to end too.
+pub(super) fn spawn_queue_on_thread<T, S, W, F>(
+    name: &str,
+    workers: usize,
+    setup: S,
+) -> std::io::Result<tokio::sync::mpsc::Sender<T>>
+where
+    T: Send + 'static,
+    S: FnOnce() -> W + Send + 'static,
+    W: Fn(std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<T>>>) -> F,
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let logs = tracing::dispatcher::get_default(|d| d.clone());
+    #[cfg(test)]
+    let timeout_here = GROUP_TIMEOUT_HERE.get();
+    let (started, tx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let _logs = tracing::dispatcher::set_default(&logs);
+            #[cfg(test)]
+            GROUP_TIMEOUT_HERE.set(timeout_here);
+            runtime.block_on(async move {
+                let (tx, handles) = spawn_queue_joined(workers, setup());
+                let _ = started.send(tx);
+                for h in handles {
+                    let _ = h.await;
+                }
+                let metrics = tokio::runtime::Handle::current().metrics();
+                let _ = tokio::time::timeout(GROUP_TIMEOUT, async {
+                    while metrics.num_alive_tasks() > 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                })
+                .await;
+            })
+        })?;
+    tx.recv()
+        .map_err(|_| std::io::Error::other("the queue's thread stopped as it started"))
 }
 
 /// Batches the committer takes into one transaction at most.
@@ -743,12 +813,19 @@ macro_rules! sql_store {
             /// queued meanwhile (each backend's `insert_claims`). A key
             /// claimed twice in one group is written once; the later claims
             /// find it there. Ends when the store is dropped.
+            ///
+            /// A Run's first event waits for its claim, so the claimers run
+            /// on a thread of their own ([`spawn_queue_on_thread`](crate::store::sql::spawn_queue_on_thread)),
+            /// with the pool `pool` makes there.
             fn spawn_claimer(
-                pool: sqlx::Pool<$db>,
+                pool: impl FnOnce() -> sqlx::Pool<$db> + Send + 'static,
                 claimers: usize,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
-            ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim> {
-                $crate::store::sql::spawn_queue(claimers, |rx| Self::claim_groups(pool.clone(), rx, sessions.clone()))
+            ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim>> {
+                $crate::store::sql::spawn_queue_on_thread("agentd-claims", claimers, move || {
+                    let pool = pool();
+                    move |rx| Self::claim_groups(pool.clone(), rx, sessions.clone())
+                })
             }
 
             async fn claim_groups(
@@ -1749,6 +1826,85 @@ mod tests {
                 created_unix_nanos: 0,
             },
         })
+    }
+
+    /// A queue on a thread of its own serves its items while the runtime
+    /// that made it is busy (here, its only thread blocked): on the
+    /// server's runtime the worker would never run.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_queue_on_its_own_thread_serves_while_the_runtime_that_made_it_is_busy() {
+        let (seen, answers) = std::sync::mpsc::channel::<(u32, Option<String>)>();
+        let queue = spawn_queue_on_thread("agentd-test-queue", 1, move || {
+            move |rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<u32>>>| {
+                let seen = seen.clone();
+                async move {
+                    while let Some(n) = rx.lock().await.recv().await {
+                        let thread = std::thread::current().name().map(str::to_owned);
+                        seen.send((n, thread)).unwrap();
+                    }
+                }
+            }
+        })
+        .unwrap();
+        queue.try_send(7).unwrap();
+        // Blocks this runtime's one thread until the answer comes.
+        let (n, thread) = answers
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the worker ran while the runtime that made it was blocked");
+        assert_eq!(n, 7);
+        assert_eq!(thread.as_deref(), Some("agentd-test-queue"));
+    }
+
+    /// The thread ends once the queue's senders are gone and its workers
+    /// have ended, and what they left running on the side first ends too
+    /// (within the bound).
+    #[tokio::test]
+    async fn a_queue_on_its_own_thread_ends_with_its_senders_after_its_side_tasks() {
+        let (ended, ends) = std::sync::mpsc::channel::<&'static str>();
+        let queue = spawn_queue_on_thread("agentd-test-queue", 2, move || {
+            move |rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<()>>>| {
+                let ended = ended.clone();
+                async move {
+                    while rx.lock().await.recv().await.is_some() {
+                        let ended = ended.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                            ended.send("side task").unwrap();
+                        });
+                    }
+                    ended.send("worker").unwrap();
+                }
+            }
+        })
+        .unwrap();
+        queue.send(()).await.unwrap();
+        drop(queue);
+        let order: Vec<_> = (0..3)
+            .map(|_| {
+                ends.recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(order, ["worker", "worker", "side task"]);
+        // Every sender of `ended` is gone, and so is the thread (Linux
+        // keeps a thread's name to 15 bytes).
+        assert_eq!(
+            ends.recv_timeout(std::time::Duration::from_secs(10)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+        );
+        let running = || {
+            std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .any(|name| name.trim_end() == "agentd-test-que")
+        };
+        for _ in 0..500 {
+            if !running() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("the queue's thread is still running");
     }
 
     /// A group past its bytes is cut before the item that crosses them,

@@ -285,7 +285,10 @@ impl SqliteStore {
         ));
         let sessions = Arc::new(super::session_cache::SessionCache::default());
         let commits = Self::spawn_committer(write.clone(), 1, Some(sessions.clone()));
-        let claims = Self::spawn_claimer(write.clone(), 1, Some(sessions.clone()));
+        let claims = {
+            let write = write.clone();
+            Self::spawn_claimer(move || write, 1, Some(sessions.clone()))?
+        };
         let alive = Arc::new(());
         spawn_checkpointer(checkpoints.clone(), Arc::downgrade(&alive));
         let store = Self {
@@ -1617,6 +1620,12 @@ mod tests {
     async fn a_claim_cut_off_by_the_group_timeout_but_written_is_withdrawn() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("cut.db").display());
+        // The claimer runs on a thread of its own, started with the store:
+        // it logs under this capture, and its statement is cut off well
+        // within SQLite's busy timeout (both taken from this thread then).
+        let logs = Logs::default();
+        let _capture = logs.capture();
+        crate::store::sql::GROUP_TIMEOUT_HERE.set(Some(std::time::Duration::from_secs(2)));
         let store = SqliteStore::open(&url).await.unwrap();
         let session = store
             .create_session(&crate::domain::UserId::parse("alice").unwrap())
@@ -1633,13 +1642,6 @@ mod tests {
             lease: std::time::Duration::from_secs(60),
         };
         let mut held = hold_main(&url).await;
-        // The claimer and the withdrawal run on this thread (a
-        // current-thread runtime): the withdrawal logs under the capture,
-        // and the claimer's statement is cut off well within SQLite's busy
-        // timeout.
-        let logs = Logs::default();
-        let _capture = logs.capture();
-        crate::store::sql::GROUP_TIMEOUT_HERE.set(Some(std::time::Duration::from_secs(2)));
         let cut = store.claim_turn(&turn).await;
         assert!(
             matches!(cut, Err(crate::store::StoreError::Unavailable(_))),
@@ -1666,7 +1668,6 @@ mod tests {
         );
         assert!(store.get_turn(&turn.key).await.unwrap().is_none());
         assert_eq!(count(&store.write, "SELECT COUNT(*) FROM turns").await, 0);
-        crate::store::sql::GROUP_TIMEOUT_HERE.set(None);
         assert_eq!(
             store.claim_turn(&turn).await.unwrap(),
             crate::store::Claim::New,
