@@ -261,18 +261,7 @@ impl PostgresStore {
         .await
         .map_err(|_| anyhow::anyhow!("no answer within {ACQUIRE_TIMEOUT:?}"))??;
         migrate(probe).await?;
-        let pool = PgPoolOptions::new()
-            .max_connections(MAX_CONNECTIONS)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for >= PING_IF_IDLE_FOR {
-                        sqlx::Connection::ping(conn).await?;
-                    }
-                    Ok(true)
-                })
-            })
+        let pool = pool_options(MAX_CONNECTIONS)
             .connect_with(opts.clone())
             .await?;
         // A connection of its own, held while it listens, outside the pool
@@ -776,10 +765,17 @@ impl PostgresStore {
 /// work (a connection idle for long is pinged before use), so the pool
 /// starts no upkeep of its own on that thread.
 fn claim_pool(opts: PgConnectOptions) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(COMMITTERS as u32)
+    pool_options(COMMITTERS as u32)
         .idle_timeout(None)
         .max_lifetime(None)
+        .connect_lazy_with(opts)
+}
+
+/// A pool of `max` connections for statements: a connection idle for
+/// [`PING_IF_IDLE_FOR`] or longer is pinged before it is handed out.
+fn pool_options(max: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(max)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
@@ -790,7 +786,6 @@ fn claim_pool(opts: PgConnectOptions) -> PgPool {
                 Ok(true)
             })
         })
-        .connect_lazy_with(opts)
 }
 
 impl PostgresStore {
