@@ -22,7 +22,7 @@ macro_rules! db_now {
 /// How long a query waits for a connection: short, so that a lost database
 /// turns into UNAVAILABLE quickly instead of a hanging call.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
-const MAX_CONNECTIONS: u32 = 12;
+const MAX_CONNECTIONS: u32 = 8;
 /// Event groups written at once: each waits for its commit's WAL flush.
 const COMMITTERS: usize = 4;
 /// A pooled connection idle for less than this is handed out without a
@@ -283,10 +283,13 @@ impl PostgresStore {
             cancels,
             _stop_listening: listening.clone().drop_guard(),
             listening,
-            commits: Self::spawn_committer(pool.clone(), COMMITTERS, Some(sessions.clone())),
+            commits: {
+                let opts = opts.clone();
+                Self::spawn_committer(move || own_pool(opts), COMMITTERS, Some(sessions.clone()))?
+            },
             claims: {
                 let opts = opts.clone();
-                Self::spawn_claimer(move || claim_pool(opts), COMMITTERS, Some(sessions.clone()))?
+                Self::spawn_claimer(move || own_pool(opts), COMMITTERS, Some(sessions.clone()))?
             },
             sessions: Some(sessions),
             reads: super::sql::spawn_queue(READERS, |rx| Self::read_groups(pool.clone(), rx)),
@@ -760,11 +763,12 @@ impl PostgresStore {
     }
 }
 
-/// The claimers' own connections, opened on their own thread as they are
-/// first needed ([`super::sql::spawn_queue_on_thread`]). Kept while they
-/// work (a connection idle for long is pinged before use), so the pool
-/// starts no upkeep of its own on that thread.
-fn claim_pool(opts: PgConnectOptions) -> PgPool {
+/// The claimers' (or the committers') own connections, one per worker,
+/// opened on their thread as they are first needed
+/// ([`super::sql::spawn_queue_on_thread`]). Kept while they work (a
+/// connection idle for long is pinged before use), so the pool starts no
+/// upkeep of its own on that thread.
+fn own_pool(opts: PgConnectOptions) -> PgPool {
     pool_options(COMMITTERS as u32)
         .idle_timeout(None)
         .max_lifetime(None)

@@ -800,12 +800,19 @@ macro_rules! sql_store {
             /// one batch in flight at a time, so its rows stay in order): a
             /// server that waits for a disk flush per commit takes the next
             /// group meanwhile.
+            ///
+            /// A Run's stream ends once its outcome is stored, so the
+            /// committers too run on a thread of their own, with the pool
+            /// `pool` makes there (as the claimers do).
             fn spawn_committer(
-                pool: sqlx::Pool<$db>,
+                pool: impl FnOnce() -> sqlx::Pool<$db> + Send + 'static,
                 committers: usize,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
-            ) -> tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch> {
-                $crate::store::sql::spawn_queue(committers, |rx| Self::commit_groups(pool.clone(), rx, sessions.clone()))
+            ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch>> {
+                $crate::store::sql::spawn_queue_on_thread("agentd-commits", committers, move || {
+                    let pool = pool();
+                    move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone())
+                })
             }
 
             /// Starts the store's claimers: a claim waits for the one in

@@ -284,7 +284,10 @@ impl SqliteStore {
             write.clone(),
         ));
         let sessions = Arc::new(super::session_cache::SessionCache::default());
-        let commits = Self::spawn_committer(write.clone(), 1, Some(sessions.clone()));
+        let commits = {
+            let write = write.clone();
+            Self::spawn_committer(move || write, 1, Some(sessions.clone()))?
+        };
         let claims = {
             let write = write.clone();
             Self::spawn_claimer(move || write, 1, Some(sessions.clone()))?
@@ -1609,6 +1612,62 @@ mod tests {
         fn text(&self) -> String {
             String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
         }
+    }
+
+    /// The store's claimer runs on a thread of its own: a claim is made
+    /// and answered while the runtime that opened the store is busy (here,
+    /// its one thread blocked), as the server's is with its streams.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_claim_is_answered_while_the_runtime_that_opened_the_store_is_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("busy.db").display());
+        let store = Arc::new(SqliteStore::open(&url).await.unwrap());
+        // A connection goes back to its pool on the runtime that used it:
+        // what opening the store did here gives the writer back first.
+        for _ in 0..500 {
+            if store.write.num_idle() == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(store.write.num_idle(), 1, "the writer is back in its pool");
+        let (answer, answered) = std::sync::mpsc::channel();
+        // The caller has a runtime of its own (a connection it used goes
+        // back to the pool on its runtime).
+        let caller = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                answer
+                    .send(rt.block_on(async {
+                        let session = store
+                            .create_session(&crate::domain::UserId::parse("alice").unwrap())
+                            .await
+                            .unwrap();
+                        let turn = crate::store::NewTurn {
+                            key: TurnKey {
+                                session_id: session.id,
+                                request_id: RequestId::parse("r1").unwrap(),
+                            },
+                            user_text: "hi".into(),
+                            agent: "echo".into(),
+                            owner: "a".into(),
+                            lease: std::time::Duration::from_secs(60),
+                        };
+                        store.claim_turn(&turn).await
+                    }))
+                    .unwrap();
+            })
+        };
+        // This runtime's one thread waits here, running none of its tasks.
+        let claim = answered
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the claim is answered while the store's runtime is blocked");
+        assert_eq!(claim.unwrap(), crate::store::Claim::New);
+        caller.join().unwrap();
     }
 
     /// A claim whose statement was cut off by the group timeout (the
