@@ -1614,6 +1614,24 @@ mod tests {
         }
     }
 
+    /// A new session of alice's and turn r1 in it, not yet claimed.
+    async fn new_turn_of_alice(store: &SqliteStore) -> crate::store::NewTurn {
+        let session = store
+            .create_session(&crate::domain::UserId::parse("alice").unwrap())
+            .await
+            .unwrap();
+        crate::store::NewTurn {
+            key: TurnKey {
+                session_id: session.id,
+                request_id: RequestId::parse("r1").unwrap(),
+            },
+            user_text: "hi".into(),
+            agent: "echo".into(),
+            owner: "a".into(),
+            lease: std::time::Duration::from_secs(60),
+        }
+    }
+
     /// The store's claimer runs on a thread of its own: a claim is made
     /// and answered while the runtime that opened the store is busy (here,
     /// its one thread blocked), as the server's is with its streams.
@@ -1643,20 +1661,7 @@ mod tests {
                     .unwrap();
                 answer
                     .send(rt.block_on(async {
-                        let session = store
-                            .create_session(&crate::domain::UserId::parse("alice").unwrap())
-                            .await
-                            .unwrap();
-                        let turn = crate::store::NewTurn {
-                            key: TurnKey {
-                                session_id: session.id,
-                                request_id: RequestId::parse("r1").unwrap(),
-                            },
-                            user_text: "hi".into(),
-                            agent: "echo".into(),
-                            owner: "a".into(),
-                            lease: std::time::Duration::from_secs(60),
-                        };
+                        let turn = new_turn_of_alice(&store).await;
                         store.claim_turn(&turn).await
                     }))
                     .unwrap();
@@ -1686,20 +1691,7 @@ mod tests {
         let _capture = logs.capture();
         crate::store::sql::GROUP_TIMEOUT_HERE.set(Some(std::time::Duration::from_secs(2)));
         let store = SqliteStore::open(&url).await.unwrap();
-        let session = store
-            .create_session(&crate::domain::UserId::parse("alice").unwrap())
-            .await
-            .unwrap();
-        let turn = crate::store::NewTurn {
-            key: TurnKey {
-                session_id: session.id,
-                request_id: RequestId::parse("r1").unwrap(),
-            },
-            user_text: "hi".into(),
-            agent: "echo".into(),
-            owner: "a".into(),
-            lease: std::time::Duration::from_secs(60),
-        };
+        let turn = new_turn_of_alice(&store).await;
         let mut held = hold_main(&url).await;
         let cut = store.claim_turn(&turn).await;
         assert!(
