@@ -295,8 +295,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// runtime's, the listeners, the admin port's connections (128 at most),
 /// connections to models and tools, log files.
 const SPARE_FDS: u64 = 128;
-/// The session store's connections and files: PostgreSQL's pool holds up
-/// to 16 connections, SQLite a writer and readers, each with its WAL files.
+/// The session store's connections and files: PostgreSQL's pools hold up
+/// to 17 connections (statements, claimers, committers, the listener),
+/// SQLite a writer and readers, each with its WAL files.
 const STORE_FDS: u64 = 32;
 
 /// Raises the soft open-file limit (RLIMIT_NOFILE) to the hard one: many

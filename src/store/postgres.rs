@@ -22,6 +22,9 @@ macro_rules! db_now {
 /// How long a query waits for a connection: short, so that a lost database
 /// turns into UNAVAILABLE quickly instead of a hanging call.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+/// The statements' pool (reads, sessions, leases, A2A tasks); the claimers
+/// and the committers have [`COMMITTERS`] connections each of their own,
+/// and the listener one.
 const MAX_CONNECTIONS: u32 = 8;
 /// Event groups written at once: each waits for its commit's WAL flush.
 const COMMITTERS: usize = 4;
