@@ -21,7 +21,9 @@ use support::*;
 type Call<'a, T> = Pin<Box<dyn Future<Output = StoreResult<T>> + Send + 'a>>;
 
 /// Polls `call` once: its batch or claim is queued for the store's
-/// committer or claimer, which waits for this test to yield.
+/// committer or claimer. Those run on threads of their own: a test that
+/// needs its calls in one group queues them while it holds the queues
+/// ([`Store::hold_queues`]).
 async fn queue<T>(call: &mut Call<'_, T>) {
     assert!(futures::poll!(call.as_mut()).is_pending(), "queued");
 }
@@ -120,10 +122,12 @@ async fn on_sqlite_batches_stored_in_a_group_whose_outcome_failed_are_answered_s
     ];
     let mut ends: Call<bool> =
         Box::pin(store.append_and_finish(&c, encoded(0..1), &COMPLETED, Some("c".into())));
+    let one_group = store.hold_queues().expect("a SQL store's queues");
     for call in &mut appends {
         queue(call).await;
     }
     queue(&mut ends).await;
+    drop(one_group);
     let (appended, ended) = tokio::join!(futures::future::join_all(appends), ends);
     held.release().await;
     for r in &appended {
@@ -147,8 +151,10 @@ async fn a_turns_second_outcome_in_a_group_is_answered_not_recorded(db: TestDb) 
     let mut first: Call<bool> =
         Box::pin(store.append_and_finish(&k, encoded(0..2), &COMPLETED, Some("done".into())));
     let mut second: Call<bool> = Box::pin(store.finish_turn(&k, &UNAVAILABLE, None));
+    let one_group = store.hold_queues().expect("a SQL store's queues");
     queue(&mut first).await;
     queue(&mut second).await;
+    drop(one_group);
     let (first, second) = tokio::join!(first, second);
     assert!(first.unwrap(), "the first outcome is recorded");
     assert!(!second.unwrap(), "the second is not");
@@ -270,9 +276,11 @@ async fn on_sqlite_a_group_retried_one_batch_at_a_time_stops_once_the_database_i
         Box::pin(store.append_and_finish(&a, encoded(0..1), &COMPLETED, None));
     let mut rest: Call<bool> =
         Box::pin(store.append_and_finish(&b, encoded(0..1), &COMPLETED, None));
+    let one_group = store.hold_queues().expect("a SQL store's queues");
     for call in [&mut bad, &mut first, &mut rest] {
         queue(call).await;
     }
+    drop(one_group);
     let (bad, first) = tokio::join!(bad, first);
     assert!(matches!(bad, Err(StoreError::Unexpected(_))), "{bad:?}");
     assert!(is_unavailable(&first), "{first:?}");
@@ -323,9 +331,11 @@ async fn on_postgres_claims_retried_one_at_a_time_stop_once_the_database_is_away
     let mut bad: Call<agentd::store::Claim> = Box::pin(store.claim_turn(&bad_turn));
     let mut first: Call<agentd::store::Claim> = Box::pin(store.claim_turn(&a_turn));
     let mut rest: Call<agentd::store::Claim> = Box::pin(store.claim_turn(&b_turn));
+    let one_group = store.hold_queues().expect("a SQL store's queues");
     for call in [&mut bad, &mut first, &mut rest] {
         queue(call).await;
     }
+    drop(one_group);
     let (bad, first, rest) = tokio::join!(bad, first, rest);
     sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
     assert!(matches!(bad, Err(StoreError::Unexpected(_))), "{bad:?}");

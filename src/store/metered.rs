@@ -285,6 +285,10 @@ impl Store for Metered {
         self.inner.kind_encoding()
     }
 
+    fn hold_queues(&self) -> Option<super::QueuesHeld> {
+        self.inner.hold_queues()
+    }
+
     async fn append_encoded(&self, key: &TurnKey, events: Vec<EncodedEvent>) -> StoreResult<()> {
         self.timed(Op::Append, self.inner.append_encoded(key, events))
             .await

@@ -210,6 +210,12 @@ pub enum StoreError {
     Unexpected(#[from] anyhow::Error),
 }
 
+/// See [`Store::hold_queues`]: the queues go on when this is dropped.
+#[doc(hidden)]
+pub struct QueuesHeld {
+    pub(crate) _held: tokio::sync::OwnedRwLockWriteGuard<()>,
+}
+
 pub type StoreResult<T> = Result<T, StoreError>;
 
 /// What [`Store::delete_session`] did.
@@ -516,6 +522,16 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     /// by name unless every reader of this store's rows reads numbers.
     fn kind_encoding(&self) -> KindEncoding {
         KindEncoding::Name
+    }
+    /// For tests: holds this store's claim and commit queues back until
+    /// the answer is dropped. A worker that took the first item waits, then
+    /// takes everything queued meanwhile into the same group, as it does
+    /// behind a statement in flight; a test so makes a group of exactly
+    /// what it queued. `None` where nothing is queued (memory), or while
+    /// another hold is on.
+    #[doc(hidden)]
+    fn hold_queues(&self) -> Option<QueuesHeld> {
+        None
     }
     /// Appends events in seq order (a batch; the turn's writer calls it per
     /// group, with the events its pump encoded).

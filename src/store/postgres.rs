@@ -47,6 +47,8 @@ pub struct PostgresStore {
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
     /// The claimers' queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
+    /// Holds the claimers and the committers back, for tests.
+    gate: super::sql::QueueGate,
     /// The sessions this replica created or read, kept with their count of
     /// claims: any replica changes any session, so a history served from
     /// here is checked once the Run's claim says whether another replica
@@ -282,18 +284,30 @@ impl PostgresStore {
             listening.clone(),
         );
         let sessions = Arc::new(super::session_cache::SessionCache::shared());
+        let gate = super::sql::QueueGate::default();
         let store = Self {
             cancels,
             _stop_listening: listening.clone().drop_guard(),
             listening,
             commits: {
                 let opts = opts.clone();
-                Self::spawn_committer(move || own_pool(opts), COMMITTERS, Some(sessions.clone()))?
+                Self::spawn_committer(
+                    move || own_pool(opts),
+                    COMMITTERS,
+                    Some(sessions.clone()),
+                    gate.clone(),
+                )?
             },
             claims: {
                 let opts = opts.clone();
-                Self::spawn_claimer(move || own_pool(opts), COMMITTERS, Some(sessions.clone()))?
+                Self::spawn_claimer(
+                    move || own_pool(opts),
+                    COMMITTERS,
+                    Some(sessions.clone()),
+                    gate.clone(),
+                )?
             },
+            gate,
             sessions: Some(sessions),
             reads: super::sql::spawn_queue(READERS, |rx| Self::read_groups(pool.clone(), rx)),
             read: pool.clone(),

@@ -333,6 +333,32 @@ where
         .map_err(|_| std::io::Error::other("the queue's thread stopped as it started"))
 }
 
+/// A store's hold on its claim and commit queues, for tests
+/// ([`crate::store::Store::hold_queues`]): workers read it after taking
+/// their first items, so while a test holds it for writing they wait.
+pub(super) type QueueGate = std::sync::Arc<tokio::sync::RwLock<()>>;
+
+/// While `gate` is held, waits for it, then takes into `group` everything
+/// queued meanwhile (up to `max`): what a test queued while holding the
+/// queues forms one group, as it would behind a busy worker.
+pub(super) async fn held_back<T>(
+    gate: &tokio::sync::RwLock<()>,
+    queue: &mut tokio::sync::mpsc::Receiver<T>,
+    group: &mut Vec<T>,
+    max: usize,
+) {
+    if gate.try_read().is_ok() {
+        return;
+    }
+    let _open = gate.read().await;
+    while group.len() < max {
+        match queue.try_recv() {
+            Ok(item) => group.push(item),
+            Err(_) => break,
+        }
+    }
+}
+
 /// Batches the committer takes into one transaction at most.
 pub(super) const GROUP_MAX: usize = 256;
 /// Encoded event bytes one group's statement carries at most; the rest of
@@ -808,10 +834,11 @@ macro_rules! sql_store {
                 pool: impl FnOnce() -> sqlx::Pool<$db> + Send + 'static,
                 committers: usize,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
+                gate: $crate::store::sql::QueueGate,
             ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch>> {
                 $crate::store::sql::spawn_queue_on_thread("agentd-commits", committers, move || {
                     let pool = pool();
-                    move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone())
+                    move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone(), gate.clone())
                 })
             }
 
@@ -828,10 +855,11 @@ macro_rules! sql_store {
                 pool: impl FnOnce() -> sqlx::Pool<$db> + Send + 'static,
                 claimers: usize,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
+                gate: $crate::store::sql::QueueGate,
             ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim>> {
                 $crate::store::sql::spawn_queue_on_thread("agentd-claims", claimers, move || {
                     let pool = pool();
-                    move |rx| Self::claim_groups(pool.clone(), rx, sessions.clone())
+                    move |rx| Self::claim_groups(pool.clone(), rx, sessions.clone(), gate.clone())
                 })
             }
 
@@ -839,10 +867,18 @@ macro_rules! sql_store {
                 pool: sqlx::Pool<$db>,
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingClaim>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
+                gate: $crate::store::sql::QueueGate,
             ) {
                 use $crate::store::sql::Failed;
                 let mut group = Vec::with_capacity($crate::store::sql::CLAIMS_MAX);
-                while rx.lock().await.recv_many(&mut group, $crate::store::sql::CLAIMS_MAX).await > 0 {
+                loop {
+                    {
+                        let mut queue = rx.lock().await;
+                        if queue.recv_many(&mut group, $crate::store::sql::CLAIMS_MAX).await == 0 {
+                            break;
+                        }
+                        $crate::store::sql::held_back(&gate, &mut queue, &mut group, $crate::store::sql::CLAIMS_MAX).await;
+                    }
                     // A caller gone while its claim waited (it cancelled, or
                     // its store call timed out and it was told to retry):
                     // nothing is stored for it.
@@ -1040,6 +1076,7 @@ macro_rules! sql_store {
                 pool: sqlx::Pool<$db>,
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
+                gate: $crate::store::sql::QueueGate,
             ) {
                     use $crate::store::sql::{Failed, GROUP_MAX, GROUP_MAX_BYTES, LINGER_AFTER_LARGE, PendingBatch};
                     // A turn's end reaches the cache before its writer hears
@@ -1068,6 +1105,7 @@ macro_rules! sql_store {
                             if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
                                 break;
                             }
+                            $crate::store::sql::held_back(&gate, &mut queue, &mut group, GROUP_MAX).await;
                             // A few events alone, with the last commit moments
                             // ago: they wait out the rest of the interval, joined
                             // by what comes meanwhile ([`lingers`]).
@@ -1182,6 +1220,10 @@ macro_rules! sql_store {
                     .await
                     .map_err(db_err)?;
                 row.as_ref().map(turn_from_row).transpose()
+            }
+
+            fn hold_queues(&self) -> Option<$crate::store::QueuesHeld> {
+                self.gate.clone().try_write_owned().ok().map(|held| $crate::store::QueuesHeld { _held: held })
             }
 
             fn kind_encoding(&self) -> KindEncoding {
@@ -1833,6 +1875,41 @@ mod tests {
                 created_unix_nanos: 0,
             },
         })
+    }
+
+    /// While a test holds the gate, a worker that took the first item waits
+    /// and then takes everything queued meanwhile into the same group;
+    /// with the gate open it takes only what it found.
+    #[tokio::test]
+    async fn a_held_gate_makes_one_group_of_what_queued_meanwhile() {
+        let gate = QueueGate::default();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+        let held = gate.clone().try_write_owned().unwrap();
+        let worker = {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                let mut group = Vec::new();
+                rx.recv_many(&mut group, 8).await;
+                held_back(&gate, &mut rx, &mut group, 8).await;
+                let first = group.clone();
+                next_group(&mut rx, &mut group).await;
+                (first, group)
+            })
+        };
+        async fn next_group(rx: &mut tokio::sync::mpsc::Receiver<u32>, group: &mut Vec<u32>) {
+            group.clear();
+            rx.recv_many(group, 8).await;
+        }
+        tx.send(1).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tx.send(2).await.unwrap();
+        tx.send(3).await.unwrap();
+        drop(held);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tx.send(4).await.unwrap();
+        let (first, next) = worker.await.unwrap();
+        assert_eq!(first, [1, 2, 3]);
+        assert_eq!(next, [4]);
     }
 
     /// A queue on a thread of its own serves its items while the runtime

@@ -139,6 +139,8 @@ pub struct SqliteStore {
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
     /// The claimer's queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
+    /// Holds the claimers and the committer back, for tests.
+    gate: super::sql::QueueGate,
     /// The sessions created since start-up, with their history: a Run
     /// reads them without a database read ([`super::session_cache`]).
     sessions: Option<Arc<super::session_cache::SessionCache>>,
@@ -284,13 +286,14 @@ impl SqliteStore {
             write.clone(),
         ));
         let sessions = Arc::new(super::session_cache::SessionCache::default());
+        let gate = super::sql::QueueGate::default();
         let commits = {
             let write = write.clone();
-            Self::spawn_committer(move || write, 1, Some(sessions.clone()))?
+            Self::spawn_committer(move || write, 1, Some(sessions.clone()), gate.clone())?
         };
         let claims = {
             let write = write.clone();
-            Self::spawn_claimer(move || write, 1, Some(sessions.clone()))?
+            Self::spawn_claimer(move || write, 1, Some(sessions.clone()), gate.clone())?
         };
         let alive = Arc::new(());
         spawn_checkpointer(checkpoints.clone(), Arc::downgrade(&alive));
@@ -301,6 +304,7 @@ impl SqliteStore {
             a2a,
             commits,
             claims,
+            gate,
             sessions: Some(sessions),
             _alive: alive,
         };
