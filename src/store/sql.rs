@@ -193,8 +193,8 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
 }
 
 /// How long a few events wait, at most, to share a commit with what follows
-/// them, when the committer's last commit was small too and began less than
-/// this long ago: turns streaming a model's tokens hand their writers a few
+/// them, when the last commit the committers began ([`Pace`]) was small too
+/// and began less than this long ago: turns streaming a model's tokens hand their writers a few
 /// events at a time, and a commit costs about the same whatever it holds.
 /// On SQLite a commit rewrites the event log's first page (its change
 /// counter), the table's root page and its last leaf, each 64 KiB, and
@@ -225,6 +225,75 @@ pub(super) fn linger_after(group: &[PendingBatch]) -> std::time::Duration {
     } else {
         LINGER_AFTER_LARGE
     }
+}
+
+/// When a queue's committers last began a commit, and how long a small
+/// group after it may wait for more ([`linger_after`]): shared by all of
+/// the queue's workers, so that several (PostgreSQL's) space their small
+/// commits as one does. With a clock each, a worker whose own last commit
+/// was long ago committed at once whatever it found, and four committers
+/// made a commit every 2-3 ms of turns streaming a model's tokens
+/// (`model_overhead`, 64 runs: some 60 statements a round, 8 rows a turn).
+pub(super) struct Pace(std::sync::Mutex<(tokio::time::Instant, std::time::Duration)>);
+
+impl Pace {
+    pub(super) fn new() -> Self {
+        Self(std::sync::Mutex::new((
+            tokio::time::Instant::now(),
+            LINGER_AFTER_LARGE,
+        )))
+    }
+
+    /// Until when a small group may wait for more.
+    fn until(&self) -> tokio::time::Instant {
+        let (last, linger) = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        last + linger
+    }
+
+    /// `group` begins its commit now: the next small group waits from here.
+    fn begin(&self, group: &[PendingBatch]) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = (now, linger_after(group));
+        now
+    }
+}
+
+/// A committer's next group, into `group` (empty): what `carried` holds
+/// (the rest of a group past [`GROUP_MAX_BYTES`]), else what the queue
+/// holds once something is there, a small group of events waiting for
+/// more as [`Pace`] says. Returns when the group's commit begins, and
+/// `None` once the queue is closed and empty. The queue is held until the
+/// shared pace is set, so the next worker to take from it sees this
+/// commit's.
+pub(super) async fn next_group(
+    rx: &tokio::sync::Mutex<tokio::sync::mpsc::Receiver<PendingBatch>>,
+    group: &mut Vec<PendingBatch>,
+    carried: &mut Vec<PendingBatch>,
+    gate: &tokio::sync::RwLock<()>,
+    pace: &Pace,
+) -> Option<tokio::time::Instant> {
+    if !carried.is_empty() {
+        group.append(carried);
+        *carried = split_over(group, GROUP_MAX_BYTES, PendingBatch::bytes);
+        return Some(pace.begin(group));
+    }
+    let mut queue = rx.lock().await;
+    if queue.recv_many(group, GROUP_MAX).await == 0 {
+        return None;
+    }
+    held_back(gate, &mut queue, group, GROUP_MAX).await;
+    // A few events alone, with the last commit moments ago: they wait out
+    // the rest of the interval, joined by what comes meanwhile ([`lingers`]).
+    let until = pace.until();
+    while group.len() < GROUP_MAX && lingers(group) {
+        let room = GROUP_MAX - group.len();
+        let more = tokio::time::timeout_at(until, queue.recv_many(group, room));
+        if !matches!(more.await, Ok(n) if n > 0) {
+            break;
+        }
+    }
+    *carried = split_over(group, GROUP_MAX_BYTES, PendingBatch::bytes);
+    Some(pace.begin(group))
 }
 
 /// Whether `group`'s events hold fewer than `limit` bytes.
@@ -838,7 +907,8 @@ macro_rules! sql_store {
             ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch>> {
                 $crate::store::sql::spawn_queue_on_thread("agentd-commits", committers, move || {
                     let pool = pool();
-                    move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone(), gate.clone())
+                    let pace = std::sync::Arc::new($crate::store::sql::Pace::new());
+                    move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone(), gate.clone(), pace.clone())
                 })
             }
 
@@ -1077,8 +1147,9 @@ macro_rules! sql_store {
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingBatch>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
                 gate: $crate::store::sql::QueueGate,
+                pace: std::sync::Arc<$crate::store::sql::Pace>,
             ) {
-                    use $crate::store::sql::{Failed, GROUP_MAX, GROUP_MAX_BYTES, LINGER_AFTER_LARGE, PendingBatch};
+                    use $crate::store::sql::{Failed, GROUP_MAX, PendingBatch};
                     // A turn's end reaches the cache before its writer hears
                     // the outcome is stored (and a follow-up Run can come).
                     // An outcome not recorded, or not known to be, leaves
@@ -1097,33 +1168,9 @@ macro_rules! sql_store {
                     let mut group = Vec::with_capacity(GROUP_MAX);
                     // What a group past GROUP_MAX_BYTES left for the next.
                     let mut carried: Vec<PendingBatch> = Vec::new();
-                    let mut last = tokio::time::Instant::now();
-                    let mut linger = LINGER_AFTER_LARGE;
-                    loop {
-                        if carried.is_empty() {
-                            let mut queue = rx.lock().await;
-                            if queue.recv_many(&mut group, GROUP_MAX).await == 0 {
-                                break;
-                            }
-                            $crate::store::sql::held_back(&gate, &mut queue, &mut group, GROUP_MAX).await;
-                            // A few events alone, with the last commit moments
-                            // ago: they wait out the rest of the interval, joined
-                            // by what comes meanwhile ([`lingers`]).
-                            while group.len() < GROUP_MAX && $crate::store::sql::lingers(&group) {
-                                let room = GROUP_MAX - group.len();
-                                let more = tokio::time::timeout_at(last + linger, queue.recv_many(&mut group, room));
-                                if !matches!(more.await, Ok(n) if n > 0) {
-                                    break;
-                                }
-                            }
-                        } else {
-                            group.append(&mut carried);
-                        }
-                        carried = $crate::store::sql::split_over(&mut group, GROUP_MAX_BYTES, PendingBatch::bytes);
-                        last = tokio::time::Instant::now();
-                        linger = $crate::store::sql::linger_after(&group);
+                    while let Some(began) = $crate::store::sql::next_group(&rx, &mut group, &mut carried, &gate, &pace).await {
                         let written = $crate::store::sql::bounded(Self::write_group(&pool, &group)).await;
-                        $crate::telemetry::metrics::store_group("commit", group.len(), last.elapsed());
+                        $crate::telemetry::metrics::store_group("commit", group.len(), began.elapsed());
                         let e = match written {
                             Ok(recorded) => {
                                 for (p, recorded) in group.drain(..).zip(recorded) {
@@ -1910,6 +1957,65 @@ mod tests {
         let (first, next) = worker.await.unwrap();
         assert_eq!(first, [1, 2, 3]);
         assert_eq!(next, [4]);
+    }
+
+    /// A queue's committers share one pace: a small group waits out the
+    /// linger counted from the last commit any of them began, so two
+    /// committers taking turns make a commit per [`LINGER`] of events that
+    /// trickle in, not one per event (each worker with a clock of its own
+    /// found its last commit long past and committed at once).
+    #[tokio::test(start_paused = true)]
+    async fn committers_share_one_pace_for_small_groups() {
+        let key = crate::domain::TurnKey {
+            session_id: crate::domain::SessionId::generate(),
+            request_id: crate::domain::RequestId::parse("r1").unwrap(),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        let (gate, pace) = (QueueGate::default(), std::sync::Arc::new(Pace::new()));
+        let began = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let start = tokio::time::Instant::now();
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                let (rx, gate, pace, began) =
+                    (rx.clone(), gate.clone(), pace.clone(), began.clone());
+                tokio::spawn(async move {
+                    let (mut group, mut carried) = (Vec::new(), Vec::new());
+                    while let Some(at) =
+                        next_group(&rx, &mut group, &mut carried, &gate, &pace).await
+                    {
+                        began.lock().unwrap().push((at - start, group.len()));
+                        // The commit.
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                        group.clear();
+                    }
+                })
+            })
+            .collect();
+        // 40 small batches, one a millisecond.
+        for seq in 0..40 {
+            let batch = PendingBatch::new(
+                &key,
+                vec![event(seq, 10)],
+                tokio::sync::oneshot::channel().0,
+            );
+            assert!(tx.send(batch).await.is_ok());
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(LINGER * 2).await;
+        drop(tx);
+        for w in workers {
+            w.await.unwrap();
+        }
+        let began = began.lock().unwrap().clone();
+        assert_eq!(began.iter().map(|(_, n)| n).sum::<usize>(), 40, "{began:?}");
+        assert!(
+            began.len() <= 6,
+            "a commit per {LINGER:?} at most: {began:?}"
+        );
+        for pair in began.windows(2).skip(1) {
+            assert!(pair[1].0 - pair[0].0 >= LINGER, "{began:?}");
+        }
     }
 
     /// A queue on a thread of its own serves its items while the runtime
