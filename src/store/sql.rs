@@ -194,8 +194,9 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
 
 /// How long a few events wait, at most, to share a commit with what follows
 /// them, when the last commit the committers began ([`Pace`]) was small too
-/// and began less than this long ago: turns streaming a model's tokens hand their writers a few
-/// events at a time, and a commit costs about the same whatever it holds.
+/// and began less than this long ago: turns streaming a model's tokens hand
+/// their writers a few events at a time, and a commit costs about the same
+/// whatever it holds.
 /// On SQLite a commit rewrites the event log's first page (its change
 /// counter), the table's root page and its last leaf, each 64 KiB, and
 /// journals all three first: some 400 KB written and four `fsync`s for a
