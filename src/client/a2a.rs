@@ -1097,6 +1097,10 @@ impl A2aClient {
         self.secrets.mask(message)
     }
 
+    /// GetTask, without history, its errors masked. Bounded only by the
+    /// HTTP client's connect timeout (10 s): a server that accepts the call
+    /// and never answers holds it, so bound it with `tokio::time::timeout`
+    /// (the calls of this client that use it do).
     pub async fn get_task(&self, task_id: &str) -> Result<Task, A2AError> {
         self.inner
             .get_task(&GetTaskRequest {
@@ -1108,6 +1112,8 @@ impl A2aClient {
             .map_err(|e| self.secrets.error(e))
     }
 
+    /// CancelTask, its errors masked; the task as the server has it after
+    /// the request. Bounded as [`Self::get_task`] is: only while connecting.
     pub async fn cancel(&self, task_id: &str) -> Result<Task, A2AError> {
         self.inner
             .cancel_task(&CancelTaskRequest {
