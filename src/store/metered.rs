@@ -285,6 +285,10 @@ impl Store for Metered {
         self.inner.kind_encoding()
     }
 
+    fn hurry(&self) {
+        self.inner.hurry();
+    }
+
     fn hold_queues(&self) -> Option<super::QueuesHeld> {
         self.inner.hold_queues()
     }

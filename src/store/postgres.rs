@@ -45,6 +45,8 @@ pub struct PostgresStore {
     a2a: Arc<super::a2a_tasks::PostgresTasks>,
     /// The committer's queue: event batches are written through it.
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
+    /// The committers' pace, which turns' writers hurry.
+    pace: Arc<super::sql::Pace>,
     /// The claimers' queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
     /// Holds the claimers and the committers back, for tests.
@@ -285,6 +287,7 @@ impl PostgresStore {
         );
         let sessions = Arc::new(super::session_cache::SessionCache::shared());
         let gate = super::sql::QueueGate::default();
+        let pace = Arc::new(super::sql::Pace::new());
         let store = Self {
             cancels,
             _stop_listening: listening.clone().drop_guard(),
@@ -296,8 +299,10 @@ impl PostgresStore {
                     COMMITTERS,
                     Some(sessions.clone()),
                     gate.clone(),
+                    pace.clone(),
                 )?
             },
+            pace,
             claims: {
                 let opts = opts.clone();
                 Self::spawn_claimer(

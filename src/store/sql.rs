@@ -192,70 +192,71 @@ pub(super) fn blob(events: &[super::EncodedEvent]) -> Vec<u8> {
     blob
 }
 
-/// How long a few events wait, at most, to share a commit with what follows
-/// them, when the last commit the committers began ([`Pace`]) was small too
-/// and began less than this long ago: turns streaming a model's tokens hand
-/// their writers a few events at a time, and a commit costs about the same
-/// whatever it holds.
+/// How long a group of events waits, at most, to share a commit with what
+/// follows it, counted from when the committers last began one ([`Pace`]):
+/// a commit costs about the same whatever it holds, so the fewer the
+/// better, as long as no one waits for them.
+///
 /// On SQLite a commit rewrites the event log's first page (its change
 /// counter), the table's root page and its last leaf, each 64 KiB, and
-/// journals all three first: some 400 KB written and four `fsync`s for a
-/// few kilobytes of events. At 2 ms, 64 turns streaming 16 events each had
-/// the server write about 100 times their bytes to disk (`model_overhead`,
-/// `store=sqlite`: 15 MB a round; 9 MB at 10 ms), and that work, on the
-/// server's core, held up every stream: time to last token 1.58x direct at
-/// 2 ms, 1.27-1.35x at 10 ms, no better at 25 ms. Events still reach the
-/// client at once; only their storage (and followers reading it) waits. A
-/// turn's last events, which go with its outcome, never wait, nor does a
-/// group large enough to stream flat out ([`LINGER_BELOW`]).
+/// journals all three first: some 400 KB written and four `fsync`s,
+/// whatever the group holds. Turns streaming a model's tokens hand their
+/// writers a few events at a time: at 2 ms, 64 of them streaming 16 events
+/// each had the server write about 100 times their bytes to disk
+/// (`model_overhead`, `store=sqlite`: 15 MB a round; 9 MB at 10 ms), and
+/// that work, on the server's core, held up every stream: time to last
+/// token 1.58x direct at 2 ms, 1.27-1.35x at 10 ms, no better at 25 ms.
+/// Turns streaming flat out made groups of some 85 KB each, committed back
+/// to back, 570 a second (`agentd bench`, bursty, 64 streams): waiting
+/// 10 ms for more took SQLite from 0.6x the in-memory store's events/s to
+/// about 0.8x. Events still reach the client at once; only their storage
+/// (and followers reading it) waits. A turn's last events, which go with
+/// its outcome, never wait, nor do the batches of a turn streaming faster
+/// than commits come ([`WRITER_BEHIND`](super::WRITER_BEHIND)).
 pub(super) const LINGER: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// [`LINGER`] after a large commit: streams going flat out. A small group
-/// there is the first few writers that commit answered, whose batches the
-/// others' join within moments: they are not held for long.
-pub(super) const LINGER_AFTER_LARGE: std::time::Duration = std::time::Duration::from_millis(2);
+/// A group holding at least this many bytes of events is committed at once:
+/// past it, a commit's own cost is small beside its events'.
+const LINGER_BELOW: usize = 4 << 20;
 
-/// A group holding at least this many bytes of events is committed at once.
-const LINGER_BELOW: usize = 16 * 1024;
-
-/// How long the group after `group` may wait for more ([`LINGER`],
-/// [`LINGER_AFTER_LARGE`]), counted from `group`'s commit.
-pub(super) fn linger_after(group: &[PendingBatch]) -> std::time::Duration {
-    if event_bytes_below(group, LINGER_BELOW) {
-        LINGER
-    } else {
-        LINGER_AFTER_LARGE
-    }
+/// When a queue's committers last began a commit: a group that may wait
+/// for more waits until [`LINGER`] after it, unless a turn's writer asks
+/// for its commit sooner ([`Pace::hurry`]). Shared by all of the queue's
+/// workers, so that several (PostgreSQL's) space their commits as one
+/// does. With a clock each, a worker whose own last commit was long ago
+/// committed at once whatever it found, and four committers made a commit
+/// every 2-3 ms of turns streaming a model's tokens (`model_overhead`, 64
+/// runs: some 60 statements a round, 8 rows a turn).
+pub(super) struct Pace {
+    last: std::sync::Mutex<tokio::time::Instant>,
+    hurry: tokio::sync::Notify,
 }
-
-/// When a queue's committers last began a commit, and how long a small
-/// group after it may wait for more ([`linger_after`]): shared by all of
-/// the queue's workers, so that several (PostgreSQL's) space their small
-/// commits as one does. With a clock each, a worker whose own last commit
-/// was long ago committed at once whatever it found, and four committers
-/// made a commit every 2-3 ms of turns streaming a model's tokens
-/// (`model_overhead`, 64 runs: some 60 statements a round, 8 rows a turn).
-pub(super) struct Pace(std::sync::Mutex<(tokio::time::Instant, std::time::Duration)>);
 
 impl Pace {
     pub(super) fn new() -> Self {
-        Self(std::sync::Mutex::new((
-            tokio::time::Instant::now(),
-            LINGER_AFTER_LARGE,
-        )))
+        Self {
+            last: std::sync::Mutex::new(tokio::time::Instant::now()),
+            hurry: tokio::sync::Notify::new(),
+        }
     }
 
-    /// Until when a small group may wait for more.
+    /// Until when a group may wait for more.
     fn until(&self) -> tokio::time::Instant {
-        let (last, linger) = *self.0.lock().unwrap_or_else(|e| e.into_inner());
-        last + linger
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) + LINGER
     }
 
-    /// `group` begins its commit now: the next small group waits from here.
-    fn begin(&self, group: &[PendingBatch]) -> tokio::time::Instant {
+    /// A group begins its commit now: the next one waits from here.
+    fn begin(&self) -> tokio::time::Instant {
         let now = tokio::time::Instant::now();
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = (now, linger_after(group));
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = now;
         now
+    }
+
+    /// A turn's writer is behind, its batch waiting in a group for more
+    /// ([`Store::hurry`](super::Store::hurry)): that group is committed
+    /// now (or, when none waits, the next one is).
+    pub(super) fn hurry(&self) {
+        self.hurry.notify_one();
     }
 }
 
@@ -276,45 +277,60 @@ pub(super) async fn next_group(
     if !carried.is_empty() {
         group.append(carried);
         *carried = split_over(group, GROUP_MAX_BYTES, PendingBatch::bytes);
-        return Some(pace.begin(group));
+        return Some(pace.begin());
     }
     let mut queue = rx.lock().await;
     if queue.recv_many(group, GROUP_MAX).await == 0 {
         return None;
     }
     held_back(gate, &mut queue, group, GROUP_MAX).await;
-    // A few events alone, with the last commit moments ago: they wait out
-    // the rest of the interval, joined by what comes meanwhile ([`lingers`]).
+    // Events alone, with the last commit moments ago: they wait out the
+    // rest of the interval, joined by what comes meanwhile ([`Gathered`]).
     let until = pace.until();
-    while group.len() < GROUP_MAX && lingers(group) {
-        let room = GROUP_MAX - group.len();
-        let more = tokio::time::timeout_at(until, queue.recv_many(group, room));
+    let mut gathered = Gathered::default();
+    gathered.add(group);
+    while group.len() < GROUP_MAX && gathered.lingers() {
+        let (room, had) = (GROUP_MAX - group.len(), group.len());
+        let more = tokio::time::timeout_at(until, async {
+            tokio::select! {
+                biased;
+                n = queue.recv_many(group, room) => n,
+                () = pace.hurry.notified() => 0,
+            }
+        });
         if !matches!(more.await, Ok(n) if n > 0) {
             break;
         }
+        gathered.add(&group[had..]);
     }
     *carried = split_over(group, GROUP_MAX_BYTES, PendingBatch::bytes);
-    Some(pace.begin(group))
+    Some(pace.begin())
 }
 
-/// Whether `group`'s events hold fewer than `limit` bytes.
-fn event_bytes_below(group: &[PendingBatch], limit: usize) -> bool {
-    let mut bytes = 0;
-    for p in group {
-        bytes += p.events.iter().map(|e| e.as_bytes().len()).sum::<usize>();
-        if bytes >= limit {
-            return false;
+/// What a group being gathered holds, added to as its batches come: whether
+/// it may wait for more ([`LINGER`]).
+#[derive(Debug, Default)]
+struct Gathered {
+    bytes: usize,
+    /// An outcome, or a batch of a writer that is behind, is in the group.
+    urgent: bool,
+}
+
+impl Gathered {
+    fn add(&mut self, batches: &[PendingBatch]) {
+        for p in batches {
+            self.urgent |= p.outcome.is_some() || p.events.len() >= super::WRITER_BEHIND;
+            self.bytes += p.bytes();
         }
     }
-    true
-}
 
-/// Whether `group` may wait for more ([`LINGER`]): it holds only events (an
-/// outcome, a turn's end, is never kept waiting, nor is anything queued with
-/// one), and few of them. A group of streams going flat out is large and is
-/// committed at once, as before.
-pub(super) fn lingers(group: &[PendingBatch]) -> bool {
-    group.iter().all(|p| p.outcome.is_none()) && event_bytes_below(group, LINGER_BELOW)
+    /// The group may wait for more: it holds only events (an outcome, a
+    /// turn's end, is never kept waiting, nor is anything queued with one),
+    /// none of them a batch of [`WRITER_BEHIND`](super::WRITER_BEHIND)
+    /// events or more, and under [`LINGER_BELOW`] bytes of them.
+    fn lingers(&self) -> bool {
+        !self.urgent && self.bytes < LINGER_BELOW
+    }
 }
 
 /// A queue shared by `workers` tasks, each running `work` on it (the
@@ -905,10 +921,10 @@ macro_rules! sql_store {
                 committers: usize,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
                 gate: $crate::store::sql::QueueGate,
+                pace: std::sync::Arc<$crate::store::sql::Pace>,
             ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingBatch>> {
                 $crate::store::sql::spawn_queue_on_thread("agentd-commits", committers, move || {
                     let pool = pool();
-                    let pace = std::sync::Arc::new($crate::store::sql::Pace::new());
                     move |rx| Self::commit_groups(pool.clone(), rx, sessions.clone(), gate.clone(), pace.clone())
                 })
             }
@@ -1268,6 +1284,10 @@ macro_rules! sql_store {
                     .await
                     .map_err(db_err)?;
                 row.as_ref().map(turn_from_row).transpose()
+            }
+
+            fn hurry(&self) {
+                self.pace.hurry();
             }
 
             fn hold_queues(&self) -> Option<$crate::store::QueuesHeld> {
@@ -2137,10 +2157,11 @@ mod tests {
         assert_eq!(split_batch(&events[..1], BATCH_ROW_BYTES).len(), 1);
     }
 
-    /// Small groups of events alone wait for more; a group with an outcome,
-    /// or with 16 KiB of events, is committed at once.
+    /// Groups of events alone wait for more; a group with an outcome, with
+    /// a batch of a writer that is behind, or with [`LINGER_BELOW`] bytes of events, is
+    /// committed at once.
     #[test]
-    fn only_small_groups_of_events_alone_linger() {
+    fn only_groups_of_events_that_no_one_waits_for_linger() {
         let key = crate::domain::TurnKey {
             session_id: crate::domain::SessionId::generate(),
             request_id: crate::domain::RequestId::parse("r1").unwrap(),
@@ -2153,9 +2174,23 @@ mod tests {
                 .collect();
             PendingBatch::new(&key, events, tokio::sync::oneshot::channel().0)
         };
+        let lingers = |group: &[PendingBatch]| {
+            let mut g = Gathered::default();
+            g.add(group);
+            g.lingers()
+        };
         assert!(lingers(&[]));
         assert!(lingers(&[batch(&[10, 10]), batch(&[100])]));
-        assert!(!lingers(&[batch(&[10]), batch(&[8 * 1024, 8 * 1024])]));
+        // 64 streams going flat out: large, and still waited for.
+        assert!(lingers(&[batch(&[10]), batch(&[64 * 1024, 64 * 1024])]));
+        assert!(!lingers(&[
+            batch(&[10]),
+            batch(&[LINGER_BELOW / 2, LINGER_BELOW / 2])
+        ]));
+        // A batch of a writer that is behind.
+        let behind = crate::store::WRITER_BEHIND;
+        assert!(!lingers(&[batch(&[10]), batch(&vec![1; behind])]));
+        assert!(lingers(&[batch(&vec![1; behind - 1])]));
         let mut ending = batch(&[10]);
         ending.outcome = Some(PendingOutcome::new(
             &crate::store::TurnOutcome {
@@ -2165,9 +2200,7 @@ mod tests {
             },
             None,
         ));
-        let ending = [batch(&[10]), ending];
-        assert!(!lingers(&ending));
-        let [_, ending] = ending;
+        assert!(!lingers(&[batch(&[10]), ending]));
         let mut alone = batch(&[]);
         alone.outcome = Some(PendingOutcome::new(
             &crate::store::TurnOutcome {
@@ -2178,15 +2211,82 @@ mod tests {
             None,
         ));
         assert!(!lingers(&[alone]));
+        // Counted as the batches come, as one look at the whole group.
+        let mut g = Gathered::default();
+        g.add(&[batch(&[LINGER_BELOW / 2])]);
+        assert!(g.lingers());
+        g.add(&[batch(&[10]), batch(&[LINGER_BELOW / 2])]);
+        assert!(!g.lingers());
+    }
 
-        // After a small commit, ending turns' included, the next small
-        // group waits longer than after a large one.
-        assert_eq!(linger_after(&[batch(&[10]), ending]), LINGER);
+    /// Under [`next_group`]: a large group of events (streams going flat
+    /// out) waits for more until [`LINGER`] after the last commit began,
+    /// where it was committed at once; a batch of a writer that is behind
+    /// is committed at once, whatever came before it, and so is a group
+    /// waiting when a writer hurries it ([`Pace::hurry`]).
+    #[tokio::test(start_paused = true)]
+    async fn large_groups_wait_for_more_but_not_for_a_writer_that_is_behind() {
+        let key = crate::domain::TurnKey {
+            session_id: crate::domain::SessionId::generate(),
+            request_id: crate::domain::RequestId::parse("r1").unwrap(),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        let (gate, pace) = (QueueGate::default(), std::sync::Arc::new(Pace::new()));
+        let start = tokio::time::Instant::now();
+        let worker = tokio::spawn({
+            let pace = pace.clone();
+            async move {
+                let (mut group, mut carried, mut began) = (Vec::new(), Vec::new(), Vec::new());
+                while let Some(at) = next_group(&rx, &mut group, &mut carried, &gate, &pace).await {
+                    let sizes: Vec<usize> = group.iter().map(|p| p.events.len()).collect();
+                    began.push((at - start, sizes));
+                    // The commit.
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    group.clear();
+                }
+                began
+            }
+        });
+        let ms = std::time::Duration::from_millis;
+        let send = |events: Vec<EncodedEvent>| {
+            let tx = tx.clone();
+            let batch = PendingBatch::new(&key, events, tokio::sync::oneshot::channel().0);
+            async move { assert!(tx.send(batch).await.is_ok()) }
+        };
+        // 100 KiB of events, then a few more 2 ms later: one group.
+        send(vec![event(0, 50 * 1024), event(1, 50 * 1024)]).await;
+        tokio::time::sleep(ms(2)).await;
+        send(vec![event(2, 10)]).await;
+        // A large batch 5 ms after that group began: not held to 10 ms.
+        tokio::time::sleep(ms(13)).await;
+        let full = crate::store::WRITER_BEHIND as u64;
+        send((3..3 + full).map(|seq| event(seq, 10)).collect()).await;
+        tokio::time::sleep(ms(1)).await;
+        send(vec![event(3 + full, 10)]).await;
+        // A few events, and 2 ms later their writer is behind.
+        tokio::time::sleep(ms(12)).await;
+        send(vec![event(4 + full, 10)]).await;
+        tokio::time::sleep(ms(2)).await;
+        pace.hurry();
+        tokio::time::sleep(LINGER * 2).await;
+        drop(tx);
+        let began = worker.await.unwrap();
+        let sizes: Vec<_> = began.iter().map(|(_, s)| s.clone()).collect();
         assert_eq!(
-            linger_after(&[batch(&[10]), batch(&[8 * 1024, 8 * 1024])]),
-            LINGER_AFTER_LARGE
+            sizes,
+            [
+                vec![2, 1],
+                vec![crate::store::WRITER_BEHIND],
+                vec![1],
+                vec![1]
+            ],
+            "{began:?}"
         );
-        assert!(LINGER > LINGER_AFTER_LARGE);
+        assert_eq!(began[0].0, LINGER, "{began:?}");
+        assert_eq!(began[1].0, ms(15), "{began:?}");
+        assert_eq!(began[2].0, ms(15) + LINGER, "{began:?}");
+        assert_eq!(began[3].0, ms(30), "{began:?}");
     }
 
     /// A row's blob is the batch encoding of its events: the same bytes the

@@ -137,6 +137,8 @@ pub struct SqliteStore {
     a2a: Arc<super::a2a_tasks::SqliteTasks>,
     /// The committer's queue: event batches are written through it.
     commits: tokio::sync::mpsc::Sender<super::sql::PendingBatch>,
+    /// The committer's pace, which turns' writers hurry.
+    pace: Arc<super::sql::Pace>,
     /// The claimer's queue: turns are claimed through it.
     claims: tokio::sync::mpsc::Sender<super::sql::PendingClaim>,
     /// Holds the claimers and the committer back, for tests.
@@ -287,9 +289,16 @@ impl SqliteStore {
         ));
         let sessions = Arc::new(super::session_cache::SessionCache::default());
         let gate = super::sql::QueueGate::default();
+        let pace = Arc::new(super::sql::Pace::new());
         let commits = {
             let write = write.clone();
-            Self::spawn_committer(move || write, 1, Some(sessions.clone()), gate.clone())?
+            Self::spawn_committer(
+                move || write,
+                1,
+                Some(sessions.clone()),
+                gate.clone(),
+                pace.clone(),
+            )?
         };
         let claims = {
             let write = write.clone();
@@ -303,6 +312,7 @@ impl SqliteStore {
             checkpoints,
             a2a,
             commits,
+            pace,
             claims,
             gate,
             sessions: Some(sessions),

@@ -447,7 +447,14 @@ impl Pump {
             // tools stop now, not when the store answers again).
             let writer = self.writer.as_ref().expect("held until the outcome");
             let queued = match writer.try_send(ToWriter::Event(stored)) {
-                Ok(()) => Ok(()),
+                Ok(()) => {
+                    // The writer is behind now: its batch in the store's
+                    // hands is not to wait for others (Store::hurry).
+                    if WRITER_QUEUE - writer.capacity() == crate::store::WRITER_BEHIND {
+                        self.store.hurry();
+                    }
+                    Ok(())
+                }
                 Err(mpsc::error::TrySendError::Full(event)) => {
                     let writer = writer.clone();
                     let send = writer.send(event);

@@ -82,6 +82,9 @@ impl A2aTaskSource for Wrapped {
 
 #[async_trait::async_trait]
 impl Store for Wrapped {
+    fn hurry(&self) {
+        self.inner.hurry();
+    }
     async fn create_session(&self, u: &UserId) -> StoreResult<Session> {
         self.inner.create_session(u).await
     }
