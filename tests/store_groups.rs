@@ -384,3 +384,59 @@ async fn on_postgres_the_lease_sweep_answers_what_it_ended_around_a_held_turn() 
         TurnState::Failed
     );
 }
+
+/// SQLite: three claims in one group, then the three turns' last events
+/// and outcomes in one group (statements padded to four rows, the fourth
+/// of NULLs): each turn is claimed once and numbered apart (its events,
+/// keyed by its number, are its own), and each is ended; the padding
+/// writes nothing.
+#[tokio::test]
+async fn on_sqlite_claims_and_outcomes_of_three_turns_in_one_group_are_stored_as_three() {
+    use sqlx::Connection as _;
+    let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
+    let store = db.open().await;
+    let alice = UserId::parse(ALICE).unwrap();
+    let session = store.create_session(&alice).await.unwrap().id;
+    let keys = [key(session, "a"), key(session, "b"), key(session, "c")];
+    let turns: Vec<NewTurn> = keys.iter().map(new_turn).collect();
+    let mut claims: Vec<Call<agentd::store::Claim>> = turns
+        .iter()
+        .map(|t| Box::pin(store.claim_turn(t)) as Call<_>)
+        .collect();
+    let one_group = store.hold_queues().expect("a SQL store's queues");
+    for call in &mut claims {
+        queue(call).await;
+    }
+    drop(one_group);
+    for claim in futures::future::join_all(claims).await {
+        assert!(matches!(claim, Ok(agentd::store::Claim::New)), "{claim:?}");
+    }
+    let mut ends: Vec<Call<bool>> = keys
+        .iter()
+        .zip([2, 3, 4])
+        .map(|(k, n)| {
+            Box::pin(store.append_and_finish(k, encoded(0..n), &COMPLETED, Some("done".into())))
+                as Call<_>
+        })
+        .collect();
+    let one_group = store.hold_queues().expect("a SQL store's queues");
+    for call in &mut ends {
+        queue(call).await;
+    }
+    drop(one_group);
+    for ended in futures::future::join_all(ends).await {
+        assert!(ended.unwrap(), "recorded");
+    }
+    for (k, n) in keys.iter().zip([2, 3, 4]) {
+        assert_eq!(store.events_after(k, None, 10).await.unwrap(), events(0..n));
+        let t = store.get_turn(k).await.unwrap().unwrap();
+        assert_eq!(t.outcome, Some(COMPLETED.clone()), "{k}");
+    }
+    let mut conn = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    let (rows, numbers): (i64, i64) =
+        sqlx::query_as("SELECT COUNT(*), COUNT(DISTINCT turn_no) FROM turns")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!((rows, numbers), (3, 3));
+}

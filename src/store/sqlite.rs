@@ -413,23 +413,17 @@ fn insert_row(
 const ROWS_PER_STATEMENT: usize = 256;
 
 /// One insert statement for `rows`, each row's turn checked as in
-/// [`insert_row`], padded to the next power of two rows with rows of NULLs
-/// that insert nothing (`v.column1 IS NOT NULL`): its text is then one of
-/// nine, each kept prepared on the writer connection. Built for the exact
+/// [`insert_row`], [`padded`]: one of nine statements. Built for the exact
 /// count, every group's statement was parsed and planned anew, a few
 /// percent of the core under a full load of streaming turns.
 fn insert_rows<'q>(
     rows: impl ExactSizeIterator<Item = GroupRow<'q>>,
 ) -> sqlx::QueryBuilder<'q, sqlx::Sqlite> {
-    let padding = rows.len().next_power_of_two() - rows.len();
     let mut q = sqlx::QueryBuilder::new(
         "INSERT INTO event_log (turn_no, first_seq, last_seq, events) \
          SELECT t.turn_no, v.column3, v.column4, v.column5 FROM (",
     );
-    let rows = rows
-        .map(Some)
-        .chain(std::iter::repeat_with(|| None).take(padding));
-    q.push_values(rows, |mut b, row| match row {
+    q.push_values(padded(rows), |mut b, row| match row {
         Some((p, first, last, blob)) => {
             b.push_bind(p.sid.as_str())
                 .push_bind(p.rid.as_str())
@@ -452,11 +446,17 @@ fn insert_rows<'q>(
     q
 }
 
-/// Statements built for up to this many rows are kept prepared (on the
-/// writer connection, in sqlx's cache): the text differs with the row count,
-/// and small groups, the usual ones at low load, would otherwise be prepared
-/// again every time.
-const KEEP_PREPARED_UP_TO: usize = 4;
+/// `rows`, then rows of `None` up to the next power of two: a group's
+/// statement, whose text differs with its row count, is then one of a few,
+/// each kept prepared on the writer connection (in sqlx's cache). Built
+/// for the exact count, a statement was parsed and planned anew for every
+/// group of more than four rows (4% of SQLite's thread, `model_overhead`).
+/// Each statement drops the rows of `None` (`v.column1 IS NOT NULL`).
+fn padded<T>(rows: impl ExactSizeIterator<Item = T>) -> impl Iterator<Item = Option<T>> {
+    let padding = rows.len().next_power_of_two() - rows.len();
+    rows.map(Some)
+        .chain(std::iter::repeat_with(|| None).take(padding))
+}
 
 /// One statement recording the outcomes of `turns`, each only while its
 /// turn is still running (as [`Store::finish_turn`](super::Store::finish_turn)).
@@ -467,18 +467,31 @@ fn update_outcomes<'q>(
         "UPDATE turns SET state = v.column3, status_code = v.column4, status_message = v.column5, \
          answer = v.column6, answer_payload = v.column7, updated_at = v.column8 FROM (",
     );
-    q.push_values(turns, |mut b, (p, o)| {
-        b.push_bind(p.sid.as_str())
-            .push_bind(p.rid.as_str())
-            .push_bind(o.state)
-            .push_bind(o.code)
-            .push_bind(o.message.as_str())
-            .push_bind(o.answer.as_deref())
-            .push_bind(o.answer_payload.as_deref())
-            .push_bind(o.at);
+    q.push_values(padded(turns.iter()), |mut b, turn| match turn {
+        Some((p, o)) => {
+            b.push_bind(p.sid.as_str())
+                .push_bind(p.rid.as_str())
+                .push_bind(o.state)
+                .push_bind(o.code)
+                .push_bind(o.message.as_str())
+                .push_bind(o.answer.as_deref())
+                .push_bind(o.answer_payload.as_deref())
+                .push_bind(o.at);
+        }
+        None => {
+            b.push_bind(None::<&str>)
+                .push_bind(None::<&str>)
+                .push_bind(None::<&str>)
+                .push_bind(None::<i64>)
+                .push_bind(None::<&str>)
+                .push_bind(None::<&str>)
+                .push_bind(None::<&str>)
+                .push_bind(None::<i64>);
+        }
     });
     q.push(
-        ") AS v WHERE turns.session_id = v.column1 AND turns.request_id = v.column2 \
+        ") AS v WHERE v.column1 IS NOT NULL AND turns.session_id = v.column1 \
+         AND turns.request_id = v.column2 \
          AND turns.state = 'running' RETURNING turns.session_id, turns.request_id",
     );
     q
@@ -543,7 +556,7 @@ impl SqliteStore {
             let chunk = &outcomes[stored..outcomes.len().min(stored + ROWS_PER_STATEMENT)];
             let rows: Vec<(String, String)> = update_outcomes(chunk)
                 .build_query_as()
-                .persistent(chunk.len() <= KEEP_PREPARED_UP_TO)
+                .persistent(true)
                 .fetch_all(pool)
                 .await
                 .map_err(|error| super::sql::GroupError {
@@ -641,25 +654,33 @@ impl SqliteStore {
              MAX(IFNULL((SELECT MAX(turn_no) FROM turns), 0), IFNULL((SELECT MAX(turn_no) FROM event_log), 0)) \
              + ROW_NUMBER() OVER () FROM (",
         ));
-        q.push_values(claims, |mut b, c| {
-            b.push_bind(c.sid.as_str())
-                .push_bind(c.rid.as_str())
-                .push_bind(c.user_text.as_str())
-                .push_bind(c.agent.as_str())
-                .push_bind(c.owner.as_str())
-                .push_bind(c.lease_micros())
-                .push_bind(c.at);
+        q.push_values(padded(claims.iter()), |mut b, c| match c {
+            Some(c) => {
+                b.push_bind(c.sid.as_str())
+                    .push_bind(c.rid.as_str())
+                    .push_bind(c.user_text.as_str())
+                    .push_bind(c.agent.as_str())
+                    .push_bind(c.owner.as_str())
+                    .push_bind(c.lease_micros())
+                    .push_bind(c.at);
+            }
+            None => {
+                b.push_bind(None::<&str>)
+                    .push_bind(None::<&str>)
+                    .push_bind(None::<&str>)
+                    .push_bind(None::<&str>)
+                    .push_bind(None::<&str>)
+                    .push_bind(None::<i64>)
+                    .push_bind(None::<i64>);
+            }
         });
-        // `WHERE true`: without it SQLite would read ON CONFLICT as a join's.
+        // A WHERE clause is needed here: without one SQLite would read ON
+        // CONFLICT as a join's. Turn numbers count the rows it keeps.
         q.push(
-            ") AS v WHERE true ON CONFLICT (session_id, request_id) DO NOTHING \
+            ") AS v WHERE v.column1 IS NOT NULL ON CONFLICT (session_id, request_id) DO NOTHING \
              RETURNING session_id, request_id",
         );
-        let rows = q
-            .build()
-            .persistent(claims.len() <= KEEP_PREPARED_UP_TO)
-            .fetch_all(pool)
-            .await?;
+        let rows = q.build().persistent(true).fetch_all(pool).await?;
         super::sql::stored_claims(claims, &rows, false)
     }
 
