@@ -1980,6 +1980,32 @@ mod tests {
         assert_eq!(next, [4]);
     }
 
+    /// A committers' queue as the stores' `spawn_committer` makes one: a
+    /// turn's key for its batches, the queue's two ends, its gate and its
+    /// pace.
+    #[allow(clippy::type_complexity)]
+    fn committers_queue() -> (
+        crate::domain::TurnKey,
+        tokio::sync::mpsc::Sender<PendingBatch>,
+        std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<PendingBatch>>>,
+        QueueGate,
+        std::sync::Arc<Pace>,
+    ) {
+        let key = crate::domain::TurnKey {
+            session_id: crate::domain::SessionId::generate(),
+            request_id: crate::domain::RequestId::parse("r1").unwrap(),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        (
+            key,
+            tx,
+            rx,
+            QueueGate::default(),
+            std::sync::Arc::new(Pace::new()),
+        )
+    }
+
     /// A queue's committers share one pace: a small group waits out the
     /// linger counted from the last commit any of them began, so two
     /// committers taking turns make a commit per [`LINGER`] of events that
@@ -1987,13 +2013,7 @@ mod tests {
     /// found its last commit long past and committed at once).
     #[tokio::test(start_paused = true)]
     async fn committers_share_one_pace_for_small_groups() {
-        let key = crate::domain::TurnKey {
-            session_id: crate::domain::SessionId::generate(),
-            request_id: crate::domain::RequestId::parse("r1").unwrap(),
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
-        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
-        let (gate, pace) = (QueueGate::default(), std::sync::Arc::new(Pace::new()));
+        let (key, tx, rx, gate, pace) = committers_queue();
         let began = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let start = tokio::time::Instant::now();
         let workers: Vec<_> = (0..2)
@@ -2226,13 +2246,7 @@ mod tests {
     /// waiting when a writer hurries it ([`Pace::hurry`]).
     #[tokio::test(start_paused = true)]
     async fn large_groups_wait_for_more_but_not_for_a_writer_that_is_behind() {
-        let key = crate::domain::TurnKey {
-            session_id: crate::domain::SessionId::generate(),
-            request_id: crate::domain::RequestId::parse("r1").unwrap(),
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
-        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
-        let (gate, pace) = (QueueGate::default(), std::sync::Arc::new(Pace::new()));
+        let (key, tx, rx, gate, pace) = committers_queue();
         let start = tokio::time::Instant::now();
         let worker = tokio::spawn({
             let pace = pace.clone();
