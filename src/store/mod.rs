@@ -363,7 +363,9 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// this large, nor one whose writer has this many waiting behind it
 /// ([`Store::hurry`]): a writer hands over its next batch only once the
 /// last one is committed, so such a turn would be held to a batch per wait
-/// and soon wait for room in its writer's queue. (One turn streaming flat
+/// and soon wait for room in its writer's queue. The two cover every
+/// writer: one that hands over fewer events took all it had queued, and
+/// its queue then fills from empty past this mark. (One turn streaming flat
 /// out on SQLite, `agentd bench`: about 0.3x the events/s with neither, 0.6x
 /// with the batch's size alone.)
 pub const WRITER_BEHIND: usize = 1024;
