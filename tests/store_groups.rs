@@ -28,6 +28,20 @@ async fn queue<T>(call: &mut Call<'_, T>) {
     assert!(futures::poll!(call.as_mut()).is_pending(), "queued");
 }
 
+/// Runs `calls` as one group of the store's claimer or committer: queued
+/// while the queues are held, then answered together.
+async fn in_one_group<'a, T>(
+    store: &dyn Store,
+    mut calls: Vec<Call<'a, T>>,
+) -> Vec<StoreResult<T>> {
+    let one_group = store.hold_queues().expect("a SQL store's queues");
+    for call in &mut calls {
+        queue(call).await;
+    }
+    drop(one_group);
+    futures::future::join_all(calls).await
+}
+
 fn key(session: SessionId, r: &str) -> TurnKey {
     TurnKey {
         session_id: session,
@@ -399,19 +413,14 @@ async fn on_sqlite_claims_and_outcomes_of_three_turns_in_one_group_are_stored_as
     let session = store.create_session(&alice).await.unwrap().id;
     let keys = [key(session, "a"), key(session, "b"), key(session, "c")];
     let turns: Vec<NewTurn> = keys.iter().map(new_turn).collect();
-    let mut claims: Vec<Call<agentd::store::Claim>> = turns
+    let claims: Vec<Call<agentd::store::Claim>> = turns
         .iter()
         .map(|t| Box::pin(store.claim_turn(t)) as Call<_>)
         .collect();
-    let one_group = store.hold_queues().expect("a SQL store's queues");
-    for call in &mut claims {
-        queue(call).await;
-    }
-    drop(one_group);
-    for claim in futures::future::join_all(claims).await {
+    for claim in in_one_group(&*store, claims).await {
         assert!(matches!(claim, Ok(agentd::store::Claim::New)), "{claim:?}");
     }
-    let mut ends: Vec<Call<bool>> = keys
+    let ends: Vec<Call<bool>> = keys
         .iter()
         .zip([2, 3, 4])
         .map(|(k, n)| {
@@ -419,12 +428,7 @@ async fn on_sqlite_claims_and_outcomes_of_three_turns_in_one_group_are_stored_as
                 as Call<_>
         })
         .collect();
-    let one_group = store.hold_queues().expect("a SQL store's queues");
-    for call in &mut ends {
-        queue(call).await;
-    }
-    drop(one_group);
-    for ended in futures::future::join_all(ends).await {
+    for ended in in_one_group(&*store, ends).await {
         assert!(ended.unwrap(), "recorded");
     }
     for (k, n) in keys.iter().zip([2, 3, 4]) {
