@@ -6,6 +6,8 @@
 //! share one store, as replicas on PostgreSQL do, so a session created
 //! through any of them is known to all and dedup spans them.
 
+mod common;
+
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -193,6 +195,19 @@ async fn connect(resolver: &StaticResolver, cfg: ClientConfig) -> AgentClient {
     AgentClient::balanced(NAME, 50051, Arc::new(resolver.clone()), cfg)
         .await
         .unwrap()
+}
+
+/// A client that does not watch the replicas' health: a replica that is
+/// gone stays in its balancer, and calls sent there fail.
+async fn connect_unwatched(resolver: &StaticResolver) -> AgentClient {
+    connect(
+        resolver,
+        ClientConfig {
+            health_check: false,
+            ..client_config()
+        },
+    )
+    .await
 }
 
 /// Waits (bounded) until the balancer's addresses satisfy `ok`.
@@ -460,14 +475,7 @@ async fn unavailable_before_any_event_is_retried_with_the_same_request_id() {
     let resolver = StaticResolver::new(addrs(&replicas));
     // Without health watching, the stopped replica stays in the balancer and
     // every call sent to it is refused (connection refused: UNAVAILABLE).
-    let mut client = connect(
-        &resolver,
-        ClientConfig {
-            health_check: false,
-            ..client_config()
-        },
-    )
-    .await;
+    let mut client = connect_unwatched(&resolver).await;
     let session = client.create_session("u1").await.unwrap().session_id;
     let mut stopped = replicas.remove(0);
     stopped.stop().await;
@@ -651,14 +659,7 @@ async fn retries_are_bounded_by_the_policy() {
     let store = Arc::new(MemoryStore::new());
     let mut replicas = cluster(1, &store).await;
     let resolver = StaticResolver::new(addrs(&replicas));
-    let mut client = connect(
-        &resolver,
-        ClientConfig {
-            health_check: false,
-            ..client_config()
-        },
-    )
-    .await;
+    let mut client = connect_unwatched(&resolver).await;
     let session = client.create_session("u1").await.unwrap().session_id;
     replicas[0].stop().await;
 
@@ -719,16 +720,13 @@ async fn a_recorded_turn_failure_is_not_retried_and_the_agent_runs_once() {
 async fn create_session_is_resent_when_no_connection_could_be_made() {
     let store = Arc::new(MemoryStore::new());
     let mut replicas = cluster(2, &store).await;
-    let resolver = StaticResolver::new(addrs(&replicas));
-    let mut client = connect(
-        &resolver,
-        ClientConfig {
-            health_check: false,
-            ..client_config()
-        },
-    )
-    .await;
+    // The first replica is gone before the client connects anywhere, so
+    // every attempt sent its way finds nothing listening: the request
+    // never left. (A connection made just before a replica stops may carry
+    // a request and then break; that one is not resent, see below.)
     replicas[0].stop().await;
+    let resolver = StaticResolver::new(addrs(&replicas));
+    let mut client = connect_unwatched(&resolver).await;
     for _ in 0..20 {
         // Half of the first attempts go to the stopped replica.
         let s = client
@@ -737,6 +735,89 @@ async fn create_session_is_resent_when_no_connection_could_be_made() {
             .expect("resent to the live replica");
         assert_eq!(s.user_id, "u1");
     }
+}
+
+/// A Run waiting for its first event on a connection that breaks (a
+/// network failure, a replica's pod torn down) is sent again with the same
+/// request_id and attaches to the turn; a CreateSession whose connection
+/// breaks is not sent again, as it may have reached the server.
+#[tokio::test]
+async fn a_call_whose_connection_breaks_is_unavailable_and_only_a_run_is_resent() {
+    let store = Arc::new(MemoryStore::new());
+    let replicas = cluster(1, &store).await;
+    let proxy = common::Proxy::start(replicas[0].addr).await;
+    let resolver = StaticResolver::new(vec![proxy.addr]);
+    let mut client = connect(&resolver, client_config()).await;
+    let session = client.create_session("u1").await.unwrap().session_id;
+
+    let mut req = run_request(&session, "broken-1");
+    req.agent = "stream".into();
+    req.text = "n=3 wait=1s".into();
+    req.on_disconnect = pb::OnDisconnect::Continue as i32;
+    let mut runner = client.clone();
+    let run = tokio::spawn(async move {
+        let mut call = runner.run(req, Duration::from_secs(20)).await?;
+        let mut events = Vec::new();
+        while let Some(e) = call.events.message().await? {
+            events.push(e);
+        }
+        Ok::<_, tonic::Status>((events, call.events.attempts()))
+    });
+    let key = TurnKey {
+        session_id: SessionId::parse(&session).unwrap(),
+        request_id: RequestId::parse("broken-1".to_owned()).unwrap(),
+    };
+    let claimed = async {
+        while store.get_turn(&key).await.unwrap().is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), claimed)
+        .await
+        .expect("the turn started");
+    let cut_at = proxy.accepted.load(Ordering::SeqCst);
+    proxy.cut();
+
+    let (events, attempts) = run.await.unwrap().expect("resent and attached");
+    assert_eq!(attempts, 2, "one resend");
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3], "every event once, in order");
+    assert!(events.last().unwrap().is_final);
+    assert!(
+        proxy.accepted.load(Ordering::SeqCst) > cut_at,
+        "the resend made a new connection"
+    );
+    let turn = store.get_turn(&key).await.unwrap().unwrap();
+    assert_eq!(turn.owner, replicas[0].name, "one turn, run once");
+
+    // A CreateSession whose connection breaks after the server got it: the
+    // session exists, its answer is lost, and the call is not sent again
+    // (that would make a second session).
+    let muted = common::Proxy::muted(replicas[0].addr).await;
+    let resolver = StaticResolver::new(vec![muted.addr]);
+    let mut client = connect_unwatched(&resolver).await;
+    let user = agentd::domain::UserId::parse("u2".to_owned()).unwrap();
+    let create = tokio::spawn(async move { client.create_session("u2").await });
+    let created = async {
+        while store
+            .list_sessions(&user, 10, None)
+            .await
+            .unwrap()
+            .sessions
+            .is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), created)
+        .await
+        .expect("the server created the session");
+    muted.cut();
+    let status = create.await.unwrap().expect_err("its answer was lost");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(attempts_of(&status), Some(1), "not sent again: {status:?}");
+    let sessions = store.list_sessions(&user, 10, None).await.unwrap().sessions;
+    assert_eq!(sessions.len(), 1, "one session");
 }
 
 #[tokio::test]
@@ -782,14 +863,7 @@ async fn a_server_that_never_answers_is_cut_by_the_client_deadline() {
         }
     });
     let resolver = StaticResolver::new([addr]);
-    let mut client = connect(
-        &resolver,
-        ClientConfig {
-            health_check: false,
-            ..client_config()
-        },
-    )
-    .await;
+    let mut client = connect_unwatched(&resolver).await;
     let result = tokio::time::timeout(
         Duration::from_secs(10),
         client.run(

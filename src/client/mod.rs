@@ -381,7 +381,8 @@ impl AgentClient {
     }
 
     /// Creates a session. Resent only when no connection could be made (a
-    /// CreateSession that reached a server is not deduplicated).
+    /// CreateSession that reached a server is not deduplicated): one whose
+    /// connection broke under it ends UNAVAILABLE and is left to the caller.
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
         let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
         let msg = pb::CreateSessionRequest {
@@ -449,7 +450,7 @@ impl AgentClient {
         loop {
             let result = match attempts.begin() {
                 Ok(remaining) => match tokio::time::timeout(remaining, call(remaining)).await {
-                    Ok(r) => r.map_err(retry::deadline_passed),
+                    Ok(r) => r.map_err(retry::from_wire),
                     Err(_) => Err(retry::deadline_exceeded()),
                 },
                 Err(s) => Err(s),
@@ -650,7 +651,7 @@ impl RunAttempts {
         let req = self.cfg.request(self.req.clone(), remaining);
         let resp = match tokio::time::timeout_at(self.attempts.until, self.client.run(req)).await {
             Err(_) => return Err(retry::deadline_exceeded()),
-            Ok(r) => r.map_err(retry::deadline_passed)?,
+            Ok(r) => r.map_err(retry::from_wire)?,
         };
         let header = |name: &str| {
             resp.metadata()
@@ -693,7 +694,7 @@ fn follow(
                     continue;
                 }
                 Ok(Ok(None)) => return,
-                Ok(Err(status)) => status,
+                Ok(Err(status)) => retry::from_wire(status),
             };
             if received || mode == crate::turn::Mode::Replay.as_str() || !retry::run_is_retryable(&status) {
                 yield Err(run.attempts.final_status(status));

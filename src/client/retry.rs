@@ -6,8 +6,14 @@
 //!   if the first attempt got as far as claiming it;
 //! - any call whose connection could not be made (the request never left);
 //! - a health check (it only reads).
+//!
+//! A connection that breaks under a call (reset, closed, a broken pipe) is
+//! UNAVAILABLE here, as gRPC's status codes have it; tonic reports it as
+//! UNKNOWN "transport error". Such a call may have reached the server, so
+//! only the calls that are safe to send twice are resent after it.
 
 use std::error::Error as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::{Code, Status};
@@ -79,7 +85,7 @@ pub fn is_connect_error(status: &Status) -> bool {
 
 /// tonic reports its own header timeout as CANCELLED; to the caller it is
 /// the call's deadline passing.
-pub fn deadline_passed(status: Status) -> Status {
+fn deadline_passed(status: Status) -> Status {
     let mut source = status.source();
     while let Some(e) = source {
         if e.is::<tonic::TimeoutExpired>() {
@@ -88,6 +94,42 @@ pub fn deadline_passed(status: Status) -> Status {
         source = e.source();
     }
     status
+}
+
+/// What a call's status says once it comes off the wire: the client's own
+/// header timeout is DEADLINE_EXCEEDED, a broken connection UNAVAILABLE.
+pub fn from_wire(status: Status) -> Status {
+    connection_broke(deadline_passed(status))
+}
+
+/// The message of a call whose connection broke under it.
+pub const CONNECTION_BROKE: &str = "the connection to the server broke during the call";
+
+/// A call that failed because its connection broke is UNAVAILABLE (gRPC's
+/// status codes: "some data transmitted before connection breaks"), with
+/// tonic's own status kept as the source. Anything else is unchanged, an
+/// UNKNOWN sent by a server above all.
+pub fn connection_broke(status: Status) -> Status {
+    if status.code() != Code::Unknown || !from_transport(&status) {
+        return status;
+    }
+    tracing::debug!(error = ?status, "the call's connection broke");
+    let mut broke = Status::unavailable(CONNECTION_BROKE);
+    broke.set_source(Arc::new(status));
+    broke
+}
+
+/// The status was made by the client's transport (hyper, h2, the socket),
+/// not received from a server.
+fn from_transport(status: &Status) -> bool {
+    let mut source = status.source();
+    while let Some(e) = source {
+        if e.is::<tonic::transport::Error>() || e.is::<hyper::Error>() || e.is::<std::io::Error>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 pub fn deadline_exceeded() -> Status {
@@ -149,6 +191,32 @@ mod tests {
         s.metadata_mut()
             .insert("grpc-retry-pushback-ms", "250".parse().unwrap());
         assert_eq!(pushback(&s), Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn a_broken_connection_is_unavailable_and_a_servers_unknown_is_not() {
+        let broken = Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "stream closed because of a broken pipe",
+        )));
+        assert_eq!(broken.code(), Code::Unknown, "tonic's own mapping");
+        let mapped = from_wire(broken);
+        assert_eq!(mapped.code(), Code::Unavailable);
+        assert_eq!(mapped.message(), CONNECTION_BROKE);
+        assert!(run_is_retryable(&mapped));
+        assert!(!is_connect_error(&mapped), "it may have reached the server");
+        let kept = mapped.source().and_then(|e| e.downcast_ref::<Status>());
+        assert_eq!(
+            kept.map(Status::code),
+            Some(Code::Unknown),
+            "the original is the source"
+        );
+
+        // An UNKNOWN a server sent, and other codes, are left alone.
+        let sent = Status::unknown("the agent failed");
+        assert_eq!(from_wire(sent).code(), Code::Unknown);
+        let internal = Status::internal("x");
+        assert_eq!(from_wire(internal).message(), "x");
     }
 
     #[test]

@@ -237,6 +237,16 @@ pub struct Proxy {
 
 impl Proxy {
     pub async fn start(upstream: SocketAddr) -> Self {
+        Self::start_with(upstream, false).await
+    }
+
+    /// A proxy that carries what the client sends and drops every byte the
+    /// server answers: a request reaches the server and its answer is lost.
+    pub async fn muted(upstream: SocketAddr) -> Self {
+        Self::start_with(upstream, true).await
+    }
+
+    async fn start_with(upstream: SocketAddr, muted: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
@@ -246,9 +256,20 @@ impl Proxy {
             while let Ok((mut down, _)) = listener.accept().await {
                 n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let h = tokio::spawn(async move {
-                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                    let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    if !muted {
                         let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                        return;
                     }
+                    let (mut down_rx, _down_tx) = down.split();
+                    let (mut up_rx, mut up_tx) = up.split();
+                    let mut drop_all = tokio::io::sink();
+                    let _ = tokio::join!(
+                        tokio::io::copy(&mut down_rx, &mut up_tx),
+                        tokio::io::copy(&mut up_rx, &mut drop_all),
+                    );
                 });
                 t.lock().unwrap().push(h);
             }
