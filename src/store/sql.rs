@@ -221,7 +221,8 @@ const LINGER_BELOW: usize = 4 << 20;
 
 /// When a queue's committers last began a commit: a group that may wait
 /// for more waits until [`LINGER`] after it, unless a turn's writer asks
-/// for its commit sooner ([`Pace::hurry`]). Shared by all of the queue's
+/// for its commit sooner ([`Pace::hurry`]). The claimers keep one too,
+/// with [`CLAIM_LINGER`]. Shared by all of the queue's
 /// workers, so that several (PostgreSQL's) space their commits as one
 /// does. With a clock each, a worker whose own last commit was long ago
 /// committed at once whatever it found, and four committers made a commit
@@ -229,20 +230,29 @@ const LINGER_BELOW: usize = 4 << 20;
 /// runs: some 60 statements a round, 8 rows a turn).
 pub(super) struct Pace {
     last: std::sync::Mutex<tokio::time::Instant>,
+    /// How long after the last group began the next may wait.
+    linger: std::time::Duration,
     hurry: tokio::sync::Notify,
 }
 
 impl Pace {
+    /// The committers' pace ([`LINGER`]).
     pub(super) fn new() -> Self {
+        Self::lingering(LINGER)
+    }
+
+    /// A pace whose groups wait up to `linger` after the last began.
+    pub(super) fn lingering(linger: std::time::Duration) -> Self {
         Self {
             last: std::sync::Mutex::new(tokio::time::Instant::now()),
+            linger,
             hurry: tokio::sync::Notify::new(),
         }
     }
 
     /// Until when a group may wait for more.
     fn until(&self) -> tokio::time::Instant {
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) + LINGER
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) + self.linger
     }
 
     /// A group begins its commit now: the next one waits from here.
@@ -305,6 +315,34 @@ pub(super) async fn next_group(
     }
     *carried = split_over(group, GROUP_MAX_BYTES, PendingBatch::bytes);
     Some(pace.begin())
+}
+
+/// A claimer's next group, into `group` (empty): what the queue holds once
+/// something is there; when the last group began less than
+/// [`CLAIM_LINGER`] ago, also what comes until then ([`Pace`]). False once
+/// the queue is closed and empty. The queue is held until the shared pace
+/// is set, so the next worker to take from it sees this group's.
+pub(super) async fn next_claims(
+    rx: &tokio::sync::Mutex<tokio::sync::mpsc::Receiver<PendingClaim>>,
+    group: &mut Vec<PendingClaim>,
+    gate: &tokio::sync::RwLock<()>,
+    pace: &Pace,
+) -> bool {
+    let mut queue = rx.lock().await;
+    if queue.recv_many(group, CLAIMS_MAX).await == 0 {
+        return false;
+    }
+    held_back(gate, &mut queue, group, CLAIMS_MAX).await;
+    let until = pace.until();
+    while group.len() < CLAIMS_MAX {
+        let room = CLAIMS_MAX - group.len();
+        match tokio::time::timeout_at(until, queue.recv_many(group, room)).await {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+    pace.begin();
+    true
 }
 
 /// What a group being gathered holds, added to as its batches come: whether
@@ -708,6 +746,21 @@ pub(super) type Withdrawn = (String, String, String, i64);
 /// Claims the claimer writes in one statement at most.
 pub(super) const CLAIMS_MAX: usize = 128;
 
+/// A claim that comes within this long of the last claim group's start
+/// waits out the rest of it, joined by the claims that come meanwhile
+/// ([`Pace`]); one that comes later is written at once (tokio's timers
+/// round the wait up to a whole millisecond). Runs arriving together (64
+/// model-backed Runs started at once, `model_overhead`) made groups of
+/// about three claims, each a commit (SQLite) or a round trip (PostgreSQL)
+/// of its own, while the models' first tokens waited for the server's
+/// core: with this wait, groups of about sixteen, and time to first token
+/// through agentd 1-2 ms sooner on either store (BENCHMARKS.md). A
+/// model-backed Run's model call starts beside its claim, so the wait
+/// hides behind the model's own time to its first token; a Run whose
+/// agent starts once the turn is claimed waits it out, up to a
+/// millisecond, when it comes in such a burst.
+pub(super) const CLAIM_LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Why a committer's group was not written.
 #[derive(Debug)]
 pub(super) struct GroupError {
@@ -946,7 +999,8 @@ macro_rules! sql_store {
             ) -> std::io::Result<tokio::sync::mpsc::Sender<$crate::store::sql::PendingClaim>> {
                 $crate::store::sql::spawn_queue_on_thread("agentd-claims", claimers, move || {
                     let pool = pool();
-                    move |rx| Self::claim_groups(pool.clone(), rx, sessions.clone(), gate.clone())
+                    let pace = std::sync::Arc::new($crate::store::sql::Pace::lingering($crate::store::sql::CLAIM_LINGER));
+                    move |rx| Self::claim_groups(pool.clone(), rx, sessions.clone(), gate.clone(), pace.clone())
                 })
             }
 
@@ -955,16 +1009,13 @@ macro_rules! sql_store {
                 rx: std::sync::Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<$crate::store::sql::PendingClaim>>>,
                 sessions: Option<std::sync::Arc<$crate::store::session_cache::SessionCache>>,
                 gate: $crate::store::sql::QueueGate,
+                pace: std::sync::Arc<$crate::store::sql::Pace>,
             ) {
                 use $crate::store::sql::Failed;
                 let mut group = Vec::with_capacity($crate::store::sql::CLAIMS_MAX);
                 loop {
-                    {
-                        let mut queue = rx.lock().await;
-                        if queue.recv_many(&mut group, $crate::store::sql::CLAIMS_MAX).await == 0 {
-                            break;
-                        }
-                        $crate::store::sql::held_back(&gate, &mut queue, &mut group, $crate::store::sql::CLAIMS_MAX).await;
+                    if !$crate::store::sql::next_claims(&rx, &mut group, &gate, &pace).await {
+                        break;
                     }
                     // A caller gone while its claim waited (it cancelled, or
                     // its store call timed out and it was told to retry):
@@ -2301,6 +2352,70 @@ mod tests {
         assert_eq!(began[1].0, ms(15), "{began:?}");
         assert_eq!(began[2].0, ms(15) + LINGER, "{began:?}");
         assert_eq!(began[3].0, ms(30), "{began:?}");
+    }
+
+    /// A claim with no claim group begun within the linger is taken at
+    /// once; the claims that come within it of a group's start wait out the
+    /// rest and go together; one that comes after it does not wait. (Tokio's
+    /// timers count whole milliseconds, so the test lingers 10 ms where the
+    /// claimers linger [`CLAIM_LINGER`].)
+    #[tokio::test(start_paused = true)]
+    async fn claims_close_behind_a_group_wait_for_one_another_and_a_lone_one_does_not() {
+        let ms = std::time::Duration::from_millis;
+        let (tx, rx) = tokio::sync::mpsc::channel(GROUP_QUEUE);
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(rx));
+        let (gate, pace) = (QueueGate::default(), Pace::lingering(ms(10)));
+        let start = tokio::time::Instant::now();
+        let worker = tokio::spawn(async move {
+            let (mut group, mut began) = (Vec::new(), Vec::new());
+            while next_claims(&rx, &mut group, &gate, &pace).await {
+                let rids: Vec<String> = group.drain(..).map(|c: PendingClaim| c.rid).collect();
+                began.push((tokio::time::Instant::now() - start, rids));
+                // The claims' statement.
+                tokio::time::sleep(ms(1)).await;
+            }
+            began
+        });
+        let send = |rid: &str| {
+            let claim = PendingClaim {
+                sid: "s".into(),
+                rid: rid.into(),
+                user_text: String::new(),
+                agent: String::new(),
+                owner: String::new(),
+                lease: std::time::Duration::from_secs(1),
+                at: 0,
+                done: tokio::sync::oneshot::channel().0,
+            };
+            let tx = tx.clone();
+            async move { assert!(tx.send(claim).await.is_ok()) }
+        };
+        // Long after any group: at once.
+        tokio::time::sleep(ms(50)).await;
+        send("a").await;
+        // Three more, close behind it: one group, when the linger is out.
+        tokio::time::sleep(ms(2)).await;
+        send("b").await;
+        tokio::time::sleep(ms(3)).await;
+        send("c").await;
+        send("d").await;
+        // Long after: at once again.
+        tokio::time::sleep(ms(45)).await;
+        send("e").await;
+        tokio::time::sleep(ms(20)).await;
+        drop(tx);
+        let began = worker.await.unwrap();
+        let rids: Vec<Vec<&str>> = began
+            .iter()
+            .map(|(_, r)| r.iter().map(String::as_str).collect())
+            .collect();
+        assert_eq!(
+            rids,
+            [vec!["a"], vec!["b", "c", "d"], vec!["e"]],
+            "{began:?}"
+        );
+        let at: Vec<_> = began.iter().map(|(t, _)| *t).collect();
+        assert_eq!(at, [ms(50), ms(60), ms(100)], "{began:?}");
     }
 
     /// A row's blob is the batch encoding of its events: the same bytes the
