@@ -4,6 +4,7 @@
 //! our own server in-process.
 
 mod a2a_support;
+mod common;
 
 use std::time::Duration;
 
@@ -1104,5 +1105,33 @@ async fn a_card_past_the_limit_fails_the_connect_without_being_read_whole() {
             sent < CAP / 2,
             "{sent} bytes were sent before the client stopped"
         );
+    }
+}
+
+/// A server that takes the request and never answers: GetTask and
+/// CancelTask end with an error once the client's request timeout passes
+/// (by default 30 s), instead of never.
+#[tokio::test]
+async fn get_task_and_cancel_of_a_server_that_never_answers_end_at_the_request_timeout() {
+    let silent = common::Silent::start().await;
+    let timeout = Duration::from_millis(300);
+    let client = A2aClient::jsonrpc(&format!("http://{}/", silent.addr), None)
+        .unwrap()
+        .with_request_timeout(timeout);
+    for cancel in [false, true] {
+        let started = std::time::Instant::now();
+        let call = async {
+            if cancel {
+                client.cancel("t1").await
+            } else {
+                client.get_task("t1").await
+            }
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(20), call)
+            .await
+            .expect("bounded by the request timeout");
+        let e = answer.expect_err("no answer came");
+        assert!(e.message.contains("no answer within"), "{e:?}");
+        assert!(started.elapsed() >= timeout);
     }
 }

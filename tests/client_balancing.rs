@@ -853,16 +853,8 @@ async fn every_call_carries_a_deadline() {
 
 #[tokio::test]
 async fn a_server_that_never_answers_is_cut_by_the_client_deadline() {
-    // Accepts connections and never speaks.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = silent.local_addr().unwrap();
-    let hold = tokio::spawn(async move {
-        let mut conns = Vec::new();
-        while let Ok((c, _)) = silent.accept().await {
-            conns.push(c);
-        }
-    });
-    let resolver = StaticResolver::new([addr]);
+    let silent = common::Silent::start().await;
+    let resolver = StaticResolver::new([silent.addr]);
     let mut client = connect_unwatched(&resolver).await;
     let result = tokio::time::timeout(
         Duration::from_secs(10),
@@ -877,7 +869,6 @@ async fn a_server_that_never_answers_is_cut_by_the_client_deadline() {
         Ok(_) => panic!("a silent server cannot start a run"),
         Err(s) => assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}"),
     }
-    hold.abort();
 }
 
 #[tokio::test]

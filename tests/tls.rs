@@ -234,19 +234,12 @@ async fn the_client_certificates_name_is_the_caller_and_its_users_are_enforced()
 #[tokio::test]
 async fn connecting_to_a_server_that_never_completes_the_handshake_gives_up() {
     let ca = Ca::new("test ca");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((conn, _)) = listener.accept().await {
-            held.push(conn);
-        }
-    });
+    let silent = common::Silent::start().await;
     let started = std::time::Instant::now();
     let result = tokio::time::timeout(
         Duration::from_secs(30),
         AgentClient::connect_with(
-            &format!("https://{addr}"),
+            &format!("https://{}", silent.addr),
             &ClientSecurity {
                 tls: Some(ClientSecurity::tls_from_pem(ca.pem.as_bytes(), None)),
                 token: None,
@@ -258,7 +251,6 @@ async fn connecting_to_a_server_that_never_completes_the_handshake_gives_up() {
     let err = format!("{:#}", result.err().expect("no connection"));
     assert!(err.contains("no answer within"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(20));
-    holder.abort();
 }
 
 /// An https:// address without a CA to check the server with is refused

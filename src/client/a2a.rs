@@ -888,12 +888,18 @@ async fn fetch_card(http: &reqwest::Client, base_url: &str) -> Result<a2a::Agent
     serde_json::from_slice(&body).map_err(|e| format!("failed to parse agent card: {e}"))
 }
 
+/// How long one GetTask or CancelTask of [`A2aClient`] waits for its
+/// answer unless [`A2aClient::with_request_timeout`] says otherwise.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A client of one remote A2A agent; clones share the connection.
 #[derive(Clone)]
 pub struct A2aClient {
     inner: Arc<A2AClient<Box<dyn Transport>>>,
     /// Masked in every error this client returns.
     secrets: Arc<Secrets>,
+    /// The bound of one GetTask or CancelTask ([`REQUEST_TIMEOUT`]).
+    request_timeout: Duration,
 }
 
 impl A2aClient {
@@ -935,6 +941,7 @@ impl A2aClient {
             Ok(inner) => Ok(Self {
                 inner: Arc::new(inner),
                 secrets: Arc::new(secrets),
+                request_timeout: REQUEST_TIMEOUT,
             }),
             Err(e) => Err(anyhow::anyhow!(secrets.mask(&format!("{e:#}")))),
         }
@@ -1073,6 +1080,7 @@ impl A2aClient {
         Ok(Self {
             inner: Arc::new(client),
             secrets: Arc::new(Secrets::of(url)),
+            request_timeout: REQUEST_TIMEOUT,
         })
     }
 
@@ -1081,6 +1089,29 @@ impl A2aClient {
         Self {
             inner: Arc::new(A2AClient::new(transport).with_interceptors(interceptors(None))),
             secrets: Arc::default(),
+            request_timeout: REQUEST_TIMEOUT,
+        }
+    }
+
+    /// The same client, each GetTask and CancelTask of it waiting at most
+    /// `timeout` for its answer (default [`REQUEST_TIMEOUT`]).
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// `call`, within the client's request timeout; its errors masked.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, A2AError>>,
+    ) -> Result<T, A2AError> {
+        match tokio::time::timeout(self.request_timeout, call).await {
+            Ok(r) => r.map_err(|e| self.secrets.error(e)),
+            Err(_) => Err(A2AError::internal(format!(
+                "{what}: no answer within {:?}",
+                self.request_timeout
+            ))),
         }
     }
 
@@ -1097,32 +1128,28 @@ impl A2aClient {
         self.secrets.mask(message)
     }
 
-    /// GetTask, without history, its errors masked. Bounded only by the
-    /// HTTP client's connect timeout (10 s): a server that accepts the call
-    /// and never answers holds it, so bound it with `tokio::time::timeout`
-    /// (the calls of this client that use it do).
+    /// GetTask, without history, its errors masked; an answer that does
+    /// not come within the request timeout ([`Self::with_request_timeout`])
+    /// is an internal error.
     pub async fn get_task(&self, task_id: &str) -> Result<Task, A2AError> {
-        self.inner
-            .get_task(&GetTaskRequest {
-                id: task_id.to_owned(),
-                history_length: Some(0),
-                tenant: None,
-            })
-            .await
-            .map_err(|e| self.secrets.error(e))
+        let req = GetTaskRequest {
+            id: task_id.to_owned(),
+            history_length: Some(0),
+            tenant: None,
+        };
+        self.bounded("GetTask", self.inner.get_task(&req)).await
     }
 
     /// CancelTask, its errors masked; the task as the server has it after
-    /// the request. Bounded as [`Self::get_task`] is: only while connecting.
+    /// the request. Bounded as [`Self::get_task`] is.
     pub async fn cancel(&self, task_id: &str) -> Result<Task, A2AError> {
-        self.inner
-            .cancel_task(&CancelTaskRequest {
-                id: task_id.to_owned(),
-                metadata: None,
-                tenant: None,
-            })
+        let req = CancelTaskRequest {
+            id: task_id.to_owned(),
+            metadata: None,
+            tenant: None,
+        };
+        self.bounded("CancelTask", self.inner.cancel_task(&req))
             .await
-            .map_err(|e| self.secrets.error(e))
     }
 
     /// SendStreamingMessage, its errors masked.
@@ -2950,6 +2977,7 @@ mod tests {
                 Box::new(Scripted(remote.clone())) as Box<dyn Transport>
             )),
             secrets: Arc::new(Secrets::of("http://agent:limit@h/")),
+            request_timeout: REQUEST_TIMEOUT,
         };
         let cases: Vec<(&str, Remote, bool)> = vec![
             (

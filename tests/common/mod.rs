@@ -225,6 +225,33 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// A server on 127.0.0.1:0 that accepts connections and never speaks; it
+/// stops when dropped.
+pub struct Silent {
+    pub addr: SocketAddr,
+    accept: JoinHandle<()>,
+}
+
+impl Silent {
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((c, _)) = listener.accept().await {
+                held.push(c);
+            }
+        });
+        Self { addr, accept }
+    }
+}
+
+impl Drop for Silent {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
 /// A TCP proxy on 127.0.0.1:0 in front of `upstream`; `cut()` drops every
 /// connection through it at once, as a network failure would.
 pub struct Proxy {
