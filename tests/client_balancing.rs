@@ -820,6 +820,46 @@ async fn a_call_whose_connection_breaks_is_unavailable_and_only_a_run_is_resent(
     assert_eq!(sessions.len(), 1, "one session");
 }
 
+/// A replica that begins to shut down as a call arrives answers it with a
+/// GOAWAY that names the call's stream as not processed: the call never
+/// reached the service, so even a CreateSession is sent again, and one
+/// session is made.
+#[tokio::test]
+async fn a_call_refused_by_goaway_before_it_was_processed_is_sent_again() {
+    let store = Arc::new(MemoryStore::new());
+    let replicas = cluster(1, &store).await;
+    let refusing = common::Refusing::start(replicas[0].addr).await;
+    let resolver = StaticResolver::new(vec![refusing.addr]);
+    let mut client = connect_unwatched(&resolver).await;
+    let made = client.create_session("u3").await;
+    assert_eq!(
+        refusing.refused.load(Ordering::SeqCst),
+        1,
+        "the first was refused"
+    );
+    let made = made.expect("sent again");
+    assert_eq!(made.user_id, "u3");
+    let user = agentd::domain::UserId::parse("u3".to_owned()).unwrap();
+    let sessions = store.list_sessions(&user, 10, None).await.unwrap().sessions;
+    assert_eq!(sessions.len(), 1, "one session");
+
+    // A Run so refused: sent again, and run once.
+    let refusing = common::Refusing::start(replicas[0].addr).await;
+    let resolver = StaticResolver::new(vec![refusing.addr]);
+    let mut client = connect_unwatched(&resolver).await;
+    let mut req = run_request(&made.session_id, "refused-1");
+    req.user_id = "u3".into();
+    let mut call = client.run(req, Duration::from_secs(20)).await.unwrap();
+    let mut events = Vec::new();
+    while let Some(e) = call.events.message().await.expect("completed") {
+        events.push(e);
+    }
+    assert_eq!(refusing.refused.load(Ordering::SeqCst), 1);
+    assert_eq!(call.events.attempts(), 2);
+    assert!(events.last().is_some_and(|e| e.is_final), "{events:?}");
+    assert_eq!(replicas[0].runs.load(Ordering::SeqCst), 1, "run once");
+}
+
 #[tokio::test]
 async fn every_call_carries_a_deadline() {
     let store = Arc::new(MemoryStore::new());

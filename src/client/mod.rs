@@ -380,15 +380,17 @@ impl AgentClient {
         self.agents.clone()
     }
 
-    /// Creates a session. Resent only when no connection could be made (a
-    /// CreateSession that reached a server is not deduplicated): one whose
-    /// connection broke under it ends UNAVAILABLE and is left to the caller.
+    /// Creates a session. Resent only when it never reached the service (no
+    /// connection could be made, or the server's HTTP/2 layer refused it
+    /// unprocessed): a CreateSession that reached a server is not
+    /// deduplicated, so one whose connection broke under it ends
+    /// UNAVAILABLE and is left to the caller.
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
         let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
         let msg = pb::CreateSessionRequest {
             user_id: user_id.to_owned(),
         };
-        self.unary(retry::is_connect_error, move |req_timeout| {
+        self.unary(retry::never_processed, move |req_timeout| {
             let mut agents = agents.clone();
             let req = cfg.request(msg.clone(), req_timeout);
             async move { agents.create_session(req).await.map(|r| r.into_inner()) }

@@ -4,13 +4,16 @@
 //! - a Run that failed with UNAVAILABLE before any event arrived, resent with
 //!   the same request_id: the server's dedup replays or attaches to the turn
 //!   if the first attempt got as far as claiming it;
-//! - any call whose connection could not be made (the request never left);
+//! - any call whose connection could not be made (the request never left),
+//!   or that the server's HTTP/2 layer refused before the service saw it
+//!   (a GOAWAY below its stream, REFUSED_STREAM: gRPC's transparent retry);
 //! - a health check (it only reads).
 //!
 //! A connection that breaks under a call (reset, closed, a broken pipe) is
 //! UNAVAILABLE here, as gRPC's status codes have it; tonic reports it as
 //! UNKNOWN "transport error". Such a call may have reached the server, so
-//! only the calls that are safe to send twice are resent after it.
+//! only the calls that are safe to send twice are resent after it. A call
+//! refused by a GOAWAY is UNAVAILABLE too (tonic: INTERNAL).
 
 use std::error::Error as _;
 use std::sync::Arc;
@@ -83,6 +86,31 @@ pub fn is_connect_error(status: &Status) -> bool {
     false
 }
 
+/// The server's HTTP/2 layer refused the call before its service saw it:
+/// a GOAWAY whose last stream id is below the call's stream, or that came
+/// before the stream was opened (h2 fails such a stream with the GOAWAY
+/// itself, NO_ERROR, from the remote; a GOAWAY for an error fails every
+/// stream with that error's reason), or a RST_STREAM with REFUSED_STREAM.
+pub fn refused_unprocessed(status: &Status) -> bool {
+    let mut source = status.source();
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            let reason = h2.reason();
+            return h2.is_remote()
+                && ((h2.is_go_away() && reason == Some(h2::Reason::NO_ERROR))
+                    || (h2.is_reset() && reason == Some(h2::Reason::REFUSED_STREAM)));
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The call never reached the service: no connection could be made, or
+/// the server refused it unprocessed. Safe to send again, whatever it is.
+pub fn never_processed(status: &Status) -> bool {
+    is_connect_error(status) || refused_unprocessed(status)
+}
+
 /// tonic reports its own header timeout as CANCELLED; to the caller it is
 /// the call's deadline passing.
 fn deadline_passed(status: Status) -> Status {
@@ -97,13 +125,23 @@ fn deadline_passed(status: Status) -> Status {
 }
 
 /// What a call's status says once it comes off the wire: the client's own
-/// header timeout is DEADLINE_EXCEEDED, a broken connection UNAVAILABLE.
+/// header timeout is DEADLINE_EXCEEDED, a broken connection and a call
+/// refused unprocessed UNAVAILABLE.
 pub fn from_wire(status: Status) -> Status {
-    connection_broke(deadline_passed(status))
+    let status = deadline_passed(status);
+    if refused_unprocessed(&status) && status.code() != Code::Unavailable {
+        let mut refused = Status::unavailable(REFUSED);
+        refused.set_source(Arc::new(status));
+        return refused;
+    }
+    connection_broke(status)
 }
 
 /// The message of a call whose connection broke under it.
 pub const CONNECTION_BROKE: &str = "the connection to the server broke during the call";
+
+/// The message of a call the server refused before processing it.
+pub const REFUSED: &str = "the server refused the call before processing it (it is shutting down)";
 
 /// A call that failed because its connection broke is UNAVAILABLE (gRPC's
 /// status codes: "some data transmitted before connection breaks"), with

@@ -252,6 +252,81 @@ impl Drop for Silent {
     }
 }
 
+/// In front of `upstream`, a server whose first connection answers the
+/// client's first request with an HTTP/2 GOAWAY naming no stream as
+/// processed (last stream id 0, NO_ERROR), as a replica that begins to
+/// shut down as the request arrives does; later connections are carried
+/// through to `upstream`. `refused` counts the requests so refused.
+pub struct Refusing {
+    pub addr: SocketAddr,
+    pub refused: Arc<std::sync::atomic::AtomicUsize>,
+    accept: JoinHandle<()>,
+}
+
+impl Refusing {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let refused: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+        let count = refused.clone();
+        let accept = tokio::spawn(async move {
+            let mut first = true;
+            while let Ok((mut down, _)) = listener.accept().await {
+                if !std::mem::take(&mut first) {
+                    tokio::spawn(async move {
+                        if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                            let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                        }
+                    });
+                    continue;
+                }
+                // The client's preface, then frames until its first HEADERS.
+                let mut preface = [0u8; 24];
+                if down.read_exact(&mut preface).await.is_err() {
+                    continue;
+                }
+                loop {
+                    let mut head = [0u8; 9];
+                    if down.read_exact(&mut head).await.is_err() {
+                        break;
+                    }
+                    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                    let mut payload = vec![0u8; len];
+                    if down.read_exact(&mut payload).await.is_err() {
+                        break;
+                    }
+                    if head[3] == 0x1 {
+                        // SETTINGS (none), SETTINGS ACK, GOAWAY(0, NO_ERROR).
+                        let mut out = vec![0, 0, 0, 0x4, 0, 0, 0, 0, 0];
+                        out.extend_from_slice(&[0, 0, 0, 0x4, 0x1, 0, 0, 0, 0]);
+                        out.extend_from_slice(&[0, 0, 8, 0x7, 0, 0, 0, 0, 0]);
+                        out.extend_from_slice(&[0; 8]);
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _ = down.write_all(&out).await;
+                        let _ = down.flush().await;
+                        // Held open a moment: the client reads the GOAWAY
+                        // before the connection closes.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        break;
+                    }
+                }
+            }
+        });
+        Self {
+            addr,
+            refused,
+            accept,
+        }
+    }
+}
+
+impl Drop for Refusing {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
 /// A TCP proxy on 127.0.0.1:0 in front of `upstream`; `cut()` drops every
 /// connection through it at once, as a network failure would.
 pub struct Proxy {
