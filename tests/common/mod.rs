@@ -274,11 +274,7 @@ impl Refusing {
             let mut first = true;
             while let Ok((mut down, _)) = listener.accept().await {
                 if !std::mem::take(&mut first) {
-                    tokio::spawn(async move {
-                        if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
-                            let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
-                        }
-                    });
+                    tokio::spawn(carry(down, upstream, false));
                     continue;
                 }
                 // The client's preface, then frames until its first HEADERS.
@@ -327,6 +323,25 @@ impl Drop for Refusing {
     }
 }
 
+/// Carries connection `down` to `upstream` both ways, or, `muted`, only
+/// what the client sends (every byte the server answers is dropped).
+async fn carry(mut down: tokio::net::TcpStream, upstream: SocketAddr, muted: bool) {
+    let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    if !muted {
+        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+        return;
+    }
+    let (mut down_rx, _down_tx) = down.split();
+    let (mut up_rx, mut up_tx) = up.split();
+    let mut drop_all = tokio::io::sink();
+    let _ = tokio::join!(
+        tokio::io::copy(&mut down_rx, &mut up_tx),
+        tokio::io::copy(&mut up_rx, &mut drop_all),
+    );
+}
+
 /// A TCP proxy on 127.0.0.1:0 in front of `upstream`; `cut()` drops every
 /// connection through it at once, as a network failure would.
 pub struct Proxy {
@@ -355,24 +370,9 @@ impl Proxy {
         let accepted: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
         let (t, n) = (tasks.clone(), accepted.clone());
         let accept = tokio::spawn(async move {
-            while let Ok((mut down, _)) = listener.accept().await {
+            while let Ok((down, _)) = listener.accept().await {
                 n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let h = tokio::spawn(async move {
-                    let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
-                        return;
-                    };
-                    if !muted {
-                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
-                        return;
-                    }
-                    let (mut down_rx, _down_tx) = down.split();
-                    let (mut up_rx, mut up_tx) = up.split();
-                    let mut drop_all = tokio::io::sink();
-                    let _ = tokio::join!(
-                        tokio::io::copy(&mut down_rx, &mut up_tx),
-                        tokio::io::copy(&mut up_rx, &mut drop_all),
-                    );
-                });
+                let h = tokio::spawn(carry(down, upstream, muted));
                 t.lock().unwrap().push(h);
             }
         });
