@@ -219,7 +219,18 @@ pub fn parse(text: &str, path: &Path, opts: &LoadOptions) -> anyhow::Result<Agen
             None => anyhow::anyhow!("{}: {reason}", path.display()),
         }
     };
-    let doc: FileDoc = toml::from_str(text).map_err(|e| at(e.span(), e.message().trim()))?;
+    let doc: FileDoc = toml::from_str(text).map_err(|e| {
+        let reason = e.message().trim();
+        match e.span().and_then(|s| array_of_tables(text, s.start)) {
+            Some(table) => at(
+                e.span(),
+                &format!(
+                    "{reason}: agents and tools are tables keyed by name (`[{table}.NAME]`), not an array of tables (`[[{table}]]`)"
+                ),
+            ),
+            None => at(e.span(), reason),
+        }
+    })?;
     let http = super::openai::http_client()?;
 
     let mut http_tools: BTreeMap<String, Arc<dyn Tool>> = BTreeMap::new();
@@ -863,6 +874,15 @@ fn read_secret(path: &Path, field: &str) -> Result<String, String> {
 }
 
 /// 1-based line and column of byte `offset`.
+/// `agents` or `tools` when the line at `offset` opens an array of tables
+/// of that name (`[[agents]]`), the shape many TOML files use for lists,
+/// which this file does not.
+fn array_of_tables(text: &str, offset: usize) -> Option<&'static str> {
+    let line = text.get(offset..)?.lines().next()?.trim_start();
+    let name = line.strip_prefix("[[")?.split(']').next()?.trim();
+    ["agents", "tools"].into_iter().find(|t| *t == name)
+}
+
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
@@ -937,6 +957,23 @@ parameters = { type = "object", properties = { sku = { type = "string" } }, requ
             "[agents.a]\ndescription = \"x\"\nmodel = { base_url = \"http://x\", model = \"m\" \n",
         );
         assert!(e.starts_with("agents.toml:3:"), "{e}");
+    }
+
+    #[test]
+    fn an_array_of_agents_or_tools_is_refused_with_the_shape_the_file_takes() {
+        for table in ["agents", "tools"] {
+            let e = err(&format!("default = \"a\"\n\n[[{table}]]\nname = \"a\"\n"));
+            assert!(e.starts_with("agents.toml:3:"), "{e}");
+            assert!(
+                e.contains(&format!(
+                    "(`[{table}.NAME]`), not an array of tables (`[[{table}]]`)"
+                )),
+                "{e}"
+            );
+        }
+        // Another type error gets no such hint.
+        let e = err("[agents.a]\ndescription = 5\n");
+        assert!(!e.contains("array of tables"), "{e}");
     }
 
     #[test]
