@@ -763,6 +763,11 @@ pub enum SessionCommand {
         user: String,
         #[arg(long)]
         session: String,
+        /// Also print each turn's question and final answer (`user_text`,
+        /// `answer`, `answer_payload_json`): the conversation, without
+        /// replaying its turns.
+        #[arg(long)]
+        text: bool,
     },
     /// Print a user's sessions, one JSON object per line, oldest first.
     List {

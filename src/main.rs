@@ -79,6 +79,7 @@ fn main() -> ExitCode {
                 client,
                 user,
                 session,
+                text,
             }) => {
                 let c = client.connect().await?;
                 // Every turn: the pages one after another.
@@ -90,6 +91,7 @@ fn main() -> ExitCode {
                         session_id: session.clone(),
                         turn_page_size: 0,
                         turn_page_token: token,
+                        include_text: text,
                     };
                     let page = c
                         .raw()
@@ -105,7 +107,7 @@ fn main() -> ExitCode {
                         break;
                     }
                 }
-                out!("{}", session_json(&s));
+                out!("{}", session_json(&s, text));
                 Ok(())
             }
             Command::Session(SessionCommand::List { client, user }) => {
@@ -441,18 +443,26 @@ fn turn_state(t: &pb::TurnInfo) -> String {
         .to_lowercase()
 }
 
-fn turn_json(t: &pb::TurnInfo) -> serde_json::Value {
-    serde_json::json!({
+/// A turn as `session get` prints it; with `text`, its question and final
+/// answer too.
+fn turn_json(t: &pb::TurnInfo, text: bool) -> serde_json::Value {
+    let mut v = serde_json::json!({
         "request_id": t.request_id,
         "state": turn_state(t),
         "status_code": t.status_code.map(|c| format!("{:?}", tonic::Code::from(c))),
         "status_message": t.status_message, "agent": t.agent, "owner": t.owner,
         "created_unix_micros": t.created_unix_micros, "updated_unix_micros": t.updated_unix_micros,
-    })
+    });
+    if text {
+        v["user_text"] = t.user_text.clone().into();
+        v["answer"] = t.answer.clone().into();
+        v["answer_payload_json"] = t.answer_payload_json.clone().into();
+    }
+    v
 }
 
-fn session_json(s: &pb::SessionInfo) -> serde_json::Value {
-    let turns: Vec<serde_json::Value> = s.turns.iter().map(turn_json).collect();
+fn session_json(s: &pb::SessionInfo, text: bool) -> serde_json::Value {
+    let turns: Vec<serde_json::Value> = s.turns.iter().map(|t| turn_json(t, text)).collect();
     serde_json::json!({
         "session_id": s.session_id, "user_id": s.user_id,
         "created_unix_micros": s.created_unix_micros, "updated_unix_micros": s.updated_unix_micros, "turns": turns,
@@ -475,7 +485,7 @@ async fn list_sessions(client: &agentd::config::ClientArgs, user: String) -> any
             .map_err(status_error)?
             .into_inner();
         for s in &page.sessions {
-            let v = session_json(s);
+            let v = session_json(s, false);
             out!(
                 "{}",
                 serde_json::json!({ "session_id": v["session_id"], "user_id": v["user_id"],
@@ -525,7 +535,7 @@ async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
         .map_err(status_error)?;
     let t = r.turn.unwrap_or_default();
     if args.json {
-        let mut v = turn_json(&t);
+        let mut v = turn_json(&t, false);
         v["cancelled_now"] = r.cancelled_now.into();
         out!("{v}");
     } else {

@@ -106,6 +106,30 @@ async fn a_run_left_with_on_disconnect_continue_is_resumed_with_attach_and_shown
     assert_eq!(v["turns"][0]["request_id"], "r1");
     assert_eq!(v["turns"][0]["state"], "completed");
     assert_eq!(v["turns"][0]["status_code"], "Ok");
+    assert!(v["turns"][0].get("answer").is_none(), "{v}");
+    // With --text, the conversation: each turn's question and answer.
+    let (ok, out, err) = cli(
+        &addr,
+        &[
+            "session",
+            "get",
+            "--user",
+            "alice",
+            "--session",
+            &sid,
+            "--text",
+        ],
+    )
+    .await;
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["turns"][0]["user_text"], "Where is order 1187?");
+    let answer = v["turns"][0]["answer"].as_str().unwrap();
+    assert!(
+        answer.starts_with("Order 1187")
+            && answer == printed[1].trim_start_matches("[2] final_answer: "),
+        "{v}"
+    );
 
     let (ok, out, _) = cli(&addr, &["session", "list", "--user", "alice"]).await;
     assert!(ok);

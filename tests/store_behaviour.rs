@@ -66,6 +66,26 @@ async fn sessions_are_listed_per_user_oldest_first_a_page_at_a_time(db: TestDb) 
     s.stop().await;
 }
 
+/// One page of ALICE's session `sid` from GetSession.
+async fn turn_page(
+    s: &Server,
+    sid: &str,
+    token: String,
+    size: u32,
+    include_text: bool,
+) -> Result<pb::SessionInfo, tonic::Status> {
+    s.raw()
+        .get_session(pb::GetSessionRequest {
+            user_id: ALICE.into(),
+            session_id: sid.into(),
+            turn_page_size: size,
+            turn_page_token: token,
+            include_text,
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
 /// GetSession returns a session's turns a page at a time, oldest first: the
 /// pages together hold every turn once; a malformed page token is
 /// INVALID_ARGUMENT. Listing does not read the questions.
@@ -78,20 +98,7 @@ async fn get_session_pages_through_every_turn_oldest_first(db: TestDb) {
         let (_, end) = s.run(ALICE, &sid, rid, "hello").await;
         end.unwrap();
     }
-    let page = |token: String, size: u32| {
-        let mut c = s.raw();
-        let sid = sid.clone();
-        async move {
-            c.get_session(pb::GetSessionRequest {
-                user_id: ALICE.into(),
-                session_id: sid,
-                turn_page_size: size,
-                turn_page_token: token,
-            })
-            .await
-            .map(|r| r.into_inner())
-        }
-    };
+    let page = |token: String, size: u32| turn_page(&s, &sid, token, size, false);
     let (mut seen, mut token, mut pages) = (Vec::new(), String::new(), 0);
     loop {
         let info = page(token, 2).await.unwrap();
@@ -120,6 +127,122 @@ async fn get_session_pages_through_every_turn_oldest_first(db: TestDb) {
         .unwrap();
     assert_eq!(listed.len(), 5);
     assert!(listed.iter().all(|t| t.user_text.is_empty()));
+    s.stop().await;
+}
+
+/// GetSession with `include_text` returns each turn's question and final
+/// answer (empty while it runs); without it, neither. Its pages hold at
+/// most 50 turns and end after the turn that takes their text past 1 MiB;
+/// together they hold every turn once, in order.
+async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_page_at_a_time(
+    db: TestDb,
+) {
+    let s = Server::start(
+        db.open().await,
+        Opts {
+            tool_delay: Duration::from_secs(30),
+            ..Opts::default()
+        },
+    )
+    .await;
+    let sid = s.session(ALICE).await;
+    // 20 turns of about 100 KB each (question and echoed answer).
+    let big = |i: usize| format!("{i:02}{}", "q".repeat(50_000));
+    let mut rids = Vec::new();
+    for i in 0..20 {
+        let rid = format!("e{i:02}");
+        let (events, end) = run_agent(&s, &sid, &rid, "echo", &big(i)).await;
+        end.unwrap();
+        assert_eq!(events.last().unwrap().text, big(i));
+        rids.push(rid);
+    }
+    let page = |token: String, size: u32, text: bool| turn_page(&s, &sid, token, size, text);
+    let (mut seen, mut token, mut sizes) = (Vec::new(), String::new(), Vec::new());
+    loop {
+        let info = page(token, 0, true).await.unwrap();
+        let texts: Vec<usize> = info
+            .turns
+            .iter()
+            .map(|t| t.user_text.len() + t.answer.len() + t.answer_payload_json.len())
+            .collect();
+        let before_last: usize = texts[..texts.len() - 1].iter().sum();
+        assert!(before_last < 1 << 20, "{texts:?}");
+        sizes.push(texts.len());
+        for t in &info.turns {
+            let i: usize = t.request_id[1..].parse().unwrap();
+            assert_eq!(
+                (t.user_text.as_str(), t.answer.as_str()),
+                (big(i).as_str(), big(i).as_str())
+            );
+            assert_eq!(t.state(), pb::TurnState::Completed);
+        }
+        seen.extend(info.turns.into_iter().map(|t| t.request_id));
+        token = info.next_turn_page_token;
+        if token.is_empty() {
+            break;
+        }
+        assert!(sizes.len() < 20, "the pages end");
+    }
+    assert_eq!(seen, rids);
+    assert_eq!(
+        sizes,
+        vec![11, 9],
+        "100 KB a turn: ten under 1 MiB, and the one past it"
+    );
+    // At most 50 turns a page with text, whatever is asked; small turns.
+    for i in 0..52 {
+        let (_, end) = s.run(ALICE, &sid, &format!("s{i:02}"), "hello").await;
+        end.unwrap();
+    }
+    let after_big = page(String::new(), 1000, true).await.unwrap();
+    assert_eq!(after_big.turns.len(), 11);
+    let small = page(after_big.next_turn_page_token.clone(), 1000, true)
+        .await
+        .unwrap();
+    assert_eq!(small.turns.len(), 50);
+    assert!(!small.next_turn_page_token.is_empty());
+    assert!(
+        small
+            .turns
+            .iter()
+            .skip(9)
+            .all(|t| t.user_text == "hello" && !t.answer.is_empty())
+    );
+    // Without include_text, no text, and the usual page.
+    let plain = page(String::new(), 0, false).await.unwrap();
+    assert_eq!(plain.turns.len(), 72);
+    assert!(plain.turns.iter().all(|t| t.user_text.is_empty()
+        && t.answer.is_empty()
+        && t.answer_payload_json.is_empty()));
+    // A running turn has its question and no answer yet.
+    let mut running = s.client.clone();
+    let req = run_request(ALICE, &sid, "slow", ORDER_Q);
+    let call = tokio::spawn(async move { running.run_to_end(req, Duration::from_secs(60)).await });
+    let mut last = None;
+    for _ in 0..200 {
+        let mut token = String::new();
+        loop {
+            let info = page(token, 0, true).await.unwrap();
+            if let Some(t) = info.turns.iter().find(|t| t.request_id == "slow") {
+                last = Some(t.clone());
+            }
+            token = info.next_turn_page_token;
+            if token.is_empty() {
+                break;
+            }
+        }
+        if last.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let slow = last.expect("the running turn is listed");
+    assert_eq!(slow.state(), pb::TurnState::Running);
+    assert_eq!(
+        (slow.user_text.as_str(), slow.answer.as_str()),
+        (ORDER_Q, "")
+    );
+    call.abort();
     s.stop().await;
 }
 
@@ -3141,6 +3264,7 @@ per_backend!(
     a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with,
     a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
     get_session_pages_through_every_turn_oldest_first,
+    get_session_with_text_returns_each_turns_question_and_answer_a_bounded_page_at_a_time,
     a_replay_whose_turn_is_pruned_meanwhile_ends_not_found,
 );
 

@@ -12,7 +12,9 @@ use crate::domain::{
     InvalidInput, OnDisconnect, RequestId, RunInput, SessionId, TurnKey, UserId, UserText,
 };
 use crate::pb;
-use crate::store::{PageCursor, Session, TurnCursor, TurnRecord, TurnState, to_micros};
+use crate::store::{
+    PageCursor, Session, TurnCursor, TurnRecord, TurnState, TurnWithText, to_micros,
+};
 use crate::turn::{self, Failure, Turns};
 
 pub use pb::agent_service_server::AgentServiceServer;
@@ -94,6 +96,13 @@ pub const DEFAULT_PAGE_SIZE: usize = 50;
 pub const MAX_PAGE_SIZE: usize = 1000;
 /// GetSession's turns per page: its default and its most.
 pub const MAX_TURN_PAGE_SIZE: usize = 1000;
+/// GetSession's turns per page with their text (`include_text`): its
+/// default and its most.
+pub const MAX_TEXT_TURN_PAGE_SIZE: usize = 50;
+/// The text a GetSession page with `include_text` carries before it ends:
+/// it ends after the turn that takes it past this (each page holds one turn
+/// at least, whatever its size).
+pub const TURN_PAGE_TEXT_BYTES: usize = 1 << 20;
 
 fn state_to_wire(s: TurnState) -> pb::TurnState {
     match s {
@@ -136,7 +145,35 @@ fn turn_to_wire(t: &TurnRecord) -> pb::TurnInfo {
         owner: t.owner.clone(),
         created_unix_micros: to_micros(t.created_at),
         updated_unix_micros: to_micros(t.updated_at),
+        user_text: String::new(),
+        answer: String::new(),
+        answer_payload_json: String::new(),
     }
+}
+
+fn turn_with_text_to_wire(t: TurnWithText) -> pb::TurnInfo {
+    pb::TurnInfo {
+        user_text: t.record.user_text.clone(),
+        answer: t.answer,
+        answer_payload_json: t.answer_payload,
+        ..turn_to_wire(&t.record)
+    }
+}
+
+/// How many of `turns` (one more than the page was asked, in order) a page
+/// with their text holds: at most `limit`, and none after the one that takes
+/// the text past [`TURN_PAGE_TEXT_BYTES`].
+fn text_page_len(turns: &[TurnWithText], limit: usize) -> usize {
+    let mut bytes = 0;
+    let mut n = 0;
+    for t in turns.iter().take(limit) {
+        if bytes >= TURN_PAGE_TEXT_BYTES {
+            break;
+        }
+        bytes += t.record.user_text.len() + t.answer.len() + t.answer_payload.len();
+        n += 1;
+    }
+    n
 }
 
 fn session_to_wire(s: &Session, turns: &[TurnRecord]) -> pb::SessionInfo {
@@ -187,9 +224,14 @@ impl pb::agent_service_server::AgentService for AgentsService {
         let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let id = SessionId::parse(&req.session_id).map_err(status::invalid)?;
+        let most = if req.include_text {
+            MAX_TEXT_TURN_PAGE_SIZE
+        } else {
+            MAX_TURN_PAGE_SIZE
+        };
         let limit = match req.turn_page_size as usize {
-            0 => MAX_TURN_PAGE_SIZE,
-            n => n.min(MAX_TURN_PAGE_SIZE),
+            0 => most,
+            n => n.min(most),
         };
         let after = match req.turn_page_token.as_str() {
             "" => None,
@@ -202,6 +244,25 @@ impl pb::agent_service_server::AgentService for AgentsService {
             .await
             .map_err(run_error)?;
         // One more than the page: whether there is a next one.
+        if req.include_text {
+            let mut turns = self
+                .turns
+                .store()
+                .list_turn_texts(id, after.as_ref(), limit + 1)
+                .await
+                .map_err(status::store)?;
+            let len = text_page_len(&turns, limit);
+            let next = if turns.len() > len {
+                turns.truncate(len);
+                turns.last().map(|t| TurnCursor::after(&t.record).encode())
+            } else {
+                None
+            };
+            let mut info = session_to_wire(&session, &[]);
+            info.turns = turns.into_iter().map(turn_with_text_to_wire).collect();
+            info.next_turn_page_token = next.unwrap_or_default();
+            return Ok(Response::new(info));
+        }
         let mut turns = self
             .turns
             .store()

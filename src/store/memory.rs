@@ -124,6 +124,51 @@ impl a2a_tasks::A2aTaskSource for MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// A session's turns after `after`, oldest first by (created_at,
+    /// request_id) at the cursor's precision (microseconds, as stored by the
+    /// SQL stores), at most `limit`, with their text.
+    fn turns_page(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> Vec<TurnWithText> {
+        let inner = self.lock();
+        let mut turns: Vec<TurnWithText> = inner
+            .session_turns(session)
+            .filter_map(|t| {
+                let record = t.record.clone()?;
+                Some(TurnWithText {
+                    record,
+                    answer: t.answer.clone().unwrap_or_default(),
+                    answer_payload: t.answer_payload.clone(),
+                })
+            })
+            .filter(|t| {
+                after.is_none_or(|c| {
+                    (
+                        to_micros(t.record.created_at),
+                        t.record.key.request_id.as_str(),
+                    ) > (to_micros(c.created_at), c.request_id.as_str())
+                })
+            })
+            .collect();
+        turns.sort_by(|a, b| {
+            (
+                to_micros(a.record.created_at),
+                a.record.key.request_id.as_str(),
+            )
+                .cmp(&(
+                    to_micros(b.record.created_at),
+                    b.record.key.request_id.as_str(),
+                ))
+        });
+        turns.truncate(limit);
+        turns
+    }
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
@@ -336,29 +381,23 @@ impl Store for MemoryStore {
         after: Option<&TurnCursor>,
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>> {
-        let inner = self.lock();
-        let mut turns: Vec<TurnRecord> = inner
-            .session_turns(session)
-            .filter_map(|t| t.record.clone())
-            .filter(|r| {
-                // At the cursor's precision (microseconds, as stored by
-                // the SQL stores).
-                after.is_none_or(|c| {
-                    (to_micros(r.created_at), r.key.request_id.as_str())
-                        > (to_micros(c.created_at), c.request_id.as_str())
-                })
-            })
-            .map(|r| TurnRecord {
+        Ok(self
+            .turns_page(session, after, limit)
+            .into_iter()
+            .map(|t| TurnRecord {
                 user_text: String::new(),
-                ..r
+                ..t.record
             })
-            .collect();
-        turns.sort_by(|a, b| {
-            (to_micros(a.created_at), a.key.request_id.as_str())
-                .cmp(&(to_micros(b.created_at), b.key.request_id.as_str()))
-        });
-        turns.truncate(limit);
-        Ok(turns)
+            .collect())
+    }
+
+    async fn list_turn_texts(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnWithText>> {
+        Ok(self.turns_page(session, after, limit))
     }
 
     async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {

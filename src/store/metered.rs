@@ -22,7 +22,7 @@ use super::a2a_tasks::{A2aTaskSource, A2aTasks, Unfinished, UnfinishedKey};
 use super::{
     Claim, Deletion, EncodedEvent, FinalAnswer, KindEncoding, NewTurn, PageCursor, RunRead,
     SeqEvent, Session, SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome,
-    TurnRecord,
+    TurnRecord, TurnWithText,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -64,6 +64,7 @@ ops! {
     ListSessions => "list_sessions",
     DeleteSession => "delete_session",
     ListTurns => "list_turns",
+    ListTurnTexts => "list_turn_texts",
     RenewLease => "renew_lease",
     FailExpired => "fail_expired",
     Prune => "prune",
@@ -397,6 +398,19 @@ impl Store for Metered {
     ) -> StoreResult<Vec<TurnRecord>> {
         self.timed(Op::ListTurns, self.inner.list_turns(session, after, limit))
             .await
+    }
+
+    async fn list_turn_texts(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnWithText>> {
+        self.timed(
+            Op::ListTurnTexts,
+            self.inner.list_turn_texts(session, after, limit),
+        )
+        .await
     }
 
     async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {

@@ -183,6 +183,17 @@ pub struct TurnRecord {
     pub updated_at: SystemTime,
 }
 
+/// A turn listed with its text ([`Store::list_turn_texts`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnWithText {
+    /// With its `user_text`.
+    pub record: TurnRecord,
+    /// The final answer's text; empty for none.
+    pub answer: String,
+    /// The final answer's payload (JSON); empty for none.
+    pub answer_payload: String,
+}
+
 /// What a claim asks for.
 #[derive(Debug, Clone)]
 pub struct NewTurn {
@@ -675,6 +686,15 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
         after: Option<&TurnCursor>,
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>>;
+    /// As [`Store::list_turns`], each turn with its question (`user_text`)
+    /// and its final answer as kept for later turns' history (empty while
+    /// it runs, or when it ended without one).
+    async fn list_turn_texts(
+        &self,
+        session: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnWithText>>;
     /// Extends the lease of a turn `owner` runs to `lease` from now, by the
     /// store's clock; false when the turn is no longer running under that
     /// owner.

@@ -1533,20 +1533,30 @@ macro_rules! sql_store {
                 after: Option<&$crate::store::TurnCursor>,
                 limit: usize,
             ) -> StoreResult<Vec<TurnRecord>> {
-                let (at, rid) = $crate::store::TurnCursor::key(after);
-                let rows = sqlx::query(&format!(
-                    "SELECT {TURN_INFO_COLUMNS} FROM turns WHERE session_id = $1 \
-                     AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
-                     ORDER BY created_at, request_id LIMIT $4"
-                ))
-                .bind(session.to_string())
-                .bind(at)
-                .bind(rid)
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                .fetch_all(&self.read)
-                .await
-                .map_err(db_err)?;
+                let rows = self.turn_rows(TURN_INFO_COLUMNS, session, after, limit).await?;
                 rows.iter().map(turn_from_row).collect()
+            }
+
+            async fn list_turn_texts(
+                &self,
+                session: SessionId,
+                after: Option<&$crate::store::TurnCursor>,
+                limit: usize,
+            ) -> StoreResult<Vec<TurnWithText>> {
+                let columns = format!(
+                    "{TURN_COLUMNS}, COALESCE(answer, '') AS answer_text, \
+                     COALESCE(answer_payload, '') AS answer_payload_text"
+                );
+                let rows = self.turn_rows(&columns, session, after, limit).await?;
+                rows.iter()
+                    .map(|r| {
+                        Ok(TurnWithText {
+                            record: turn_from_row(r)?,
+                            answer: r.try_get("answer_text").map_err(db_err)?,
+                            answer_payload: r.try_get("answer_payload_text").map_err(db_err)?,
+                        })
+                    })
+                    .collect()
             }
 
             async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: std::time::Duration) -> StoreResult<bool> {
@@ -1754,6 +1764,31 @@ macro_rules! sql_store {
         }
 
         impl $store {
+            /// `columns` of a session's turns after `after` (from its first
+            /// with `None`), oldest first by (created_at, request_id), at
+            /// most `limit`.
+            async fn turn_rows(
+                &self,
+                columns: &str,
+                session: SessionId,
+                after: Option<&$crate::store::TurnCursor>,
+                limit: usize,
+            ) -> StoreResult<Vec<DbRow>> {
+                let (at, rid) = $crate::store::TurnCursor::key(after);
+                sqlx::query(&format!(
+                    "SELECT {columns} FROM turns WHERE session_id = $1 \
+                     AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
+                     ORDER BY created_at, request_id LIMIT $4"
+                ))
+                .bind(session.to_string())
+                .bind(at)
+                .bind(rid)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)
+            }
+
             /// One claim: `None` when it conflicted with a row that is gone
             /// by the time it is read.
             async fn claim_once(&self, t: &NewTurn) -> StoreResult<Option<Claim>> {

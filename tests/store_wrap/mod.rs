@@ -10,7 +10,7 @@ use agentd::domain::{RequestId, SessionId, TurnKey, UserId};
 use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
 use agentd::store::{
     Claim, Deletion, EncodedEvent, FinalAnswer, NewTurn, PageCursor, RunRead, SeqEvent, Session,
-    SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord,
+    SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord, TurnWithText,
 };
 
 /// What a test changes; each defaults to the inner store's own.
@@ -157,6 +157,14 @@ impl Store for Wrapped {
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>> {
         self.inner.list_turns(s, after, limit).await
+    }
+    async fn list_turn_texts(
+        &self,
+        s: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnWithText>> {
+        self.inner.list_turn_texts(s, after, limit).await
     }
     async fn renew_lease(&self, k: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
         self.inner.renew_lease(k, owner, lease).await
