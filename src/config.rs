@@ -754,6 +754,12 @@ pub enum SessionCommand {
         /// The user the session belongs to.
         #[arg(long)]
         user: String,
+        /// The creation's idempotency key: run again with the same key (and
+        /// user), it prints the session the first run made, while that
+        /// session exists. Without it, each run makes a session (its
+        /// retries still make one).
+        #[arg(long)]
+        request_id: Option<String>,
     },
     /// Print a session and its turns as JSON.
     Get {

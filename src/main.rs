@@ -69,9 +69,17 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve(*args).await,
-            Command::Session(SessionCommand::Create { client, user }) => {
+            Command::Session(SessionCommand::Create {
+                client,
+                user,
+                request_id,
+            }) => {
                 let mut c = client.connect_within(SESSION_DEADLINE).await?;
-                let s = c.create_session(&user).await.map_err(status_error)?;
+                let s = match request_id {
+                    Some(key) => c.create_session_keyed(&user, &key).await,
+                    None => c.create_session(&user).await,
+                }
+                .map_err(status_error)?;
                 out!("{}", s.session_id);
                 Ok(())
             }

@@ -102,6 +102,30 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let session = text(&out.stdout).trim().to_owned();
     assert_eq!(session.len(), 36, "a UUID: {session}");
+    // With --request-id, run twice: one session, printed both times.
+    let keyed: Vec<String> = (0..2)
+        .map(|_| {
+            let out = served.cli(&["session", "create", "--user", "alice", "--request-id", "k1"]);
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            text(&out.stdout).trim().to_owned()
+        })
+        .collect();
+    assert_eq!(keyed[0], keyed[1]);
+    assert_ne!(keyed[0], session);
+    let out = served.cli(&[
+        "session",
+        "create",
+        "--user",
+        "alice",
+        "--request-id",
+        "bad key",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("request_id"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = served.cli(&[
         "run",

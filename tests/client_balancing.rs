@@ -740,9 +740,10 @@ async fn create_session_is_resent_when_no_connection_could_be_made() {
 /// A Run waiting for its first event on a connection that breaks (a
 /// network failure, a replica's pod torn down) is sent again with the same
 /// request_id and attaches to the turn; a CreateSession whose connection
-/// breaks is not sent again, as it may have reached the server.
+/// breaks after it reached the server is sent again with its request id,
+/// and answered the session the first attempt made.
 #[tokio::test]
-async fn a_call_whose_connection_breaks_is_unavailable_and_only_a_run_is_resent() {
+async fn a_call_whose_connection_breaks_is_resent_with_its_request_id_and_runs_or_creates_once() {
     let store = Arc::new(MemoryStore::new());
     let replicas = cluster(1, &store).await;
     let proxy = common::Proxy::start(replicas[0].addr).await;
@@ -791,8 +792,8 @@ async fn a_call_whose_connection_breaks_is_unavailable_and_only_a_run_is_resent(
     assert_eq!(turn.owner, replicas[0].name, "one turn, run once");
 
     // A CreateSession whose connection breaks after the server got it: the
-    // session exists, its answer is lost, and the call is not sent again
-    // (that would make a second session).
+    // session exists, its answer is lost, and the call is sent again with
+    // its request id, on a connection that carries the answer.
     let muted = common::Proxy::muted(replicas[0].addr).await;
     let resolver = StaticResolver::new(vec![muted.addr]);
     let mut client = connect_unwatched(&resolver).await;
@@ -812,12 +813,21 @@ async fn a_call_whose_connection_breaks_is_unavailable_and_only_a_run_is_resent(
     tokio::time::timeout(Duration::from_secs(10), created)
         .await
         .expect("the server created the session");
+    let cut_at = muted.accepted.load(Ordering::SeqCst);
+    muted.unmute();
     muted.cut();
-    let status = create.await.unwrap().expect_err("its answer was lost");
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(attempts_of(&status), Some(1), "not sent again: {status:?}");
+    let made = create.await.unwrap().expect("sent again and answered");
+    assert!(
+        muted.accepted.load(Ordering::SeqCst) > cut_at,
+        "the resend made a new connection"
+    );
     let sessions = store.list_sessions(&user, 10, None).await.unwrap().sessions;
     assert_eq!(sessions.len(), 1, "one session");
+    assert_eq!(
+        made.session_id,
+        sessions[0].id.to_string(),
+        "the one made first"
+    );
 }
 
 /// A replica that begins to shut down as a call arrives answers it with a

@@ -808,6 +808,77 @@ async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(
     s.stop().await;
 }
 
+/// A CreateSession repeated with its request id answers the session the
+/// first one made, also when the repeats race; another user's or another
+/// key's is a session of its own; a key whose session was deleted makes a
+/// new one; no key, a new session each time; a malformed key is
+/// INVALID_ARGUMENT and makes nothing.
+async fn a_create_session_repeated_with_its_request_id_answers_the_session_it_made(db: TestDb) {
+    let s = Server::start(db.open().await, Opts::default()).await;
+    let create = |user: &str, key: &str| {
+        let mut c = s.raw();
+        let req = pb::CreateSessionRequest {
+            user_id: user.into(),
+            request_id: key.into(),
+        };
+        async move {
+            c.create_session(req)
+                .await
+                .map(|r| r.into_inner().session_id)
+        }
+    };
+    let first = create(ALICE, "c1").await.unwrap();
+    assert_eq!(create(ALICE, "c1").await.unwrap(), first);
+    let racing: Vec<String> = futures::future::join_all((0..8).map(|_| create(ALICE, "race")))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(racing.iter().all(|id| *id == racing[0]), "{racing:?}");
+    assert_ne!(racing[0], first);
+    let bobs = create("bob", "c1").await.unwrap();
+    assert_ne!(bobs, first, "a key is its user's");
+    let unkeyed = (
+        create(ALICE, "").await.unwrap(),
+        create(ALICE, "").await.unwrap(),
+    );
+    assert_ne!(unkeyed.0, unkeyed.1);
+    let listed = |user: &str| {
+        let mut c = s.raw();
+        let req = pb::ListSessionsRequest {
+            user_id: user.into(),
+            ..Default::default()
+        };
+        async move {
+            c.list_sessions(req)
+                .await
+                .unwrap()
+                .into_inner()
+                .sessions
+                .len()
+        }
+    };
+    assert_eq!(listed(ALICE).await, 4, "c1, race and two without a key");
+    for bad in ["has spaces", &"k".repeat(200)] {
+        let status = create(ALICE, bad).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains("request_id"), "{status:?}");
+    }
+    assert_eq!(listed(ALICE).await, 4, "nothing made by bad input");
+    // Deleted, the key makes a new session.
+    s.raw()
+        .delete_session(pb::DeleteSessionRequest {
+            user_id: ALICE.into(),
+            session_id: first.clone(),
+        })
+        .await
+        .unwrap();
+    let again = create(ALICE, "c1").await.unwrap();
+    assert_ne!(again, first);
+    assert_eq!(create(ALICE, "c1").await.unwrap(), again);
+    s.stop().await;
+}
+
 /// Text with U+0000 in it: refused as a question (PostgreSQL's text cannot
 /// hold it, so no store is asked to); in an agent's answer, streamed and
 /// replayed as sent and kept in the history with U+FFFD in its place.
@@ -3265,6 +3336,7 @@ per_backend!(
     a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
     get_session_pages_through_every_turn_oldest_first,
     get_session_with_text_returns_each_turns_question_and_answer_a_bounded_page_at_a_time,
+    a_create_session_repeated_with_its_request_id_answers_the_session_it_made,
     a_replay_whose_turn_is_pruned_meanwhile_ends_not_found,
 );
 

@@ -258,6 +258,7 @@ async fn targets(
         let mut client = clients[i % clients.len()].clone();
         let mut req = Request::new(pb::CreateSessionRequest {
             user_id: user.clone(),
+            request_id: String::new(),
         });
         req.set_timeout(Duration::from_secs(10));
         let session = client

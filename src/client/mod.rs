@@ -380,17 +380,34 @@ impl AgentClient {
         self.agents.clone()
     }
 
-    /// Creates a session. Resent only when it never reached the service (no
-    /// connection could be made, or the server's HTTP/2 layer refused it
-    /// unprocessed): a CreateSession that reached a server is not
-    /// deduplicated, so one whose connection broke under it ends
-    /// UNAVAILABLE and is left to the caller.
+    /// Creates a session, under a request id of its own (see
+    /// [`AgentClient::create_session_keyed`]): resent after UNAVAILABLE, a
+    /// call whose connection broke under it among others, and answered the
+    /// one session however many attempts reached a server.
     pub async fn create_session(&mut self, user_id: &str) -> Result<pb::SessionRef, Status> {
+        let key = uuid::Uuid::new_v4().to_string();
+        self.create_session_keyed(user_id, &key).await
+    }
+
+    /// Creates a session keyed `request_id` (CreateSessionRequest's
+    /// idempotency key): a server that made a session under this key for
+    /// this user answers that session again, while it exists. A caller that
+    /// keeps the key can so resend a creation whose answer it lost even
+    /// across its own restarts. UNAVAILABLE is resent here, within the
+    /// deadline and the retry policy. (A server of a release before the key
+    /// ignores it: there a resend that reached it makes a second, empty
+    /// session.)
+    pub async fn create_session_keyed(
+        &mut self,
+        user_id: &str,
+        request_id: &str,
+    ) -> Result<pb::SessionRef, Status> {
         let (agents, cfg) = (self.agents.clone(), self.cfg.clone());
         let msg = pb::CreateSessionRequest {
             user_id: user_id.to_owned(),
+            request_id: request_id.to_owned(),
         };
-        self.unary(retry::never_processed, move |req_timeout| {
+        self.unary(retry::is_unavailable, move |req_timeout| {
             let mut agents = agents.clone();
             let req = cfg.request(msg.clone(), req_timeout);
             async move { agents.create_session(req).await.map(|r| r.into_inner()) }

@@ -196,15 +196,27 @@ impl pb::agent_service_server::AgentService for AgentsService {
         req: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::SessionRef>, Status> {
         let caller = req.extensions().get::<crate::auth::Caller>().cloned();
-        let user_id = UserId::parse(req.into_inner().user_id).map_err(status::invalid)?;
+        let req = req.into_inner();
+        let user_id = UserId::parse(req.user_id).map_err(status::invalid)?;
+        let key = match req.request_id.as_str() {
+            "" => None,
+            _ => Some(RequestId::parse(req.request_id).map_err(status::invalid)?),
+        };
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
-        let session = self
-            .turns
-            .store()
-            .create_session(&user_id)
-            .await
-            .map_err(status::store)?;
-        tracing::info!(method = "CreateSession", session = %session.id, "session created");
+        let store = self.turns.store();
+        let session = match &key {
+            Some(key) => store.create_session_keyed(&user_id, key).await,
+            None => store.create_session(&user_id).await,
+        }
+        .map_err(status::store)?;
+        match &key {
+            Some(key) => {
+                tracing::info!(method = "CreateSession", session = %session.id, request_id = %key, "session created or found by its request id")
+            }
+            None => {
+                tracing::info!(method = "CreateSession", session = %session.id, "session created")
+            }
+        }
         Ok(Response::new(pb::SessionRef {
             user_id: user_id.to_string(),
             session_id: session.id.to_string(),

@@ -27,6 +27,9 @@ struct Inner {
     /// Each session's turns in the order they were claimed, so history and
     /// listings read one session's turns, not every turn of every session.
     by_session: HashMap<SessionId, Vec<TurnKey>>,
+    /// The sessions keyed CreateSessions made (a key whose session is gone
+    /// makes a new one).
+    session_keys: HashMap<(UserId, RequestId), SessionId>,
 }
 
 impl Inner {
@@ -169,18 +172,43 @@ impl MemoryStore {
     }
 }
 
+/// A new session of `user_id`, its times at the precision of the durable
+/// stores and of page tokens.
+fn new_session(user_id: &UserId) -> Session {
+    let now = from_micros(to_micros(SystemTime::now()));
+    Session {
+        id: SessionId::generate(),
+        user_id: user_id.clone(),
+        created_at: now,
+        updated_at: now,
+    }
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
-        // At the precision of the durable stores and of page tokens.
-        let now = from_micros(to_micros(SystemTime::now()));
-        let s = Session {
-            id: SessionId::generate(),
-            user_id: user_id.clone(),
-            created_at: now,
-            updated_at: now,
-        };
+        let s = new_session(user_id);
         self.lock().sessions.insert(s.id, s.clone());
+        Ok(s)
+    }
+
+    async fn create_session_keyed(
+        &self,
+        user_id: &UserId,
+        key: &RequestId,
+    ) -> StoreResult<Session> {
+        let mut inner = self.lock();
+        let keyed = (user_id.clone(), key.clone());
+        if let Some(s) = inner
+            .session_keys
+            .get(&keyed)
+            .and_then(|id| inner.sessions.get(id))
+        {
+            return Ok(s.clone());
+        }
+        let s = new_session(user_id);
+        inner.sessions.insert(s.id, s.clone());
+        inner.session_keys.insert(keyed, s.id);
         Ok(s)
     }
 
@@ -372,6 +400,7 @@ impl Store for MemoryStore {
             inner.turns.remove(&k);
         }
         inner.sessions.remove(&id);
+        inner.session_keys.retain(|_, s| *s != id);
         Ok(Deletion::Deleted)
     }
 
@@ -488,6 +517,14 @@ impl Store for MemoryStore {
             inner.sessions.remove(id);
             inner.by_session.remove(id);
             gone += 1;
+        }
+        if gone > 0 {
+            let Inner {
+                sessions,
+                session_keys,
+                ..
+            } = &mut *inner;
+            session_keys.retain(|_, s| sessions.contains_key(s));
         }
         Ok(gone as u64)
     }

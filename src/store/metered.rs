@@ -51,6 +51,7 @@ macro_rules! ops {
 
 ops! {
     CreateSession => "create_session",
+    CreateSessionKeyed => "create_session_keyed",
     GetSession => "get_session",
     ClaimTurn => "claim_turn",
     GetTurn => "get_turn",
@@ -268,6 +269,18 @@ impl Store for Metered {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session> {
         self.timed(Op::CreateSession, self.inner.create_session(user_id))
             .await
+    }
+
+    async fn create_session_keyed(
+        &self,
+        user_id: &UserId,
+        key: &RequestId,
+    ) -> StoreResult<Session> {
+        self.timed(
+            Op::CreateSessionKeyed,
+            self.inner.create_session_keyed(user_id, key),
+        )
+        .await
     }
 
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {

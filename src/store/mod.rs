@@ -537,6 +537,11 @@ fn names_a_password(key: &str) -> bool {
 #[async_trait]
 pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session>;
+    /// The session of `user_id`'s CreateSession keyed `key`: the one the
+    /// first call with that key made, while it exists, else a new one.
+    /// Calls racing on one key all answer the one session.
+    async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId)
+    -> StoreResult<Session>;
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>>;
 
     /// Atomically claims `turn.key`: [`Claim::New`] for exactly one caller.

@@ -1306,6 +1306,47 @@ macro_rules! sql_store {
                 Ok(s)
             }
 
+            async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Session> {
+                // Twice at most: the session found under the key may be
+                // deleted before it is read.
+                for _ in 0..2 {
+                    let now = std::time::SystemTime::now();
+                    let s = Session { id: SessionId::generate(), user_id: user_id.clone(), created_at: now, updated_at: now };
+                    let made = sqlx::query(
+                        "INSERT INTO sessions (id, user_id, created_at, updated_at, request_id) VALUES ($1, $2, $3, $3, $4) \
+                         ON CONFLICT (user_id, request_id) WHERE request_id IS NOT NULL DO NOTHING",
+                    )
+                    .bind(s.id.to_string())
+                    .bind(user_id.as_str())
+                    .bind(to_micros(now))
+                    .bind(key.as_str())
+                    .execute(&self.write)
+                    .await
+                    .map_err(db_err)?;
+                    if made.rows_affected() == 1 {
+                        let s = Session { created_at: from_micros(to_micros(now)), updated_at: from_micros(to_micros(now)), ..s };
+                        if let Some(cache) = &self.sessions {
+                            cache.created(&s);
+                        }
+                        return Ok(s);
+                    }
+                    // Read where it was written: on SQLite's writer the
+                    // winner's row is committed.
+                    let row = sqlx::query("SELECT id, user_id, created_at, updated_at FROM sessions WHERE user_id = $1 AND request_id = $2")
+                        .bind(user_id.as_str())
+                        .bind(key.as_str())
+                        .fetch_optional(&self.write)
+                        .await
+                        .map_err(db_err)?;
+                    if let Some(row) = row {
+                        return session_from_row(&row);
+                    }
+                }
+                Err(StoreError::Unavailable(anyhow::anyhow!(
+                    "the session made under this request id was deleted as it was read, twice"
+                )))
+            }
+
             async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
                 let row = sqlx::query("SELECT id, user_id, created_at, updated_at FROM sessions WHERE id = $1")
                     .bind(id.to_string())

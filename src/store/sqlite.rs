@@ -807,11 +807,13 @@ mod tests {
             .await
             .unwrap();
         let sid = SessionId::generate().to_string();
-        sqlx::query("INSERT INTO sessions VALUES ($1, 'alice', 1, 1)")
-            .bind(&sid)
-            .execute(&old)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, 'alice', 1, 1)",
+        )
+        .bind(&sid)
+        .execute(&old)
+        .await
+        .unwrap();
         sqlx::query(
             "INSERT INTO turns (session_id, request_id, user_text, agent, state, owner, lease_expires_at, \
              status_code, status_message, created_at, updated_at) \
@@ -990,11 +992,13 @@ mod tests {
             .await
             .unwrap();
         let outside = SessionId::generate().to_string();
-        sqlx::query("INSERT INTO sessions VALUES ($1, 'bob', 1, 1)")
-            .bind(&outside)
-            .execute(&other)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO sessions (id, user_id, created_at, updated_at) VALUES ($1, 'bob', 1, 1)",
+        )
+        .bind(&outside)
+        .execute(&other)
+        .await
+        .unwrap();
 
         let (_, held) = store
             .session_with_history(key.session_id, 5)

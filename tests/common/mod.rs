@@ -348,6 +348,8 @@ pub struct Proxy {
     pub addr: SocketAddr,
     /// Connections accepted so far.
     pub accepted: Arc<std::sync::atomic::AtomicUsize>,
+    /// Whether the connections it accepts from now on drop the answers.
+    muted: Arc<std::sync::atomic::AtomicBool>,
     tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
@@ -368,10 +370,12 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let accepted: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
-        let (t, n) = (tasks.clone(), accepted.clone());
+        let muted = Arc::new(std::sync::atomic::AtomicBool::new(muted));
+        let (t, n, m) = (tasks.clone(), accepted.clone(), muted.clone());
         let accept = tokio::spawn(async move {
             while let Ok((down, _)) = listener.accept().await {
                 n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let muted = m.load(std::sync::atomic::Ordering::SeqCst);
                 let h = tokio::spawn(carry(down, upstream, muted));
                 t.lock().unwrap().push(h);
             }
@@ -379,9 +383,15 @@ impl Proxy {
         Self {
             addr,
             accepted,
+            muted,
             tasks,
             accept,
         }
+    }
+
+    /// Connections accepted from now on carry the answers too.
+    pub fn unmute(&self) {
+        self.muted.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn cut(&self) {

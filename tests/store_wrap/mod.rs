@@ -88,6 +88,9 @@ impl Store for Wrapped {
     async fn create_session(&self, u: &UserId) -> StoreResult<Session> {
         self.inner.create_session(u).await
     }
+    async fn create_session_keyed(&self, u: &UserId, key: &RequestId) -> StoreResult<Session> {
+        self.inner.create_session_keyed(u, key).await
+    }
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
         self.inner.get_session(id).await
     }
