@@ -814,7 +814,8 @@ async fn bad_input_to_the_session_calls_is_invalid_argument_and_changes_nothing(
 /// new one; no key, a new session each time; a malformed key is
 /// INVALID_ARGUMENT and makes nothing.
 async fn a_create_session_repeated_with_its_request_id_answers_the_session_it_made(db: TestDb) {
-    let s = Server::start(db.open().await, Opts::default()).await;
+    let store = db.open().await;
+    let s = Server::start(store.clone(), Opts::default()).await;
     let create = |user: &str, key: &str| {
         let mut c = s.raw();
         let req = pb::CreateSessionRequest {
@@ -876,6 +877,15 @@ async fn a_create_session_repeated_with_its_request_id_answers_the_session_it_ma
     let again = create(ALICE, "c1").await.unwrap();
     assert_ne!(again, first);
     assert_eq!(create(ALICE, "c1").await.unwrap(), again);
+    // The store tells a session it made from one it found.
+    let (alice, key) = (
+        UserId::parse(ALICE).unwrap(),
+        RequestId::parse("direct").unwrap(),
+    );
+    let made = store.create_session_keyed(&alice, &key).await.unwrap();
+    let found = store.create_session_keyed(&alice, &key).await.unwrap();
+    assert!(made.created && !found.created);
+    assert_eq!(made.session, found.session);
     s.stop().await;
 }
 

@@ -205,18 +205,27 @@ impl pb::agent_service_server::AgentService for AgentsService {
         crate::auth::authorize(caller.as_ref(), &user_id).map_err(status::permission_denied)?;
         let store = self.turns.store();
         let session = match &key {
-            Some(key) => store.create_session_keyed(&user_id, key).await,
-            None => store.create_session(&user_id).await,
-        }
-        .map_err(status::store)?;
-        match &key {
             Some(key) => {
-                tracing::info!(method = "CreateSession", session = %session.id, request_id = %key, "session created or found by its request id")
+                let keyed = store
+                    .create_session_keyed(&user_id, key)
+                    .await
+                    .map_err(status::store)?;
+                if keyed.created {
+                    tracing::info!(method = "CreateSession", session = %keyed.session.id, request_id = %key, "session created");
+                } else {
+                    tracing::info!(method = "CreateSession", session = %keyed.session.id, request_id = %key, "a repeated request id: the session it made is answered again");
+                }
+                keyed.session
             }
             None => {
-                tracing::info!(method = "CreateSession", session = %session.id, "session created")
+                let session = store
+                    .create_session(&user_id)
+                    .await
+                    .map_err(status::store)?;
+                tracing::info!(method = "CreateSession", session = %session.id, "session created");
+                session
             }
-        }
+        };
         Ok(Response::new(pb::SessionRef {
             user_id: user_id.to_string(),
             session_id: session.id.to_string(),

@@ -192,11 +192,7 @@ impl Store for MemoryStore {
         Ok(s)
     }
 
-    async fn create_session_keyed(
-        &self,
-        user_id: &UserId,
-        key: &RequestId,
-    ) -> StoreResult<Session> {
+    async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Keyed> {
         let mut inner = self.lock();
         let keyed = (user_id.clone(), key.clone());
         if let Some(s) = inner
@@ -204,12 +200,18 @@ impl Store for MemoryStore {
             .get(&keyed)
             .and_then(|id| inner.sessions.get(id))
         {
-            return Ok(s.clone());
+            return Ok(Keyed {
+                session: s.clone(),
+                created: false,
+            });
         }
         let s = new_session(user_id);
         inner.sessions.insert(s.id, s.clone());
         inner.session_keys.insert(keyed, s.id);
-        Ok(s)
+        Ok(Keyed {
+            session: s,
+            created: true,
+        })
     }
 
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {

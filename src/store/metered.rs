@@ -18,6 +18,7 @@ use a2a_server::TaskStore;
 use a2a_server::task_store::TaskVersion;
 use async_trait::async_trait;
 
+use super::Keyed;
 use super::a2a_tasks::{A2aTaskSource, A2aTasks, Unfinished, UnfinishedKey};
 use super::{
     Claim, Deletion, EncodedEvent, FinalAnswer, KindEncoding, NewTurn, PageCursor, RunRead,
@@ -271,11 +272,7 @@ impl Store for Metered {
             .await
     }
 
-    async fn create_session_keyed(
-        &self,
-        user_id: &UserId,
-        key: &RequestId,
-    ) -> StoreResult<Session> {
+    async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Keyed> {
         self.timed(
             Op::CreateSessionKeyed,
             self.inner.create_session_keyed(user_id, key),

@@ -183,6 +183,14 @@ pub struct TurnRecord {
     pub updated_at: SystemTime,
 }
 
+/// The session a keyed CreateSession answers ([`Store::create_session_keyed`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Keyed {
+    pub session: Session,
+    /// Made by this call; false when an earlier call with the key made it.
+    pub created: bool,
+}
+
 /// A turn listed with its text ([`Store::list_turn_texts`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnWithText {
@@ -538,10 +546,10 @@ fn names_a_password(key: &str) -> bool {
 pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     async fn create_session(&self, user_id: &UserId) -> StoreResult<Session>;
     /// The session of `user_id`'s CreateSession keyed `key`: the one the
-    /// first call with that key made, while it exists, else a new one.
-    /// Calls racing on one key all answer the one session.
-    async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId)
-    -> StoreResult<Session>;
+    /// first call with that key made, while it exists, else a new one
+    /// (`Keyed::created`). Calls racing on one key all answer the one
+    /// session.
+    async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Keyed>;
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>>;
 
     /// Atomically claims `turn.key`: [`Claim::New`] for exactly one caller.

@@ -1306,7 +1306,7 @@ macro_rules! sql_store {
                 Ok(s)
             }
 
-            async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Session> {
+            async fn create_session_keyed(&self, user_id: &UserId, key: &RequestId) -> StoreResult<Keyed> {
                 // Twice at most: the session found under the key may be
                 // deleted before it is read.
                 for _ in 0..2 {
@@ -1328,7 +1328,7 @@ macro_rules! sql_store {
                         if let Some(cache) = &self.sessions {
                             cache.created(&s);
                         }
-                        return Ok(s);
+                        return Ok(Keyed { session: s, created: true });
                     }
                     // Read where it was written: on SQLite's writer the
                     // winner's row is committed.
@@ -1339,7 +1339,7 @@ macro_rules! sql_store {
                         .await
                         .map_err(db_err)?;
                     if let Some(row) = row {
-                        return session_from_row(&row);
+                        return Ok(Keyed { session: session_from_row(&row)?, created: false });
                     }
                 }
                 Err(StoreError::Unavailable(anyhow::anyhow!(

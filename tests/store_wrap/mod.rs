@@ -9,8 +9,8 @@ use agentd::agent::PriorTurn;
 use agentd::domain::{RequestId, SessionId, TurnKey, UserId};
 use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
 use agentd::store::{
-    Claim, Deletion, EncodedEvent, FinalAnswer, NewTurn, PageCursor, RunRead, SeqEvent, Session,
-    SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord, TurnWithText,
+    Claim, Deletion, EncodedEvent, FinalAnswer, Keyed, NewTurn, PageCursor, RunRead, SeqEvent,
+    Session, SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord, TurnWithText,
 };
 
 /// What a test changes; each defaults to the inner store's own.
@@ -88,7 +88,7 @@ impl Store for Wrapped {
     async fn create_session(&self, u: &UserId) -> StoreResult<Session> {
         self.inner.create_session(u).await
     }
-    async fn create_session_keyed(&self, u: &UserId, key: &RequestId) -> StoreResult<Session> {
+    async fn create_session_keyed(&self, u: &UserId, key: &RequestId) -> StoreResult<Keyed> {
         self.inner.create_session_keyed(u, key).await
     }
     async fn get_session(&self, id: SessionId) -> StoreResult<Option<Session>> {
