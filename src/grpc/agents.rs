@@ -160,6 +160,24 @@ fn turn_with_text_to_wire(t: TurnWithText) -> pb::TurnInfo {
     }
 }
 
+/// The first `len` of `turns` (read one past the page), and the token of
+/// the page after them, empty when none of `turns` is left over.
+fn cut_page<T>(
+    mut turns: Vec<T>,
+    len: usize,
+    record: impl Fn(&T) -> &TurnRecord,
+) -> (Vec<T>, String) {
+    if turns.len() <= len {
+        return (turns, String::new());
+    }
+    turns.truncate(len);
+    let next = turns
+        .last()
+        .map(|t| TurnCursor::after(record(t)).encode())
+        .unwrap_or_default();
+    (turns, next)
+}
+
 /// How many of `turns` (one more than the page was asked, in order) a page
 /// with their text holds: at most `limit`, and none after the one that takes
 /// the text past [`TURN_PAGE_TEXT_BYTES`].
@@ -176,14 +194,16 @@ fn text_page_len(turns: &[TurnWithText], limit: usize) -> usize {
     n
 }
 
-fn session_to_wire(s: &Session, turns: &[TurnRecord]) -> pb::SessionInfo {
+/// A session with no turns (a listing's), or `turns` and the token of the
+/// page after them (GetSession's).
+fn session_to_wire(s: &Session, turns: Vec<pb::TurnInfo>, next: String) -> pb::SessionInfo {
     pb::SessionInfo {
         user_id: s.user_id.to_string(),
         session_id: s.id.to_string(),
         created_unix_micros: to_micros(s.created_at),
         updated_unix_micros: to_micros(s.updated_at),
-        turns: turns.iter().map(turn_to_wire).collect(),
-        next_turn_page_token: String::new(),
+        turns,
+        next_turn_page_token: next,
     }
 }
 
@@ -265,40 +285,27 @@ impl pb::agent_service_server::AgentService for AgentsService {
             .await
             .map_err(run_error)?;
         // One more than the page: whether there is a next one.
-        if req.include_text {
-            let mut turns = self
-                .turns
-                .store()
+        let store = self.turns.store();
+        let (turns, next) = if req.include_text {
+            let turns = store
                 .list_turn_texts(id, after.as_ref(), limit + 1)
                 .await
                 .map_err(status::store)?;
             let len = text_page_len(&turns, limit);
-            let next = if turns.len() > len {
-                turns.truncate(len);
-                turns.last().map(|t| TurnCursor::after(&t.record).encode())
-            } else {
-                None
-            };
-            let mut info = session_to_wire(&session, &[]);
-            info.turns = turns.into_iter().map(turn_with_text_to_wire).collect();
-            info.next_turn_page_token = next.unwrap_or_default();
-            return Ok(Response::new(info));
-        }
-        let mut turns = self
-            .turns
-            .store()
-            .list_turns(id, after.as_ref(), limit + 1)
-            .await
-            .map_err(status::store)?;
-        let next = if turns.len() > limit {
-            turns.truncate(limit);
-            turns.last().map(|t| TurnCursor::after(t).encode())
+            let (turns, next) = cut_page(turns, len, |t| &t.record);
+            (
+                turns.into_iter().map(turn_with_text_to_wire).collect(),
+                next,
+            )
         } else {
-            None
+            let turns = store
+                .list_turns(id, after.as_ref(), limit + 1)
+                .await
+                .map_err(status::store)?;
+            let (turns, next) = cut_page(turns, limit, |t| t);
+            (turns.iter().map(turn_to_wire).collect(), next)
         };
-        let mut info = session_to_wire(&session, &turns);
-        info.next_turn_page_token = next.unwrap_or_default();
-        Ok(Response::new(info))
+        Ok(Response::new(session_to_wire(&session, turns, next)))
     }
 
     async fn list_sessions(
@@ -327,7 +334,7 @@ impl pb::agent_service_server::AgentService for AgentsService {
             sessions: page
                 .sessions
                 .iter()
-                .map(|s| session_to_wire(s, &[]))
+                .map(|s| session_to_wire(s, Vec::new(), String::new()))
                 .collect(),
             next_page_token: page.next.map(|c| c.encode()).unwrap_or_default(),
         }))
