@@ -137,8 +137,31 @@ async fn get_session_pages_through_every_turn_oldest_first(db: TestDb) {
 async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_page_at_a_time(
     db: TestDb,
 ) {
+    /// Counts the rows read with their text.
+    #[derive(Default)]
+    struct CountTexts(std::sync::atomic::AtomicUsize);
+    #[async_trait::async_trait]
+    impl store_wrap::Hooks for CountTexts {
+        async fn list_turn_texts(
+            &self,
+            inner: &dyn agentd::store::Store,
+            s: SessionId,
+            after: Option<&agentd::store::TurnCursor>,
+            limit: usize,
+        ) -> agentd::store::StoreResult<Vec<agentd::store::TurnWithText>> {
+            let read = inner.list_turn_texts(s, after, limit).await?;
+            self.0
+                .fetch_add(read.len(), std::sync::atomic::Ordering::SeqCst);
+            Ok(read)
+        }
+    }
+    let counted = std::sync::Arc::new(CountTexts::default());
+    let read = || counted.0.swap(0, std::sync::atomic::Ordering::SeqCst);
     let s = Server::start(
-        db.open().await,
+        std::sync::Arc::new(store_wrap::Wrapped {
+            inner: db.open().await,
+            hooks: counted.clone(),
+        }),
         Opts {
             tool_delay: Duration::from_secs(30),
             ..Opts::default()
@@ -194,8 +217,14 @@ async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_
         let (_, end) = s.run(ALICE, &sid, &format!("s{i:02}"), "hello").await;
         end.unwrap();
     }
+    read();
     let after_big = page(String::new(), 1000, true).await.unwrap();
     assert_eq!(after_big.turns.len(), 11);
+    assert_eq!(
+        read(),
+        20,
+        "read ten at a time, not the 51 rows a page may take"
+    );
     let small = page(after_big.next_turn_page_token.clone(), 1000, true)
         .await
         .unwrap();

@@ -178,6 +178,49 @@ fn cut_page<T>(
     (turns, next)
 }
 
+/// Rows a page with text reads at a time.
+const TEXT_READ_ROWS: usize = 10;
+
+/// The turns after `after`, with their text, that a page of at most `limit`
+/// takes ([`text_page_len`]), and one more if there is one (so the page
+/// knows whether another follows): read [`TEXT_READ_ROWS`] at a time, so a
+/// page of large answers does not read the rows it leaves for the next.
+async fn read_text_page(
+    store: &dyn crate::store::Store,
+    id: SessionId,
+    mut after: Option<TurnCursor>,
+    limit: usize,
+) -> crate::store::StoreResult<Vec<TurnWithText>> {
+    let mut turns: Vec<TurnWithText> = Vec::new();
+    let mut bytes = 0;
+    loop {
+        // Complete: every turn it takes, and whether one follows, is known.
+        let past = turns.len() - text_page_len(&turns, limit);
+        if past > 0 {
+            return Ok(turns);
+        }
+        // Whether one follows is all that is left to learn.
+        let want = if turns.len() == limit || bytes >= TURN_PAGE_TEXT_BYTES {
+            1
+        } else {
+            (limit - turns.len()).min(TEXT_READ_ROWS)
+        };
+        let read = store.list_turn_texts(id, after.as_ref(), want).await?;
+        let last = read.len() < want;
+        bytes += read.iter().map(text_bytes).sum::<usize>();
+        turns.extend(read);
+        if last {
+            return Ok(turns);
+        }
+        after = turns.last().map(|t| TurnCursor::after(&t.record));
+    }
+}
+
+/// The bytes of a turn's text a page carries.
+fn text_bytes(t: &TurnWithText) -> usize {
+    t.record.user_text.len() + t.answer.len() + t.answer_payload.len()
+}
+
 /// How many of `turns` (one more than the page was asked, in order) a page
 /// with their text holds: at most `limit`, and none after the one that takes
 /// the text past [`TURN_PAGE_TEXT_BYTES`].
@@ -188,7 +231,7 @@ fn text_page_len(turns: &[TurnWithText], limit: usize) -> usize {
         if bytes >= TURN_PAGE_TEXT_BYTES {
             break;
         }
-        bytes += t.record.user_text.len() + t.answer.len() + t.answer_payload.len();
+        bytes += text_bytes(t);
         n += 1;
     }
     n
@@ -287,8 +330,7 @@ impl pb::agent_service_server::AgentService for AgentsService {
         // One more than the page: whether there is a next one.
         let store = self.turns.store();
         let (turns, next) = if req.include_text {
-            let turns = store
-                .list_turn_texts(id, after.as_ref(), limit + 1)
+            let turns = read_text_page(store.as_ref(), id, after, limit)
                 .await
                 .map_err(status::store)?;
             let len = text_page_len(&turns, limit);

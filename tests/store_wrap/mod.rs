@@ -67,6 +67,15 @@ pub trait Hooks: Send + Sync + 'static {
     ) -> StoreResult<Option<RunRead>> {
         inner.session_for_run(s, t, limit).await
     }
+    async fn list_turn_texts(
+        &self,
+        inner: &dyn Store,
+        s: SessionId,
+        after: Option<&TurnCursor>,
+        limit: usize,
+    ) -> StoreResult<Vec<TurnWithText>> {
+        inner.list_turn_texts(s, after, limit).await
+    }
 }
 
 pub struct Wrapped {
@@ -167,7 +176,9 @@ impl Store for Wrapped {
         after: Option<&TurnCursor>,
         limit: usize,
     ) -> StoreResult<Vec<TurnWithText>> {
-        self.inner.list_turn_texts(s, after, limit).await
+        self.hooks
+            .list_turn_texts(&*self.inner, s, after, limit)
+            .await
     }
     async fn renew_lease(&self, k: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
         self.inner.renew_lease(k, owner, lease).await
