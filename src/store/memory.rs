@@ -130,45 +130,50 @@ impl a2a_tasks::A2aTaskSource for MemoryStore {
 impl MemoryStore {
     /// A session's turns after `after`, oldest first by (created_at,
     /// request_id) at the cursor's precision (microseconds, as stored by the
-    /// SQL stores), at most `limit`, with their text.
+    /// SQL stores), at most `limit`; with their text (the question and the
+    /// answer) only if `text`. Only the page's turns are copied.
     fn turns_page(
         &self,
         session: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
+        text: bool,
     ) -> Vec<TurnWithText> {
+        fn key(r: &TurnRecord) -> (i64, &str) {
+            (to_micros(r.created_at), r.key.request_id.as_str())
+        }
         let inner = self.lock();
-        let mut turns: Vec<TurnWithText> = inner
+        let mut page: Vec<(&TurnRecord, &Turn)> = inner
             .session_turns(session)
-            .filter_map(|t| {
-                let record = t.record.clone()?;
-                Some(TurnWithText {
-                    record,
-                    answer: t.answer.clone().unwrap_or_default(),
-                    answer_payload: t.answer_payload.clone(),
-                })
-            })
-            .filter(|t| {
-                after.is_none_or(|c| {
-                    (
-                        to_micros(t.record.created_at),
-                        t.record.key.request_id.as_str(),
-                    ) > (to_micros(c.created_at), c.request_id.as_str())
-                })
+            .filter_map(|t| Some((t.record.as_ref()?, t)))
+            .filter(|(r, _)| {
+                after.is_none_or(|c| key(r) > (to_micros(c.created_at), c.request_id.as_str()))
             })
             .collect();
-        turns.sort_by(|a, b| {
-            (
-                to_micros(a.record.created_at),
-                a.record.key.request_id.as_str(),
-            )
-                .cmp(&(
-                    to_micros(b.record.created_at),
-                    b.record.key.request_id.as_str(),
-                ))
-        });
-        turns.truncate(limit);
-        turns
+        page.sort_by(|(a, _), (b, _)| key(a).cmp(&key(b)));
+        page.truncate(limit);
+        page.into_iter()
+            .map(|(r, t)| TurnWithText {
+                record: TurnRecord {
+                    user_text: if text {
+                        r.user_text.clone()
+                    } else {
+                        String::new()
+                    },
+                    ..r.clone()
+                },
+                answer: if text {
+                    t.answer.clone().unwrap_or_default()
+                } else {
+                    String::new()
+                },
+                answer_payload: if text {
+                    t.answer_payload.clone()
+                } else {
+                    String::new()
+                },
+            })
+            .collect()
     }
 }
 
@@ -413,12 +418,9 @@ impl Store for MemoryStore {
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>> {
         Ok(self
-            .turns_page(session, after, limit)
+            .turns_page(session, after, limit, false)
             .into_iter()
-            .map(|t| TurnRecord {
-                user_text: String::new(),
-                ..t.record
-            })
+            .map(|t| t.record)
             .collect())
     }
 
@@ -428,7 +430,7 @@ impl Store for MemoryStore {
         after: Option<&TurnCursor>,
         limit: usize,
     ) -> StoreResult<Vec<TurnWithText>> {
-        Ok(self.turns_page(session, after, limit))
+        Ok(self.turns_page(session, after, limit, true))
     }
 
     async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
