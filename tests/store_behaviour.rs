@@ -148,10 +148,11 @@ async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_
             s: SessionId,
             after: Option<&agentd::store::TurnCursor>,
             limit: usize,
-        ) -> agentd::store::StoreResult<Vec<agentd::store::TurnWithText>> {
-            let read = inner.list_turn_texts(s, after, limit).await?;
+            bytes: usize,
+        ) -> agentd::store::StoreResult<agentd::store::TurnTexts> {
+            let read = inner.list_turn_texts(s, after, limit, bytes).await?;
             self.0
-                .fetch_add(read.len(), std::sync::atomic::Ordering::SeqCst);
+                .fetch_add(read.turns.len(), std::sync::atomic::Ordering::SeqCst);
             Ok(read)
         }
     }
@@ -222,8 +223,8 @@ async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_
     assert_eq!(after_big.turns.len(), 11);
     assert_eq!(
         read(),
-        20,
-        "read ten at a time, not the 51 rows a page may take"
+        11,
+        "only the page's turns are read with their text, not the 51 a page may take"
     );
     let small = page(after_big.next_turn_page_token.clone(), 1000, true)
         .await
@@ -273,6 +274,95 @@ async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_
     );
     call.abort();
     s.stop().await;
+}
+
+/// A page of turns with their text holds at most its limit, and no turn
+/// after the one whose text (question, answer, in bytes, not characters)
+/// takes the page to its bytes; `more` says whether a turn follows it. A
+/// turn larger than the bytes is a page of its own; a running turn has its
+/// question and no answer.
+async fn a_page_of_turn_texts_is_cut_by_bytes_and_says_whether_more_follow(db: TestDb) {
+    let store = db.open().await;
+    let sid = store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
+        .id;
+    let key = move |r: &str| TurnKey {
+        session_id: sid,
+        request_id: RequestId::parse(r).unwrap(),
+    };
+    // Question 10 bytes; answers of 2-byte characters.
+    let answers = [Some(20), Some(20), Some(100), None, Some(0)];
+    for (i, answer) in answers.into_iter().enumerate() {
+        let k = key(&format!("t{i}"));
+        let claim = NewTurn {
+            user_text: format!("question{i:02}"),
+            ..new_turn(&k, "r1")
+        };
+        assert_eq!(
+            store.claim_turn(&claim).await.unwrap(),
+            agentd::store::Claim::New
+        );
+        // t3 stays running; t4 fails with no answer.
+        match answer {
+            Some(0) => end_turn(&*store, &k, None).await,
+            Some(n) => end_turn(&*store, &k, Some(&"é".repeat(n))).await,
+            None => {}
+        }
+        // Turns apart in time: the page's order is their claims'.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let page = |after: Option<&'static str>, limit: usize, bytes: usize| {
+        let store = store.clone();
+        async move {
+            let cursor = match after {
+                Some(r) => {
+                    let t = store.get_turn(&key(r)).await.unwrap().unwrap();
+                    Some(agentd::store::TurnCursor::after(&t))
+                }
+                None => None,
+            };
+            let page = store
+                .list_turn_texts(sid, cursor.as_ref(), limit, bytes)
+                .await
+                .unwrap();
+            let ids: Vec<String> = page
+                .turns
+                .iter()
+                .map(|t| t.record.key.request_id.to_string())
+                .collect();
+            (ids, page.more, page.turns)
+        }
+    };
+    // 50 bytes each (10 + 40): the second takes the page to 100 bytes.
+    let (ids, more, turns) = page(None, 50, 100).await;
+    assert_eq!((ids, more), (vec!["t0".to_owned(), "t1".to_owned()], true));
+    assert_eq!(turns[0].record.user_text, "question00");
+    assert_eq!(turns[1].answer, "é".repeat(20));
+    assert_eq!(turns.iter().map(|t| t.text_bytes()).sum::<usize>(), 100);
+    // One byte more, and the third (210 bytes) comes too, past the bytes.
+    let (ids, more, _) = page(None, 50, 101).await;
+    assert_eq!((ids.len(), more), (3, true));
+    // A turn larger than the bytes alone.
+    let (ids, more, turns) = page(Some("t1"), 50, 100).await;
+    assert_eq!((ids, more), (vec!["t2".to_owned()], true));
+    assert_eq!(turns[0].text_bytes(), 210);
+    // The limit, then the end.
+    let (ids, more, _) = page(Some("t2"), 1, 1000).await;
+    assert_eq!((ids, more), (vec!["t3".to_owned()], true));
+    let (ids, more, turns) = page(Some("t2"), 50, 1000).await;
+    assert_eq!((ids, more), (vec!["t3".to_owned(), "t4".to_owned()], false));
+    assert_eq!(
+        (turns[0].record.state, turns[0].record.user_text.as_str()),
+        (agentd::store::TurnState::Running, "question03")
+    );
+    assert_eq!(
+        (turns[0].answer.as_str(), turns[1].answer.as_str()),
+        ("", "")
+    );
+    let (ids, more, _) = page(Some("t4"), 50, 1000).await;
+    assert_eq!((ids, more), (Vec::<String>::new(), false));
 }
 
 async fn get_session_lists_each_turn_with_its_final_status(db: TestDb) {
@@ -640,17 +730,24 @@ async fn a_run_whose_lease_was_lost_stops_and_ends_as_recorded(db: TestDb) {
 /// it, then found so by a sweep (another replica's, say). Leases are judged
 /// by the store's clock alone, so the lease is ended through its owner
 /// (renewed for no time); tried again if the owner's own renewal came in
-/// between.
+/// between. The server's own sweep may find the lapsed lease first: the
+/// turn is then failed as the test's sweep would have failed it.
 async fn lapse_and_sweep(store: &dyn agentd::store::Store, key: &TurnKey) {
     let stopped = agentd::grpc::status::replica_stopped();
     eventually("the turn's lease lapsed and swept", || async {
-        let owner = store.get_turn(key).await.unwrap().unwrap().owner;
-        assert!(
-            store
-                .renew_lease(key, &owner, Duration::ZERO)
-                .await
-                .unwrap()
-        );
+        let turn = store.get_turn(key).await.unwrap().unwrap();
+        if turn.state != agentd::store::TurnState::Running {
+            assert_eq!(turn.outcome.as_ref(), Some(&stopped), "{turn:?}");
+            return Some(());
+        }
+        if !store
+            .renew_lease(key, &turn.owner, Duration::ZERO)
+            .await
+            .unwrap()
+        {
+            // Swept (or ended) since it was read: read again.
+            return None;
+        }
         lapse().await;
         let swept = store.fail_expired(&stopped).await.unwrap();
         (swept == [key.clone()]).then_some(())
@@ -3375,6 +3472,7 @@ per_backend!(
     a_run_that_finishes_after_its_turn_was_failed_ends_as_recorded,
     get_session_pages_through_every_turn_oldest_first,
     get_session_with_text_returns_each_turns_question_and_answer_a_bounded_page_at_a_time,
+    a_page_of_turn_texts_is_cut_by_bytes_and_says_whether_more_follow,
     a_create_session_repeated_with_its_request_id_answers_the_session_it_made,
     a_replay_whose_turn_is_pruned_meanwhile_ends_not_found,
 );

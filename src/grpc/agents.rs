@@ -160,81 +160,13 @@ fn turn_with_text_to_wire(t: TurnWithText) -> pb::TurnInfo {
     }
 }
 
-/// The first `len` of `turns` (read one past the page), and the token of
-/// the page after them, empty when none of `turns` is left over.
-fn cut_page<T>(
-    mut turns: Vec<T>,
-    len: usize,
-    record: impl Fn(&T) -> &TurnRecord,
-) -> (Vec<T>, String) {
-    if turns.len() <= len {
-        return (turns, String::new());
+/// The token of the page after one that ends with `last`: empty when no
+/// turn follows it.
+fn next_page_token(last: Option<&TurnRecord>, more: bool) -> String {
+    match last {
+        Some(last) if more => TurnCursor::after(last).encode(),
+        _ => String::new(),
     }
-    turns.truncate(len);
-    let next = turns
-        .last()
-        .map(|t| TurnCursor::after(record(t)).encode())
-        .unwrap_or_default();
-    (turns, next)
-}
-
-/// Rows a page with text reads at a time.
-const TEXT_READ_ROWS: usize = 10;
-
-/// The turns after `after`, with their text, that a page of at most `limit`
-/// takes ([`text_page_len`]), and one more if there is one (so the page
-/// knows whether another follows): read [`TEXT_READ_ROWS`] at a time, so a
-/// page of large answers does not read the rows it leaves for the next.
-async fn read_text_page(
-    store: &dyn crate::store::Store,
-    id: SessionId,
-    mut after: Option<TurnCursor>,
-    limit: usize,
-) -> crate::store::StoreResult<Vec<TurnWithText>> {
-    let mut turns: Vec<TurnWithText> = Vec::new();
-    let mut bytes = 0;
-    loop {
-        // Complete: every turn it takes, and whether one follows, is known.
-        let past = turns.len() - text_page_len(&turns, limit);
-        if past > 0 {
-            return Ok(turns);
-        }
-        // Whether one follows is all that is left to learn.
-        let want = if turns.len() == limit || bytes >= TURN_PAGE_TEXT_BYTES {
-            1
-        } else {
-            (limit - turns.len()).min(TEXT_READ_ROWS)
-        };
-        let read = store.list_turn_texts(id, after.as_ref(), want).await?;
-        let last = read.len() < want;
-        bytes += read.iter().map(text_bytes).sum::<usize>();
-        turns.extend(read);
-        if last {
-            return Ok(turns);
-        }
-        after = turns.last().map(|t| TurnCursor::after(&t.record));
-    }
-}
-
-/// The bytes of a turn's text a page carries.
-fn text_bytes(t: &TurnWithText) -> usize {
-    t.record.user_text.len() + t.answer.len() + t.answer_payload.len()
-}
-
-/// How many of `turns` (one more than the page was asked, in order) a page
-/// with their text holds: at most `limit`, and none after the one that takes
-/// the text past [`TURN_PAGE_TEXT_BYTES`].
-fn text_page_len(turns: &[TurnWithText], limit: usize) -> usize {
-    let mut bytes = 0;
-    let mut n = 0;
-    for t in turns.iter().take(limit) {
-        if bytes >= TURN_PAGE_TEXT_BYTES {
-            break;
-        }
-        bytes += text_bytes(t);
-        n += 1;
-    }
-    n
 }
 
 /// A session with no turns (a listing's), or `turns` and the token of the
@@ -327,24 +259,26 @@ impl pb::agent_service_server::AgentService for AgentsService {
             .owned_session(id, &user_id)
             .await
             .map_err(run_error)?;
-        // One more than the page: whether there is a next one.
         let store = self.turns.store();
         let (turns, next) = if req.include_text {
-            let turns = read_text_page(store.as_ref(), id, after, limit)
+            let page = store
+                .list_turn_texts(id, after.as_ref(), limit, TURN_PAGE_TEXT_BYTES)
                 .await
                 .map_err(status::store)?;
-            let len = text_page_len(&turns, limit);
-            let (turns, next) = cut_page(turns, len, |t| &t.record);
+            let next = next_page_token(page.turns.last().map(|t| &t.record), page.more);
             (
-                turns.into_iter().map(turn_with_text_to_wire).collect(),
+                page.turns.into_iter().map(turn_with_text_to_wire).collect(),
                 next,
             )
         } else {
-            let turns = store
+            // One more than the page: whether there is a next one.
+            let mut turns = store
                 .list_turns(id, after.as_ref(), limit + 1)
                 .await
                 .map_err(status::store)?;
-            let (turns, next) = cut_page(turns, limit, |t| t);
+            let more = turns.len() > limit;
+            turns.truncate(limit);
+            let next = next_page_token(turns.last(), more);
             (turns.iter().map(turn_to_wire).collect(), next)
         };
         Ok(Response::new(session_to_wire(&session, turns, next)))

@@ -132,15 +132,22 @@ impl MemoryStore {
     /// request_id) at the cursor's precision (microseconds, as stored by the
     /// SQL stores), at most `limit`; with their text (the question and the
     /// answer) only if `text`. Only the page's turns are copied.
+    /// A session's turns after `after`, oldest first, at most `limit`:
+    /// without their text for `None`, and for `Some(bytes)` with it, cut
+    /// as [`super::text_page_len`] says. Only the page's turns are copied,
+    /// and their text only when asked for.
     fn turns_page(
         &self,
         session: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-        text: bool,
-    ) -> Vec<TurnWithText> {
+        text: Option<usize>,
+    ) -> TurnTexts {
         fn key(r: &TurnRecord) -> (i64, &str) {
             (to_micros(r.created_at), r.key.request_id.as_str())
+        }
+        fn size(r: &TurnRecord, t: &Turn) -> usize {
+            r.user_text.len() + t.answer.as_ref().map_or(0, String::len) + t.answer_payload.len()
         }
         let inner = self.lock();
         let mut page: Vec<(&TurnRecord, &Turn)> = inner
@@ -151,29 +158,31 @@ impl MemoryStore {
             })
             .collect();
         page.sort_by(|(a, _), (b, _)| key(a).cmp(&key(b)));
-        page.truncate(limit);
-        page.into_iter()
-            .map(|(r, t)| TurnWithText {
-                record: TurnRecord {
-                    user_text: if text {
-                        r.user_text.clone()
-                    } else {
-                        String::new()
+        let len = match text {
+            None => limit.min(page.len()),
+            Some(bytes) => super::text_page_len(page.iter().map(|(r, t)| size(r, t)), limit, bytes),
+        };
+        let more = page.len() > len;
+        page.truncate(len);
+        let turns = page
+            .into_iter()
+            .map(|(r, t)| match text {
+                Some(_) => TurnWithText {
+                    record: r.clone(),
+                    answer: t.answer.clone().unwrap_or_default(),
+                    answer_payload: t.answer_payload.clone(),
+                },
+                None => TurnWithText {
+                    record: TurnRecord {
+                        user_text: String::new(),
+                        ..r.clone()
                     },
-                    ..r.clone()
-                },
-                answer: if text {
-                    t.answer.clone().unwrap_or_default()
-                } else {
-                    String::new()
-                },
-                answer_payload: if text {
-                    t.answer_payload.clone()
-                } else {
-                    String::new()
+                    answer: String::new(),
+                    answer_payload: String::new(),
                 },
             })
-            .collect()
+            .collect();
+        TurnTexts { turns, more }
     }
 }
 
@@ -418,7 +427,8 @@ impl Store for MemoryStore {
         limit: usize,
     ) -> StoreResult<Vec<TurnRecord>> {
         Ok(self
-            .turns_page(session, after, limit, false)
+            .turns_page(session, after, limit, None)
+            .turns
             .into_iter()
             .map(|t| t.record)
             .collect())
@@ -429,8 +439,9 @@ impl Store for MemoryStore {
         session: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-    ) -> StoreResult<Vec<TurnWithText>> {
-        Ok(self.turns_page(session, after, limit, true))
+        bytes: usize,
+    ) -> StoreResult<TurnTexts> {
+        Ok(self.turns_page(session, after, limit, Some(bytes)))
     }
 
     async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {

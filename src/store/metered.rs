@@ -23,7 +23,7 @@ use super::a2a_tasks::{A2aTaskSource, A2aTasks, Unfinished, UnfinishedKey};
 use super::{
     Claim, Deletion, EncodedEvent, FinalAnswer, KindEncoding, NewTurn, PageCursor, RunRead,
     SeqEvent, Session, SessionPage, Store, StoreError, StoreResult, TurnCursor, TurnOutcome,
-    TurnRecord, TurnWithText,
+    TurnRecord, TurnTexts,
 };
 use crate::agent::PriorTurn;
 use crate::domain::{RequestId, SessionId, TurnKey, UserId};
@@ -415,10 +415,11 @@ impl Store for Metered {
         session: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-    ) -> StoreResult<Vec<TurnWithText>> {
+        bytes: usize,
+    ) -> StoreResult<TurnTexts> {
         self.timed(
             Op::ListTurnTexts,
-            self.inner.list_turn_texts(session, after, limit),
+            self.inner.list_turn_texts(session, after, limit, bytes),
         )
         .await
     }

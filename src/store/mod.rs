@@ -202,6 +202,38 @@ pub struct TurnWithText {
     pub answer_payload: String,
 }
 
+/// A page of turns with their text ([`Store::list_turn_texts`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TurnTexts {
+    pub turns: Vec<TurnWithText>,
+    /// Whether a turn follows the last of `turns`.
+    pub more: bool,
+}
+
+impl TurnWithText {
+    /// The bytes of its text: question, answer and the answer's payload.
+    pub fn text_bytes(&self) -> usize {
+        self.record.user_text.len() + self.answer.len() + self.answer_payload.len()
+    }
+}
+
+/// How many turns, of text sizes `sizes` in order, a page of at most
+/// `limit` turns and about `bytes` of text holds: none after the one that
+/// takes the text to `bytes` or more, and always the first (a turn larger
+/// than `bytes` is a page of its own, not a page that never ends).
+pub fn text_page_len(sizes: impl IntoIterator<Item = usize>, limit: usize, bytes: usize) -> usize {
+    let mut total = 0;
+    let mut n = 0;
+    for size in sizes.into_iter().take(limit) {
+        if n > 0 && total >= bytes {
+            break;
+        }
+        total += size;
+        n += 1;
+    }
+    n
+}
+
 /// What a claim asks for.
 #[derive(Debug, Clone)]
 pub struct NewTurn {
@@ -701,13 +733,17 @@ pub trait Store: a2a_tasks::A2aTaskSource + Send + Sync + 'static {
     ) -> StoreResult<Vec<TurnRecord>>;
     /// As [`Store::list_turns`], each turn with its question (`user_text`)
     /// and its final answer as kept for later turns' history (empty while
-    /// it runs, or when it ended without one).
+    /// it runs, or when it ended without one); at most `limit` turns, and
+    /// none after the one whose text takes theirs to `bytes` or more
+    /// ([`text_page_len`]). Only those turns' text is read: the sizes that
+    /// cut the page are the database's, not rows read and dropped.
     async fn list_turn_texts(
         &self,
         session: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-    ) -> StoreResult<Vec<TurnWithText>>;
+        bytes: usize,
+    ) -> StoreResult<TurnTexts>;
     /// Extends the lease of a turn `owner` runs to `lease` from now, by the
     /// store's clock; false when the turn is no longer running under that
     /// owner.

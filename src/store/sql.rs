@@ -887,13 +887,39 @@ pub(super) const TURN_COLUMNS: &str = "session_id, request_id, user_text, agent,
 pub(super) const TURN_INFO_COLUMNS: &str = "session_id, request_id, '' AS user_text, agent, state, owner, lease_expires_at, \
      status_code, status_message, created_at, updated_at";
 
+/// A page of a session's turns with their text ([`Store::list_turn_texts`]):
+/// the turns after the cursor ($2, $3), at most $4, each with `with_text`
+/// true while the text of the turns before it is under $5 bytes, and only
+/// those with their text (the [`TURN_COLUMNS`], and `answer_text`,
+/// `answer_payload_text`). The sizes come from `octet_length`, which
+/// SQLite and PostgreSQL answer from the value's header, without reading
+/// the value; a turn past the cut costs its metadata, not its text.
+///
+/// [`Store::list_turn_texts`]: super::Store::list_turn_texts
+pub(super) const TURN_TEXTS: &str = "WITH page AS (\
+       SELECT created_at AS p_at, request_id AS p_rid, octet_length(user_text) \
+         + COALESCE(octet_length(answer), 0) + COALESCE(octet_length(answer_payload), 0) AS p_bytes \
+       FROM turns WHERE session_id = $1 \
+         AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
+       ORDER BY created_at, request_id LIMIT $4), \
+     sized AS (\
+       SELECT p_at, p_rid, COALESCE(SUM(p_bytes) OVER (ORDER BY p_at, p_rid \
+         ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) < $5 AS with_text \
+       FROM page) \
+     SELECT session_id, request_id, CASE WHEN with_text THEN user_text ELSE '' END AS user_text, \
+       agent, state, owner, lease_expires_at, status_code, status_message, created_at, updated_at, \
+       with_text, CASE WHEN with_text THEN COALESCE(answer, '') ELSE '' END AS answer_text, \
+       CASE WHEN with_text THEN COALESCE(answer_payload, '') ELSE '' END AS answer_payload_text \
+     FROM sized JOIN turns ON session_id = $1 AND created_at = p_at AND request_id = p_rid \
+     ORDER BY p_at, p_rid";
+
 macro_rules! sql_store {
     ($store:ty, $db:ty) => {
         use sqlx::Row as _;
 
         use $crate::agent::{Event, EventKind, PriorTurn};
         use $crate::domain::{RequestId, SessionId, TurnKey, UserId};
-        use $crate::store::sql::{TURN_COLUMNS, TURN_INFO_COLUMNS, bad_row, db_err};
+        use $crate::store::sql::{TURN_COLUMNS, TURN_INFO_COLUMNS, TURN_TEXTS, bad_row, db_err};
         use $crate::store::*;
 
         type DbRow = <$db as sqlx::Database>::Row;
@@ -1574,7 +1600,19 @@ macro_rules! sql_store {
                 after: Option<&$crate::store::TurnCursor>,
                 limit: usize,
             ) -> StoreResult<Vec<TurnRecord>> {
-                let rows = self.turn_rows(TURN_INFO_COLUMNS, session, after, limit).await?;
+                let (at, rid) = $crate::store::TurnCursor::key(after);
+                let rows = sqlx::query(&format!(
+                    "SELECT {TURN_INFO_COLUMNS} FROM turns WHERE session_id = $1 \
+                     AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
+                     ORDER BY created_at, request_id LIMIT $4"
+                ))
+                .bind(session.to_string())
+                .bind(at)
+                .bind(rid)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.read)
+                .await
+                .map_err(db_err)?;
                 rows.iter().map(turn_from_row).collect()
             }
 
@@ -1583,21 +1621,34 @@ macro_rules! sql_store {
                 session: SessionId,
                 after: Option<&$crate::store::TurnCursor>,
                 limit: usize,
-            ) -> StoreResult<Vec<TurnWithText>> {
-                let columns = format!(
-                    "{TURN_COLUMNS}, COALESCE(answer, '') AS answer_text, \
-                     COALESCE(answer_payload, '') AS answer_payload_text"
-                );
-                let rows = self.turn_rows(&columns, session, after, limit).await?;
-                rows.iter()
-                    .map(|r| {
-                        Ok(TurnWithText {
-                            record: turn_from_row(r)?,
-                            answer: r.try_get("answer_text").map_err(db_err)?,
-                            answer_payload: r.try_get("answer_payload_text").map_err(db_err)?,
-                        })
-                    })
-                    .collect()
+                bytes: usize,
+            ) -> StoreResult<TurnTexts> {
+                let (at, rid) = $crate::store::TurnCursor::key(after);
+                // One row past the page (without its text) tells whether
+                // another follows. At least a byte, so the first turn is
+                // always the page's (`text_page_len`).
+                let rows = sqlx::query(TURN_TEXTS)
+                    .bind(session.to_string())
+                    .bind(at)
+                    .bind(rid)
+                    .bind(i64::try_from(limit.saturating_add(1)).unwrap_or(i64::MAX))
+                    .bind(i64::try_from(bytes.max(1)).unwrap_or(i64::MAX))
+                    .fetch_all(&self.read)
+                    .await
+                    .map_err(db_err)?;
+                let mut turns = Vec::new();
+                for r in &rows {
+                    if turns.len() == limit || !r.try_get::<bool, _>("with_text").map_err(db_err)? {
+                        break;
+                    }
+                    turns.push(TurnWithText {
+                        record: turn_from_row(r)?,
+                        answer: r.try_get("answer_text").map_err(db_err)?,
+                        answer_payload: r.try_get("answer_payload_text").map_err(db_err)?,
+                    });
+                }
+                let more = rows.len() > turns.len();
+                Ok(TurnTexts { turns, more })
             }
 
             async fn renew_lease(&self, key: &TurnKey, owner: &str, lease: std::time::Duration) -> StoreResult<bool> {
@@ -1805,31 +1856,6 @@ macro_rules! sql_store {
         }
 
         impl $store {
-            /// `columns` of a session's turns after `after` (from its first
-            /// with `None`), oldest first by (created_at, request_id), at
-            /// most `limit`.
-            async fn turn_rows(
-                &self,
-                columns: &str,
-                session: SessionId,
-                after: Option<&$crate::store::TurnCursor>,
-                limit: usize,
-            ) -> StoreResult<Vec<DbRow>> {
-                let (at, rid) = $crate::store::TurnCursor::key(after);
-                sqlx::query(&format!(
-                    "SELECT {columns} FROM turns WHERE session_id = $1 \
-                     AND (created_at > $2 OR (created_at = $2 AND request_id > $3)) \
-                     ORDER BY created_at, request_id LIMIT $4"
-                ))
-                .bind(session.to_string())
-                .bind(at)
-                .bind(rid)
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                .fetch_all(&self.read)
-                .await
-                .map_err(db_err)
-            }
-
             /// One claim: `None` when it conflicted with a row that is gone
             /// by the time it is read.
             async fn claim_once(&self, t: &NewTurn) -> StoreResult<Option<Claim>> {

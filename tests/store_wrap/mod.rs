@@ -10,7 +10,7 @@ use agentd::domain::{RequestId, SessionId, TurnKey, UserId};
 use agentd::store::a2a_tasks::{A2aTaskSource, A2aTasks};
 use agentd::store::{
     Claim, Deletion, EncodedEvent, FinalAnswer, Keyed, NewTurn, PageCursor, RunRead, SeqEvent,
-    Session, SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord, TurnWithText,
+    Session, SessionPage, Store, StoreResult, TurnCursor, TurnOutcome, TurnRecord, TurnTexts,
 };
 
 /// What a test changes; each defaults to the inner store's own.
@@ -73,8 +73,9 @@ pub trait Hooks: Send + Sync + 'static {
         s: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-    ) -> StoreResult<Vec<TurnWithText>> {
-        inner.list_turn_texts(s, after, limit).await
+        bytes: usize,
+    ) -> StoreResult<TurnTexts> {
+        inner.list_turn_texts(s, after, limit, bytes).await
     }
 }
 
@@ -175,9 +176,10 @@ impl Store for Wrapped {
         s: SessionId,
         after: Option<&TurnCursor>,
         limit: usize,
-    ) -> StoreResult<Vec<TurnWithText>> {
+        bytes: usize,
+    ) -> StoreResult<TurnTexts> {
         self.hooks
-            .list_turn_texts(&*self.inner, s, after, limit)
+            .list_turn_texts(&*self.inner, s, after, limit, bytes)
             .await
     }
     async fn renew_lease(&self, k: &TurnKey, owner: &str, lease: Duration) -> StoreResult<bool> {
