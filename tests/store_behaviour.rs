@@ -283,11 +283,7 @@ async fn get_session_with_text_returns_each_turns_question_and_answer_a_bounded_
 /// question and no answer.
 async fn a_page_of_turn_texts_is_cut_by_bytes_and_says_whether_more_follow(db: TestDb) {
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = move |r: &str| TurnKey {
         session_id: sid,
         request_id: RequestId::parse(r).unwrap(),
@@ -1161,10 +1157,7 @@ async fn a_final_answers_payload_and_agent_come_back_in_the_next_runs_history(db
 /// seq order, and a lease is only renewed by its owner.
 async fn the_turn_claim_is_exclusive_and_leases_belong_to_their_owner(db: TestDb) {
     let store = db.open().await;
-    let session = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    let session = alice_session(&*store).await;
     let key = TurnKey {
         session_id: session.id,
         request_id: RequestId::parse("r1").unwrap(),
@@ -1232,10 +1225,7 @@ async fn the_event_log_reads_back_in_seq_order_across_commits_of_any_size(db: Te
     use agentd::agent::{Event, EventKind};
     use agentd::store::{SeqEvent, TurnOutcome, TurnState};
     let store = db.open().await;
-    let session = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    let session = alice_session(&*store).await;
     let key = TurnKey {
         session_id: session.id,
         request_id: RequestId::parse("r1").unwrap(),
@@ -1337,10 +1327,7 @@ async fn appends_of_many_turns_at_once_are_all_stored_and_a_bad_one_fails_alone(
     use agentd::agent::{Event, EventKind};
     use agentd::store::SeqEvent;
     let store = db.open().await;
-    let session = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    let session = alice_session(&*store).await;
     let key = |r: String| TurnKey {
         session_id: session.id,
         request_id: RequestId::parse(r).unwrap(),
@@ -1494,6 +1481,14 @@ async fn a_session_is_not_deleted_under_a_running_turn_even_one_claimed_during_t
     };
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
     s.stop().await;
+}
+
+/// A new session of alice's, made on the store itself.
+async fn alice_session(store: &dyn agentd::store::Store) -> agentd::store::Session {
+    store
+        .create_session(&UserId::parse(ALICE).unwrap())
+        .await
+        .unwrap()
 }
 
 fn new_turn(key: &TurnKey, owner: &str) -> NewTurn {
@@ -2378,11 +2373,7 @@ async fn a_retry_sent_while_an_abandoned_claim_is_withdrawn_runs_the_turn_or_may
 /// it "replica stopped".
 async fn a_claim_answered_but_never_read_is_removed(db: TestDb) {
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = TurnKey {
         session_id: sid,
         request_id: RequestId::parse("r1").unwrap(),
@@ -2413,11 +2404,7 @@ async fn a_claim_answered_but_never_read_is_removed(db: TestDb) {
 async fn on_sqlite_a_claim_whose_caller_left_while_it_was_queued_is_not_stored() {
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = |rid: &str| TurnKey {
         session_id: sid,
         request_id: RequestId::parse(rid).unwrap(),
@@ -2571,10 +2558,7 @@ async fn on_sqlite_a_deleted_sessions_event_log_goes_after_the_answer() {
     use sqlx::Connection as _;
     let db = TestDb::fresh(Backend::Sqlite).await.unwrap();
     let store = db.open().await;
-    let session = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    let session = alice_session(&*store).await;
     for r in ["r1", "r2"] {
         let key = TurnKey {
             session_id: session.id,
@@ -2762,11 +2746,7 @@ async fn on_postgres_events_racing_their_turns_end_wait_for_it_and_are_refused()
         return;
     };
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = TurnKey {
         session_id: sid,
         request_id: RequestId::parse("r1").unwrap(),
@@ -2995,10 +2975,7 @@ async fn on_postgres_a_claim_never_moves_its_sessions_update_time_back() {
         return;
     };
     let store = db.open().await;
-    let session = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    let session = alice_session(&*store).await;
     let later = session.updated_at + Duration::from_secs(3600);
     let later_micros = later
         .duration_since(std::time::UNIX_EPOCH)
@@ -3229,11 +3206,7 @@ fn text_event(seq: u64, text: &str) -> agentd::store::SeqEvent {
 async fn a_turn_failed_under_its_writer_keeps_the_log_and_outcome_it_ended_with(db: TestDb) {
     use agentd::store::{EncodedEvent, TurnOutcome, TurnState};
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = |rid: &str| TurnKey {
         session_id: sid,
         request_id: RequestId::parse(rid).unwrap(),
@@ -3481,11 +3454,7 @@ per_backend!(
 /// with a live lease: counted from its commit, not from its call.
 async fn a_claim_that_waited_longer_than_its_lease_is_stored_with_it_live(db: TestDb) {
     let store = db.open().await;
-    let sid = store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap()
-        .id;
+    let sid = alice_session(&*store).await.id;
     let key = TurnKey {
         session_id: sid,
         request_id: RequestId::parse("r1").unwrap(),
@@ -3541,10 +3510,7 @@ async fn a_database_migrated_by_a_later_release_is_served(db: TestDb) {
     let store = agentd::store::open(&db.url)
         .await
         .expect("the store opens on a database a later release migrated");
-    store
-        .create_session(&UserId::parse(ALICE).unwrap())
-        .await
-        .unwrap();
+    alice_session(&*store).await;
 }
 
 fn a2a_task(id: &str, state: a2a::TaskState) -> a2a::Task {
