@@ -130,12 +130,9 @@ impl a2a_tasks::A2aTaskSource for MemoryStore {
 impl MemoryStore {
     /// A session's turns after `after`, oldest first by (created_at,
     /// request_id) at the cursor's precision (microseconds, as stored by the
-    /// SQL stores), at most `limit`; with their text (the question and the
-    /// answer) only if `text`. Only the page's turns are copied.
-    /// A session's turns after `after`, oldest first, at most `limit`:
-    /// without their text for `None`, and for `Some(bytes)` with it, cut
-    /// as [`super::text_page_len`] says. Only the page's turns are copied,
-    /// and their text only when asked for.
+    /// SQL stores), at most `limit`: without their text for `None`; for
+    /// `Some(bytes)` with it, the page cut as [`super::text_page_len`] says.
+    /// Only the page's turns are copied, and their text only when asked for.
     fn turns_page(
         &self,
         session: SessionId,
