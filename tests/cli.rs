@@ -91,6 +91,13 @@ impl Drop for Served {
     }
 }
 
+/// Asserts the command failed and said `what` on stderr.
+fn fails_saying(out: &std::process::Output, what: &str) {
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(what), "{stderr}");
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -120,12 +127,7 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
         "--request-id",
         "bad key",
     ]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("request_id"),
-        "{}",
-        text(&out.stderr)
-    );
+    fails_saying(&out, "request_id");
 
     let out = served.cli(&[
         "run",
@@ -179,12 +181,7 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
     );
 
     let out = served.cli(&["run", "--user", "mallory", "--session", &session, "hi"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("NotFound"),
-        "{}",
-        text(&out.stderr)
-    );
+    fails_saying(&out, "NotFound");
 
     let out = served.cli(&[
         "run",
@@ -198,12 +195,7 @@ fn serve_session_run_and_health_work_end_to_end_and_sigterm_exits_zero() {
         "200ms",
         "n=10 rate=5",
     ]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("DeadlineExceeded"),
-        "{}",
-        text(&out.stderr)
-    );
+    fails_saying(&out, "DeadlineExceeded");
 
     let out = served.cli(&["health"]);
     assert!(out.status.success());
@@ -233,12 +225,7 @@ fn the_stream_agent_is_served_only_with_its_switch() {
     };
     let off = Served::start(&[]);
     let out = run_stream(&off);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("NotFound"),
-        "{}",
-        text(&out.stderr)
-    );
+    fails_saying(&out, "NotFound");
     assert!(off.terminate().success());
 
     let on = Served::start_with_env(&[], &[("AGENTD_STREAM_AGENT", "1")]);
@@ -310,12 +297,7 @@ fn a_bad_configuration_fails_at_start_up_with_one_clear_line() {
         .args(["serve", "--stall-timeout", "soon"])
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("--stall-timeout"),
-        "{}",
-        text(&out.stderr)
-    );
+    fails_saying(&out, "--stall-timeout");
 
     let out = Command::new(BIN)
         .env("AGENTD_CHANNEL_CAPACITY", "0")
