@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_stream::Stream;
+use tokio_util::task::AbortOnDropHandle;
 use tonic::codegen::http;
 use tonic::transport::server::{Connected, TcpIncoming};
 use tonic_health::ServingStatus;
@@ -234,13 +235,15 @@ where
     // shutdown takes health over. The upkeep itself runs on until the runs
     // are done: a run draining here is still stopped by a CancelTurn served
     // elsewhere, and CancelTurn and DeleteSession here see the store come
-    // back.
-    let upkeep = tokio::spawn(turns.upkeep());
-    let mirror = tokio::spawn(store_health_mirror(
+    // back. Every task started here is aborted when this function
+    // returns, by an error too (a server that stopped by itself, a
+    // configuration refused below): nothing of the server outlives it.
+    let upkeep = AbortOnDropHandle::new(tokio::spawn(turns.upkeep()));
+    let mirror = AbortOnDropHandle::new(tokio::spawn(store_health_mirror(
         turns.clone(),
         health.clone(),
         opts.readiness.clone(),
-    ));
+    )));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(crate::pb::A2A_FILE_DESCRIPTOR_SET)
@@ -270,7 +273,7 @@ where
         opts.security.auth.clone(),
     );
     let _reloading = (reloader.is_some() || opts.reload_on_sighup).then(|| {
-        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(crate::auth::reload::watch(
+        AbortOnDropHandle::new(tokio::spawn(crate::auth::reload::watch(
             reloader,
             opts.reload_interval,
             opts.reload_on_sighup,
@@ -312,23 +315,23 @@ where
     let stopped = async {
         let _ = stop_rx.await;
     };
-    let mut serving = match live_tls {
+    let mut serving = AbortOnDropHandle::new(match live_tls {
         Some(tls) => tokio::spawn(
             router.serve_with_incoming_shutdown(tls_handshakes(incoming, tls), stopped),
         ),
         None => tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped)),
-    };
+    });
     let (stop_a2a, stop_a2a_rx) = tokio::sync::oneshot::channel::<()>();
     let mut a2a_serving = a2a_http.map(|h| {
         let card = crate::a2a::agent_card(turns.agents(), &h.advertised, a2a.credentials());
-        tokio::spawn(crate::a2a::serve_http(
+        AbortOnDropHandle::new(tokio::spawn(crate::a2a::serve_http(
             h.listener,
             a2a.http_router(card, opts.max_message_bytes),
             opts.max_connections,
             async {
                 let _ = stop_a2a_rx.await;
             },
-        ))
+        )))
     });
     tracing::info!(
         agents = ?turns.agents().names().collect::<Vec<_>>(),

@@ -264,3 +264,46 @@ async fn runs_past_the_concurrency_cap_are_resource_exhausted() {
     drop(held);
     server.stop().await;
 }
+
+/// A gRPC server whose connections stop coming (the incoming stream ended)
+/// stops by itself: `serve` says so, and nothing it started runs on. The
+/// store's upkeep and the health mirror, each holding the turn engine,
+/// used to outlive it.
+#[tokio::test]
+async fn a_server_that_stops_by_itself_says_so_and_leaves_nothing_running() {
+    use std::sync::Arc;
+
+    let registry = agentd::agent::AgentRegistry::new(
+        vec![Arc::new(agentd::agent::synthetic::Echo) as Arc<dyn agentd::agent::Agent>],
+        "echo",
+    )
+    .unwrap();
+    let turns = agentd::turn::Turns::new(
+        Arc::new(agentd::store::memory::MemoryStore::new()),
+        registry,
+        TurnConfig::default(),
+    );
+    let held = Arc::strong_count(&turns);
+    let incoming = futures::stream::empty::<Result<tokio::io::DuplexStream, std::io::Error>>();
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        agentd::server::serve(
+            incoming,
+            turns.clone(),
+            Options::default().server,
+            std::future::pending(),
+        ),
+    )
+    .await
+    .expect("serve returns once its connections stop coming")
+    .expect_err("a server that stopped by itself is an error");
+    assert!(
+        err.to_string()
+            .contains("the gRPC server stopped by itself"),
+        "{err:#}"
+    );
+    eventually("the server's tasks let go of the turn engine", || {
+        Arc::strong_count(&turns) == held
+    })
+    .await;
+}
