@@ -143,9 +143,6 @@ impl MemoryStore {
         fn key(r: &TurnRecord) -> (i64, &str) {
             (to_micros(r.created_at), r.key.request_id.as_str())
         }
-        fn size(r: &TurnRecord, t: &Turn) -> usize {
-            r.user_text.len() + t.answer.as_ref().map_or(0, String::len) + t.answer_payload.len()
-        }
         let inner = self.lock();
         let mut page: Vec<(&TurnRecord, &Turn)> = inner
             .session_turns(session)
@@ -157,7 +154,17 @@ impl MemoryStore {
         page.sort_by(|(a, _), (b, _)| key(a).cmp(&key(b)));
         let len = match text {
             None => limit.min(page.len()),
-            Some(bytes) => super::text_page_len(page.iter().map(|(r, t)| size(r, t)), limit, bytes),
+            Some(bytes) => super::text_page_len(
+                page.iter().map(|(r, t)| {
+                    super::text_size(
+                        &r.user_text,
+                        t.answer.as_deref().unwrap_or(""),
+                        &t.answer_payload,
+                    )
+                }),
+                limit,
+                bytes,
+            ),
         };
         let more = page.len() > len;
         page.truncate(len);

@@ -211,10 +211,17 @@ pub struct TurnTexts {
 }
 
 impl TurnWithText {
-    /// The bytes of its text: question, answer and the answer's payload.
+    /// The bytes of its text ([`text_size`]).
     pub fn text_bytes(&self) -> usize {
-        self.record.user_text.len() + self.answer.len() + self.answer_payload.len()
+        text_size(&self.record.user_text, &self.answer, &self.answer_payload)
     }
+}
+
+/// The bytes of a turn's text as a page counts them ([`text_page_len`]): its
+/// question, its answer and the answer's payload. The SQL stores count the
+/// same columns in `octet_length` (`TURN_TEXTS`).
+pub fn text_size(question: &str, answer: &str, payload: &str) -> usize {
+    question.len() + answer.len() + payload.len()
 }
 
 /// How many turns, of text sizes `sizes` in order, a page of at most
